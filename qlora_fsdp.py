@@ -1,0 +1,1201 @@
+"""
+qlora_fsdp.py: fine-tune Llama models that do not fit on a GPU, all of it in this one file.
+
+QLoRA (a frozen 4-bit NormalFloat base with small trainable LoRA adapters) sharded across
+processes the way PyTorch's FSDP2 does it, written out by hand on torch.distributed. The file is
+the talk "Slaying OOMs with PyTorch FSDP and torchao" (Mark Saroufim, Jane Xu) turned into code,
+one lesson per section, each section depending only on torch and the sections above it:
+
+  1. memory accounting          parameters + gradients + optimizer state, full vs QLoRA
+  2. NF4 quantization           blocks of 64, codebook, nibble packing, double-quantized scales
+  3. NF4 tensor subclass        NF4 weights that behave like tensors (F.linear, .to, save/load)
+  4. LoRA                       frozen NF4 base + trainable low-rank adapters
+  5. sharding and offload       per-parameter shards, one all-gather per unit, reduce-scatter
+  6. foreach AdamW              one kernel launch per op for all shards
+  7. Llama                      Hugging Face names, RoPE, GQA, SwiGLU, chunked cross entropy
+  8. data, training loop, CLI
+
+Run it:
+  python qlora_fsdp.py                                   # tiny model on this file's bytes, CPU
+  torchrun --nproc_per_node 2 qlora_fsdp.py              # the same, sharded over 2 processes
+  torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy \\
+      --batch_size 8 --seq_len 2048                      # the talk's benchmark, on 2 GPUs
+"""
+
+import argparse
+import json
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass, fields
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+GiB = 1024**3
+
+# -----------------------------------------------------------------------------
+# 1. Memory accounting: where the bytes go before a single activation exists
+# -----------------------------------------------------------------------------
+# Full fine-tuning in bf16 keeps, per parameter: the weight (2 B), its gradient (2 B) and
+# Adam's two moments (2 x 2 B): 8 B/param, so Llama-2-7B needs 14 + 14 + 28 = 56 GB.
+# QLoRA freezes the base in NF4 (~0.516 B/param, section 2) and trains only LoRA adapters,
+# kept in fp32 (4 B) with fp32 gradients (4 B) and two fp32 moments (8 B): 16 B per *adapter*
+# parameter, of which there are ~0.3% as many.
+
+
+def count_params(config, lora_rank=8):
+    """Parameter counts of a Llama config: (linear weights of the blocks, lm_head,
+    embeddings + norms, LoRA adapters on the 7 projections of every block)."""
+    d, f, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    # (in, out) of q, k, v, o, gate, up, down
+    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
+    linear = L * sum(i * o for i, o in shapes)
+    lora = L * sum(lora_rank * (i + o) for i, o in shapes)
+    head = config.vocab_size * d
+    dense = config.vocab_size * d + (2 * L + 1) * d  # embed_tokens + RMSNorm weights
+    return linear, head, dense, lora
+
+
+def memory_budget(config, lora_rank=8):
+    """Bytes of weights, gradients and optimizer state: full bf16 fine-tuning vs QLoRA."""
+    linear, head, dense, lora = count_params(config, lora_rank)
+    total = linear + head + dense
+    nf4 = (linear + head) * NF4_BITS_PER_PARAM / 8
+    return {
+        "full_bf16": {"params": 2 * total, "grads": 2 * total, "optimizer": 4 * total},
+        "qlora": {"params": nf4 + 2 * dense + 4 * lora, "grads": 4 * lora, "optimizer": 8 * lora},
+        "n_params": total, "n_lora": lora,
+    }
+
+
+def format_budget(name, budget):
+    rows = [f"memory before activations, {name} ({budget['n_params'] / 1e9:.2f} B params, "
+            f"{budget['n_lora'] / 1e6:.1f} M LoRA params):"]
+    for method, label in (("full_bf16", "full fine-tune, bf16"), ("qlora", "QLoRA, NF4 base")):
+        b = budget[method]
+        rows.append(f"  {label:<22} params {b['params'] / 1e9:6.2f} GB + grads {b['grads'] / 1e9:6.2f} GB"
+                    f" + Adam {b['optimizer'] / 1e9:6.2f} GB = {sum(b.values()) / 1e9:6.2f} GB")
+    return "\n".join(rows)
+
+
+# -----------------------------------------------------------------------------
+# 2. NF4 quantization with double-quantized scales (QLoRA, Dettmers et al. 2023)
+# -----------------------------------------------------------------------------
+# NormalFloat-4: 16 values placed at quantiles of N(0, 1), rescaled to [-1, 1], with an exact 0.
+# Paper Appendix E; bitsandbytes get_4bit_type("nf4"). Code i is NF4[i], ascending.
+NF4 = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+], dtype=torch.float32)
+# Nearest-value rounding == bucketize on the 15 midpoints: no (numel x 16) distance matrix.
+NF4_MIDPOINTS = (NF4[1:] + NF4[:-1]) / 2
+
+# Storage per 64 weights: 32 B of codes + 1 B int8 scale, + 4 B fp32 factor per 256 scales:
+# 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
+NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
+
+# torch.compile turns the plain-Python kernels below into fused loops (CUDA: Triton, CPU: C++).
+# The CLI flag --no-compile sets this to False; results are identical either way.
+COMPILE = True
+QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
+
+
+def _quantize_blocks(w, block_size: int):
+    """w: (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32.
+
+    Each block of `block_size` consecutive elements is scaled by its absmax into [-1, 1] and
+    rounded to the nearest NF4 value. Codes are chosen with the exact absmax, before the
+    scales themselves are quantized (as bitsandbytes and torchao do)."""
+    blocks = w.float().view(-1, block_size)  # (n_blocks, 64)
+    absmax = blocks.abs().amax(dim=1)  # (n_blocks,)
+    normalized = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
+    codes = torch.bucketize(normalized, NF4_MIDPOINTS.to(w.device)).to(torch.uint8).view(-1)
+    # two codes per byte, first element in the high nibble: [a, b, c, d] -> [ab, cd]
+    packed = (codes[0::2] << 4) | codes[1::2]
+    return packed, absmax
+
+
+def _double_quantize(absmax, scaler_block_size: int):
+    """Quantize the fp32 block scales to int8 (torchao's scheme; bitsandbytes uses a non-linear
+    8-bit map instead): subtract the global mean, then per group of 256 scales,
+    factor = 128 / absmax(group), q = round(s * factor) clamped to int8.
+    The last group may be partial: it is padded with zeros for the absmax only.
+    Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32."""
+    n = absmax.numel()
+    mean = absmax.mean()
+    centered = absmax - mean
+    n_groups = -(-n // scaler_block_size)
+    padded = F.pad(centered, (0, n_groups * scaler_block_size - n)).view(n_groups, scaler_block_size)
+    factor = 128.0 / padded.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    q = (padded * factor[:, None]).round().clamp(-128, 127).to(torch.int8).view(-1)[:n]
+    return q, factor, mean
+
+
+def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
+                scaler_block_size: int, dtype: torch.dtype):
+    """Inverse of the above: (numel,) tensor of `dtype`, row-major.
+
+    absmax = q / factor[group] + mean; w = NF4[code] * absmax[block]."""
+    n_blocks = scale_q.numel()
+    group = torch.arange(n_blocks, device=scale_q.device) // scaler_block_size
+    absmax = scale_q.float() / scale_factor[group] + scale_mean  # (n_blocks,)
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).long()  # unpack nibbles
+    values = NF4.to(packed.device)[codes].view(n_blocks, block_size)  # (n_blocks, 64)
+    return (values * absmax[:, None]).view(-1).to(dtype)
+
+
+_quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
+_dequantize_compiled = torch.compile(_dequantize, dynamic=True)
+
+
+def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
+    """weight (any shape, numel % block_size == 0) -> (packed, scale_q, scale_factor, scale_mean)."""
+    if weight.numel() % block_size or weight.numel() == 0:
+        raise ValueError(f"NF4 needs a number of elements divisible by block_size={block_size}; "
+                         f"got shape {tuple(weight.shape)} ({weight.numel()} elements)")
+    if block_size % 2:
+        raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
+    compile = COMPILE if compile is None else compile
+    kernel = _quantize_blocks_compiled if compile and weight.device.type != "meta" else _quantize_blocks
+    flat = weight.detach().reshape(-1)
+    step = max(block_size, QUANT_CHUNK // block_size * block_size)
+    packed, absmax = [], []
+    for start in range(0, flat.numel(), step):  # chunked: big matrices never copy to fp32 whole
+        p, a = kernel(flat[start:start + step], block_size)
+        packed.append(p)
+        absmax.append(a)
+    packed, absmax = torch.cat(packed), torch.cat(absmax)
+    return (packed,) + _double_quantize(absmax, scaler_block_size)
+
+
+def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
+                   scaler_block_size=256, dtype=torch.bfloat16, compile=None):
+    compile = COMPILE if compile is None else compile
+    kernel = _dequantize_compiled if compile and packed.device.type != "meta" else _dequantize
+    return kernel(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, dtype)
+
+
+# -----------------------------------------------------------------------------
+# 3. NF4Tensor: a tensor subclass so 4-bit weights behave like ordinary tensors
+# -----------------------------------------------------------------------------
+# A "wrapper" subclass has no storage of its own: it reports the original shape and float dtype
+# and holds four inner tensors. F.linear, .to(), torch.save and torch.compile see a tensor;
+# the bytes are the packed codes. Layout of a (out, in) weight, numel = out * in:
+#   packed        (numel/2,)  uint8   codes, row-major, first element of each pair in the high nibble
+#   scale_q       (numel/64,) int8    double-quantized absmax of each block of 64
+#   scale_factor  (numel/64/256,) fp32  per group of 256 scales
+#   scale_mean    ()          fp32    mean subtracted from the scales
+# Everything is flat, so sharding (section 5) can split each inner tensor in its own dtype.
+
+aten = torch.ops.aten
+_NF4_OPS = {}
+
+
+def _implements(*ops):
+    def register(fn):
+        for op in ops:
+            _NF4_OPS[op] = fn
+        return fn
+    return register
+
+
+class NF4Tensor(torch.Tensor):
+    INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
+
+    @staticmethod
+    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype,
+                block_size=64, scaler_block_size=256):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, shape, dtype=dtype, device=packed.device, requires_grad=False)
+
+    def __init__(self, packed, scale_q, scale_factor, scale_mean, shape, dtype,
+                 block_size=64, scaler_block_size=256):
+        self.packed, self.scale_q, self.scale_factor, self.scale_mean = packed, scale_q, scale_factor, scale_mean
+        self.block_size, self.scaler_block_size = block_size, scaler_block_size
+
+    def _with_inner(self, fn, dtype=None):
+        """A new NF4Tensor whose inner tensors are fn(inner); same shape and meta."""
+        return NF4Tensor(*(fn(getattr(self, n)) for n in self.INNER), self.shape, dtype or self.dtype,
+                         self.block_size, self.scaler_block_size)
+
+    def dequantize(self, dtype=None):
+        out = dequantize_nf4(self.packed, self.scale_q, self.scale_factor, self.scale_mean,
+                             self.block_size, self.scaler_block_size, dtype or self.dtype)
+        return out.view(self.shape)
+
+    def nbytes_packed(self):
+        return sum(getattr(self, n).nbytes for n in self.INNER)
+
+    # torch.compile flattens the subclass into its inner tensors and rebuilds it from them.
+    def __tensor_flatten__(self):
+        return list(self.INNER), (tuple(self.shape), self.dtype, self.block_size, self.scaler_block_size)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
+        shape, dtype, block_size, scaler_block_size = meta
+        return NF4Tensor(*(inner[n] for n in NF4Tensor.INNER), shape, dtype, block_size, scaler_block_size)
+
+    def __repr__(self):
+        return (f"NF4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
+                f"block_size={self.block_size})")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.linear:  # y = x W^T (+ b), gradient for x only
+            x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
+            y = linear_nf4(x, w)
+            return y if bias is None else y + bias
+        if func is torch.Tensor.to:  # .to(dtype) dequantizes; .to(device) moves the packed bytes
+            device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
+            t = args[0]
+            if device is not None and device != t.device:
+                t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
+            return t.dequantize(dtype) if dtype is not None else t
+        if func is torch.Tensor.cpu:
+            return args[0].to("cpu")
+        if func is torch.Tensor.cuda:
+            device = args[1] if len(args) > 1 else kwargs.get("device")
+            return args[0].to(torch.device("cuda", device) if isinstance(device, int)
+                              else device or "cuda")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if func in _NF4_OPS:
+            return _NF4_OPS[func](func, args, kwargs or {})
+        raise NotImplementedError(f"NF4Tensor does not support {func}; call .dequantize() first")
+
+
+@_implements(aten.detach.default, aten.alias.default)
+def _nf4_detach(func, args, kwargs):
+    return args[0]._with_inner(func)
+
+
+@_implements(aten.clone.default)
+def _nf4_clone(func, args, kwargs):  # an exact copy of the codes, not a lossy re-quantization
+    return args[0]._with_inner(lambda t: t.clone())
+
+
+@_implements(aten._to_copy.default)
+def _nf4_to_copy(func, args, kwargs):
+    t, device = args[0], kwargs.get("device")
+    dtype = kwargs.get("dtype")
+    if device is not None and device != t.device:
+        t = t._with_inner(lambda x: x.to(device, non_blocking=kwargs.get("non_blocking", False)))
+    return t.dequantize(dtype) if dtype is not None and dtype != t.dtype else t
+
+
+@_implements(aten.is_pinned.default)
+def _nf4_is_pinned(func, args, kwargs):
+    return all(getattr(args[0], n).is_pinned() for n in NF4Tensor.INNER)
+
+
+@_implements(aten._pin_memory.default)
+def _nf4_pin_memory(func, args, kwargs):
+    return args[0]._with_inner(lambda t: t.pin_memory())
+
+
+@_implements(aten.copy_.default)
+def _nf4_copy_(func, args, kwargs):
+    """dst.copy_(src): src is an NF4Tensor with the same layout (exact), or dense (quantized)."""
+    dst, src = args[0], args[1]
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(f"copy_ into NF4Tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}")
+    if not isinstance(src, NF4Tensor):
+        src = to_nf4(src, dst.block_size, dst.scaler_block_size)
+    for n in NF4Tensor.INNER:
+        getattr(dst, n).copy_(getattr(src, n))
+    return dst
+
+
+def to_nf4(weight, block_size=64, scaler_block_size=256):
+    """Quantize a float tensor to an NF4Tensor that reports weight's shape and dtype."""
+    inner = quantize_nf4(weight, block_size, scaler_block_size)
+    return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
+
+
+class _LinearNF4(torch.autograd.Function):
+    """y = x W^T with W frozen in NF4. Saves the 4-bit tensor for backward, never a dense copy;
+    backward dequantizes again: grad_x = grad_y W."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(weight)
+        return F.linear(x, weight.dequantize(x.dtype))
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (weight,) = ctx.saved_tensors
+        return grad_y @ weight.dequantize(grad_y.dtype), None
+
+
+def linear_nf4(x, weight):
+    return _LinearNF4.apply(x, weight)
+
+
+# torch.load's safe (weights_only) unpickler must be told the class may be rebuilt.
+torch.serialization.add_safe_globals([NF4Tensor])
+
+
+# -----------------------------------------------------------------------------
+# 4. LoRA over a frozen NF4 base (QLoRA)
+# -----------------------------------------------------------------------------
+# y = W x + (alpha / rank) * B A dropout(x), W frozen in NF4, A (rank, in), B (out, rank).
+# B starts at zero, so the model starts exactly at the base model (Hu et al. 2021).
+# Adapters are fp32 "master" weights; they are cast to the compute dtype in forward.
+
+
+class NF4Linear(nn.Module):
+    """A frozen bias-free linear layer whose weight is an NF4Tensor (used for lm_head)."""
+
+    def __init__(self, in_features, out_features, dtype=torch.bfloat16):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        w = torch.empty(out_features, in_features, dtype=dtype)
+        nn.init.normal_(w, std=in_features**-0.5)  # a random base; real ones come from load_state_dict
+        self.weight = nn.Parameter(to_nf4(w), requires_grad=False)
+
+    def forward(self, x):
+        return linear_nf4(x, self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # Dense (Hugging Face) weights are quantized on the way in.
+        key = prefix + "weight"
+        if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
+            state_dict[key] = to_nf4(state_dict[key].to(self.weight.dtype))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+
+class LoRALinear(NF4Linear):
+    def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, dtype=torch.bfloat16):
+        super().__init__(in_features, out_features, dtype)
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        self.lora_A = nn.Parameter(torch.empty(rank, in_features, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=torch.float32))
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear, and PEFT
+        self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+
+    def forward(self, x):  # x (..., in) -> (..., out)
+        lora = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
+        return linear_nf4(x, self.weight) + self.scaling * lora
+
+    def merged_weight(self, dtype=torch.float32):
+        """W + (alpha/rank) B A, dense: what to export for serving without adapters."""
+        w = self.weight.dequantize(torch.float32) + self.scaling * (self.lora_B.float() @ self.lora_A.float())
+        return w.to(dtype)
+
+
+# -----------------------------------------------------------------------------
+# 5. Sharding and offload: FSDP2's idea written out on torch.distributed
+# -----------------------------------------------------------------------------
+# The model is cut into *units* (the embeddings, each block, the final norm + lm_head).
+# Every tensor of a unit -- each inner tensor of an NF4 weight, each frozen bf16 weight, each
+# fp32 adapter -- is flattened and split into `world` equal pieces like torch.chunk, the last
+# zero-padded; rank r keeps piece r, in the tensor's own dtype (FSDP2 splits dim 0 of each
+# parameter; splitting the flat tensor is the same row-major order and works for any shape,
+# scalars and shards smaller than the world included). A unit's pieces sit side by side in one
+# byte buffer, so one collective moves the whole unit:
+#
+#   rank 0 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]   (unit_bytes)
+#   rank 1 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]
+#        \__ all_gather_single __/
+#   gathered (world, unit_bytes) -> column slice of one tensor viewed as its dtype:
+#        (world, shard_numel) -> copied into that tensor's padded full storage -> used by forward
+#
+# Lifetime of a unit's full weights, forward then backward:
+#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's
+#   forward:       compute (with activation checkpointing only the unit's input is kept)
+#   post-forward:  free the full weights (storage resized to 0; the tensors stay as shells)
+#   pre-backward:  all-gather again (the Exit hook on the unit's output), prefetch the previous unit
+#   backward:      recompute the forward, then backward; adapter gradients land on full tensors
+#   post-backward: once every adapter has its gradient and the unit's input gradient is done:
+#                  one reduce-scatter (fp32, averaged) of all adapter gradients, free the weights
+# Frozen tensors never get gradients; only adapters travel back. With CPU offload the shard
+# bytes, fp32 master adapters, their gradients and the optimizer live on the host: shards go to
+# the GPU just before the all-gather and gradient shards come back after the reduce-scatter.
+# FSDP1 instead flattened all of a unit's parameters into one FlatParameter (one dtype, no
+# per-parameter identity); FSDP2 keeps each parameter as a DTensor (dtype and metadata kept,
+# but every optimizer op pays DTensor dispatch). Here shards are plain tensors.
+
+ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
+
+
+def _contiguous_strides(shape):
+    strides, s = [], 1
+    for n in reversed(shape):
+        strides.append(s)
+        s *= n
+    return tuple(reversed(strides))
+
+
+class _Slot:
+    """One tensor of a unit: its shard's place in the unit's byte buffer and its full tensor."""
+
+    def __init__(self, name, tensor, world, dtype=None):
+        self.name, self.shape = name, tuple(tensor.shape)
+        self.dtype = dtype or tensor.dtype  # dtype on the wire (adapters: the compute dtype)
+        self.numel = tensor.numel()
+        self.shard_numel = -(-self.numel // world)  # ceil
+        self.nbytes = self.shard_numel * self.dtype.itemsize
+        self.offset = 0  # set by the unit's layout
+        self.full = self.padded = None  # gathered tensor (shape) and its (world, shard_numel) view
+
+
+def _local_piece(flat, rank, shard_numel):
+    """Rank's piece of a flat tensor, zero padded to shard_numel."""
+    piece = flat[rank * shard_numel:(rank + 1) * shard_numel]
+    return F.pad(piece, (0, shard_numel - piece.numel()))
+
+
+class _Enter(torch.autograd.Function):
+    """Identity on a unit's input; its backward runs when the unit's input gradient is done."""
+
+    @staticmethod
+    def forward(ctx, x, unit):
+        ctx.unit = unit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.unit._arrive()
+        return grad, None
+
+
+class _Exit(torch.autograd.Function):
+    """Identity on a unit's output; its backward runs first in the unit's backward: gather."""
+
+    @staticmethod
+    def forward(ctx, x, unit):
+        ctx.unit = unit
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.unit._pre_backward()
+        return grad, None
+
+
+def _all_gather(out, inp, group, async_op):
+    if not dist.is_initialized():  # world size 1 without a process group: the same code path
+        out.copy_(inp)
+        return None
+    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+
+
+def _reduce_scatter_avg(out, inp, group, async_op):
+    if not dist.is_initialized():
+        out.copy_(inp)
+        return None
+    return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+
+
+class ShardedUnit:
+    """The parameters of some modules, sharded; hooks on `hook_module` gather and free them."""
+
+    def __init__(self, fsdp, index, name, hook_module, modules, reshard_after_forward=True):
+        self.fsdp, self.index, self.name = fsdp, index, name
+        self.reshard_after_forward = reshard_after_forward
+        world, rank = fsdp.world, fsdp.rank
+        store = fsdp.store_device
+        self.frozen, self.adapters, self.nf4 = [], [], []  # slots; (module, attr, NF4 meta, slots)
+        self.owners = []  # (module, attr, slot or nf4 record): where gathered tensors are installed
+        for prefix, module in modules:
+            for mod_name, mod in module.named_modules(prefix=prefix):
+                for attr, p in list(mod._parameters.items()):
+                    fqn = f"{mod_name}.{attr}"
+                    if isinstance(p, NF4Tensor):
+                        slots = [_Slot(f"{fqn}.{n}", getattr(p, n), world) for n in NF4Tensor.INNER]
+                        for s, n in zip(slots, NF4Tensor.INNER):
+                            s.source = getattr(p, n)
+                        self.frozen += slots
+                        self.owners.append((mod, attr, ("nf4", slots, p)))
+                    elif p.requires_grad:
+                        s = _Slot(fqn, p, world, dtype=fsdp.compute_dtype)
+                        s.source = p.detach()
+                        self.adapters.append(s)
+                        self.owners.append((mod, attr, ("adapter", s, p)))
+                    else:
+                        s = _Slot(fqn, p, world)
+                        s.source = p.detach()
+                        self.frozen.append(s)
+                        self.owners.append((mod, attr, ("dense", s, p)))
+        # Byte layout of this rank's shard: frozen tensors, then adapters (in the compute dtype).
+        offset = 0
+        for s in self.frozen + self.adapters:
+            s.offset = offset
+            offset += -(-s.nbytes // ALIGN) * ALIGN
+        self.unit_bytes = offset
+        pin = fsdp.offload and fsdp.device.type == "cuda"
+        self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=store)
+        if pin:
+            self.shard_bytes = self.shard_bytes.pin_memory()
+        for s in self.frozen:
+            self._shard_view(self.shard_bytes, s).copy_(
+                _local_piece(s.source.reshape(-1), rank, s.shard_numel))
+        # fp32 master adapters: this rank's piece, zero padded; the optimizer sees the unpadded part.
+        self.masters = []
+        for s in self.adapters:
+            padded = _local_piece(s.source.float().reshape(-1), rank, s.shard_numel).to(store)
+            if pin:
+                padded = padded.pin_memory()
+            valid = max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
+            s.master_padded = padded
+            s.master = nn.Parameter(padded[:valid])
+            s.master.fqn = s.name
+            self.masters.append(s.master)
+        # Full tensors: one padded storage each, allocated now and freed at once (resized to 0).
+        dev = fsdp.device
+        for s in self.frozen + self.adapters:
+            storage = torch.empty(world * s.shard_numel, dtype=s.dtype, device=dev).untyped_storage()
+            s.full = torch.empty(0, dtype=s.dtype, device=dev).set_(
+                storage, 0, s.shape, _contiguous_strides(s.shape))
+            s.padded = torch.empty(0, dtype=s.dtype, device=dev).set_(storage, 0, (world, s.shard_numel))
+            storage.resize_(0)
+            s.source = None  # the unsharded original is dropped
+        for s in self.adapters:
+            s.full.requires_grad_(True)
+            s.full.register_post_accumulate_grad_hook(lambda t: self._arrive())
+        # Install the (for now empty) full tensors on the modules in place of the parameters.
+        for mod, attr, (kind, slots, p) in self.owners:
+            if kind == "nf4":
+                value = NF4Tensor(*(s.full for s in slots), p.shape, p.dtype, p.block_size, p.scaler_block_size)
+            else:
+                value = slots.full
+            del mod._parameters[attr]
+            setattr(mod, attr, value)
+        self.gathered, self.in_backward, self.pending, self.inflight = False, False, 0, None
+        hook_module.register_forward_pre_hook(self._pre_forward)
+        hook_module.register_forward_hook(self._post_forward)
+
+    @staticmethod
+    def _shard_view(buf, s):  # this slot's piece of a flat byte buffer, as its dtype
+        return buf[s.offset:s.offset + s.nbytes].view(s.dtype)
+
+    # ---- gather / free ----------------------------------------------------------------------
+    def gather_async(self):
+        """Issue this unit's all-gather (returns at once on GPUs; gloo runs it in a thread)."""
+        if self.gathered or self.inflight is not None:
+            return
+        fsdp = self.fsdp
+        send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
+        for s in self.adapters:  # cast the fp32 masters into the wire dtype
+            self._shard_view(send, s).copy_(s.master_padded, non_blocking=True)
+        out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
+        with torch.profiler.record_function("fsdp::all_gather"):
+            work = _all_gather(out, send, fsdp.group, async_op=True)
+        self.inflight = (work, out)
+
+    def gather(self):
+        """Make the full weights available: wait for the all-gather and copy each tensor out."""
+        if self.gathered:
+            return
+        self.gather_async()
+        work, out = self.inflight
+        t0 = time.perf_counter()
+        if work is not None:
+            work.wait()
+        self.fsdp.comm_wait_s += time.perf_counter() - t0
+        out = out.view(self.fsdp.world, self.unit_bytes)
+        with torch.no_grad():
+            for s in self.frozen + self.adapters:
+                s.full.untyped_storage().resize_(self.fsdp.world * s.nbytes)
+                s.padded.copy_(out[:, s.offset:s.offset + s.nbytes].view(s.dtype))
+        self.inflight, self.gathered = None, True
+
+    def free(self):
+        for s in self.frozen + self.adapters:
+            s.full.untyped_storage().resize_(0)
+        self.gathered = False
+
+    # ---- hooks --------------------------------------------------------------------------------
+    def _pre_forward(self, module, args):
+        self.gather()
+        if self.in_backward:  # activation checkpointing recomputes the forward inside backward
+            return args
+        nxt = self.fsdp.next_unit(self, +1)
+        if nxt is not None:
+            nxt.gather_async()  # prefetch: its all-gather overlaps this unit's compute
+        x = args[0]
+        if torch.is_grad_enabled():
+            # post-backward fires when every adapter has its gradient AND the input's is done
+            # (if the input needs one): then no backward op of this unit needs its weights.
+            self.pending = len(self.adapters) + int(x.requires_grad)
+            if x.requires_grad:
+                x = _Enter.apply(x, self)
+        return (x,) + tuple(args[1:])
+
+    def _post_forward(self, module, args, output):
+        if self.in_backward:
+            return output
+        if torch.is_grad_enabled() and self.pending > 0:
+            output = _Exit.apply(output, self)
+        if self.reshard_after_forward:
+            self.free()
+        return output
+
+    def _pre_backward(self):
+        self.in_backward = True
+        self.gather()
+        prev = self.fsdp.next_unit(self, -1)
+        if prev is not None and prev.pending > 0:
+            prev.gather_async()  # prefetch the unit whose backward comes next
+
+    def _arrive(self):
+        self.pending -= 1
+        if self.pending == 0:
+            self._post_backward()
+
+    def _post_backward(self):
+        """Reduce-scatter the adapter gradients (fp32, averaged over ranks), free the weights."""
+        fsdp = self.fsdp
+        if self.adapters:
+            pieces = []
+            for s in self.adapters:  # chunk-cat: (world, shard_numel) of each, side by side
+                g = s.full.grad.reshape(-1).float()
+                pieces.append(F.pad(g, (0, fsdp.world * s.shard_numel - s.numel)).view(fsdp.world, -1))
+                s.full.grad = None
+            send = torch.cat(pieces, dim=1).view(-1)  # (world * sum(shard_numel),)
+            out = torch.empty(send.numel() // fsdp.world, dtype=torch.float32, device=fsdp.device)
+            with torch.profiler.record_function("fsdp::reduce_scatter"):
+                work = _reduce_scatter_avg(out, send, fsdp.group, async_op=True)
+            fsdp.reductions.append((self, work, out, send))
+        self.in_backward = False
+        self.free()
+
+
+class FSDP:
+    """Shards a model's units over the ranks of `group`; owns the fp32 master adapters."""
+
+    def __init__(self, model, units, device, compute_dtype, offload=False, group=None):
+        self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.store_device = torch.device("cpu") if offload else device
+        self.reductions, self.comm_wait_s = [], 0.0
+        self.units = []
+        for i, (name, hook_module, modules) in enumerate(units):
+            # the last unit is needed again at once by backward: keep it (torchtitan does the same)
+            last = i == len(units) - 1
+            self.units.append(ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=not last))
+
+    def next_unit(self, unit, direction):
+        i = unit.index + direction
+        return self.units[i] if 0 <= i < len(self.units) else None
+
+    def parameters(self):
+        return [p for u in self.units for p in u.masters]
+
+    def finish_backward(self):
+        """Wait for the reduce-scatters and accumulate gradient shards into the masters (fp32)."""
+        for unit, work, out, _ in self.reductions:
+            t0 = time.perf_counter()
+            if work is not None:
+                work.wait()
+            self.comm_wait_s += time.perf_counter() - t0
+            out = out.to(self.store_device)  # offload: gradient shards go back to the host
+            start = 0
+            for s in unit.adapters:
+                g = out[start:start + s.master.numel()]
+                s.master.grad = g.clone() if s.master.grad is None else s.master.grad.add_(g)
+                start += s.shard_numel
+        self.reductions = []
+        for u in self.units:
+            if u.in_backward or u.pending > 0 and u.gathered:
+                raise RuntimeError(f"unit {u.name} did not finish its backward")
+
+    def clip_grad_norm_(self, max_norm):
+        """Clip by the global L2 norm: squared norms of the unpadded shards, summed over ranks."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        sq = torch.zeros((), dtype=torch.float32, device=self.store_device)
+        if grads:
+            sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
+        if dist.is_initialized():
+            sq = sq.to(self.device)
+            dist.all_reduce(sq, group=self.group)
+        total = sq.sqrt().item()
+        coef = max_norm / (total + 1e-6)
+        if coef < 1 and grads:
+            torch._foreach_mul_(grads, coef)
+        return total
+
+    def reshard(self):
+        for u in self.units:
+            if u.inflight is not None:
+                u.gather()
+            u.free()
+
+    def full_adapters(self):
+        """{name: full fp32 adapter} on every rank, gathered from the unpadded shards."""
+        out = {}
+        for u in self.units:
+            for s in u.adapters:
+                full = torch.empty(self.world * s.shard_numel, dtype=torch.float32, device=self.device)
+                _all_gather(full, s.master_padded.to(self.device), self.group, async_op=False)
+                out[s.name] = full[:s.numel].view(s.shape).cpu()
+        return out
+
+    def local_bytes(self):
+        """Bytes this rank keeps between steps: shard bytes + fp32 master adapters."""
+        return sum(u.shard_bytes.nbytes + sum(s.master_padded.nbytes for s in u.adapters) for u in self.units)
+
+
+# -----------------------------------------------------------------------------
+# 6. AdamW on torch._foreach_* ops
+# -----------------------------------------------------------------------------
+# torch.optim.AdamW over FSDP2's DTensor parameters pays Python + DTensor dispatch per tensor
+# per op; the talk measured its step 3x slower. Shards here are plain tensors, so each update
+# below is one foreach kernel over all of them (Loshchilov & Hutter 2019, decoupled decay):
+#   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+#   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+
+class AdamW(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            grads = [p.grad for p in params]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p] = dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            states = [self.state[p] for p in params]
+            exp_avgs = [s["exp_avg"] for s in states]
+            exp_avg_sqs = [s["exp_avg_sq"] for s in states]
+            for s in states:
+                s["step"] += 1
+            step = states[0]["step"]  # parameters of a group step together
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            if wd != 0:
+                torch._foreach_mul_(params, 1 - lr * wd)
+            torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+            torch._foreach_mul_(exp_avg_sqs, beta2)
+            torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+            bias_correction1 = 1 - beta1**step
+            bias_correction2_sqrt = math.sqrt(1 - beta2**step)
+            denom = torch._foreach_sqrt(exp_avg_sqs)
+            torch._foreach_div_(denom, bias_correction2_sqrt)
+            torch._foreach_add_(denom, eps)
+            torch._foreach_addcdiv_(params, exp_avgs, denom, -lr / bias_correction1)
+        return loss
+
+
+# -----------------------------------------------------------------------------
+# 7. Llama, module for module as Hugging Face's LlamaForCausalLM
+# -----------------------------------------------------------------------------
+
+
+@dataclass
+class LlamaConfig:  # field names are Hugging Face config.json's
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: Optional[int] = None  # None: as many as attention heads (no GQA)
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama 3.1: {"rope_type": "llama3", "factor": 8.0, ...}
+    tie_word_embeddings: bool = False
+
+    def __post_init__(self):
+        if self.num_key_value_heads is None:
+            self.num_key_value_heads = self.num_attention_heads
+
+    @property
+    def head_dim(self):
+        return self.hidden_size // self.num_attention_heads
+
+
+# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024).
+CONFIGS = {
+    "tiny": LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    "llama2-7b": LlamaConfig(),
+    "llama2-13b": LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
+                              num_attention_heads=40),
+    "llama2-70b": LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+                              num_attention_heads=64, num_key_value_heads=8),
+    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+                             rope_theta=500000.0),
+    "llama3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+                              num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                              max_position_embeddings=8192, rope_theta=500000.0),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps, dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):  # normalize in fp32, scale in the compute dtype (as Hugging Face)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_inv_freq(config):
+    """theta^(-2i/d) for i < d/2, with Llama 3.1's frequency-dependent scaling if configured."""
+    d = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    rs = config.rope_scaling or {}
+    if rs.get("rope_type", rs.get("type")) == "llama3":
+        factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_len = rs.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    return inv_freq.float()
+
+
+def rope_cos_sin(config, T, device, dtype):
+    """cos, sin of shape (T, head_dim) in Hugging Face's layout: the frequencies twice."""
+    inv_freq = rope_inv_freq(config).to(device)
+    freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (T, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):  # x (B, n_heads, T, head_dim); rotate_half splits the head in two
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, c, lora):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = LoRALinear(c.hidden_size, self.n_heads * self.head_dim, **lora)
+        self.k_proj = LoRALinear(c.hidden_size, self.n_kv * self.head_dim, **lora)
+        self.v_proj = LoRALinear(c.hidden_size, self.n_kv * self.head_dim, **lora)
+        self.o_proj = LoRALinear(self.n_heads * self.head_dim, c.hidden_size, **lora)
+
+    def forward(self, x, cos, sin):  # x (B, T, C)
+        B, T, C = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # grouped-query attention: each of the nkv heads serves nh / nkv query heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, c, lora):
+        super().__init__()
+        self.gate_proj = LoRALinear(c.hidden_size, c.intermediate_size, **lora)
+        self.up_proj = LoRALinear(c.hidden_size, c.intermediate_size, **lora)
+        self.down_proj = LoRALinear(c.intermediate_size, c.hidden_size, **lora)
+
+    def forward(self, x):  # SwiGLU (Shazeer 2020)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, c, lora):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
+        self.self_attn = LlamaAttention(c, lora)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
+        self.mlp = LlamaMLP(c, lora)
+
+    def forward(self, x, cos, sin):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Mean cross entropy of h W^T against targets, LOSS_CHUNK rows at a time.
+
+    Full logits for Llama-2-7B at T=2048 are 131 MB per sequence (bf16) plus an fp32 copy and a
+    gradient of each. Here only one chunk's logits ever exist: forward computes each chunk's
+    loss AND its gradient wrt h at once (softmax - onehot) W, and backward just scales it."""
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk):  # h (N, C), weight (V, C), targets (N,)
+        W = weight.dequantize(h.dtype) if isinstance(weight, NF4Tensor) else weight.to(h.dtype)
+        N = h.shape[0]
+        need_grad = ctx.needs_input_grad[0]
+        grad_h = torch.empty_like(h) if need_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, N, chunk):
+            logits = (h[s:s + chunk] @ W.T).float()  # (n, V) fp32
+            t = targets[s:s + chunk]
+            lse = torch.logsumexp(logits, dim=-1)  # (n,)
+            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
+            if need_grad:  # d(sum of losses)/d logits = softmax - onehot
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(t.numel(), device=h.device), t] -= 1
+                grad_h[s:s + chunk] = probs.to(h.dtype) @ W
+        ctx.save_for_backward(grad_h)
+        ctx.N = N
+        return total / N
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_h,) = ctx.saved_tensors
+        return grad_h * (grad_loss / ctx.N).to(grad_h.dtype), None, None, None
+
+
+LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
+
+
+def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK):
+    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, c, lora):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=lora["dtype"])
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers))
+        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
+
+
+class Llama(nn.Module):
+    """LlamaForCausalLM with every projection a LoRALinear over NF4 and an NF4 lm_head."""
+
+    def __init__(self, config, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0):
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.checkpointing = True  # activation checkpointing per block
+        lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype)
+        self.model = LlamaModel(config, lora)
+        self.lm_head = NF4Linear(config.hidden_size, config.vocab_size, dtype)
+
+    def forward(self, tokens, targets=None):  # tokens (B, T) int64
+        B, T = tokens.shape
+        h = self.model.embed_tokens(tokens)  # (B, T, C)
+        cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
+        for layer in self.model.layers:
+            if self.checkpointing and torch.is_grad_enabled():
+                # keep only the block's input; recompute the rest in backward
+                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin)
+        h = self.model.norm(h)
+        if targets is None:
+            return linear_nf4(h, self.lm_head.weight)  # (B, T, vocab)
+        return chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
+
+    def units(self):
+        """The sharding units in execution order: (name, module whose hooks run it, [(prefix, module)])."""
+        m = self.model
+        units = [("embed", m.embed_tokens, [("model.embed_tokens", m.embed_tokens)])]
+        units += [(f"layer{i}", layer, [(f"model.layers.{i}", layer)]) for i, layer in enumerate(m.layers)]
+        units.append(("head", m.norm, [("model.norm", m.norm), ("lm_head", self.lm_head)]))
+        return units
+
+
+# -----------------------------------------------------------------------------
+# 8. Data, training loop, command line
+# -----------------------------------------------------------------------------
+
+
+def print0(*args, **kwargs):
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def load_tokens(path, vocab_size):
+    """A .bin file of uint16 tokens (nanoGPT's format) or any other file as raw bytes."""
+    if not os.path.isfile(path):
+        raise SystemExit(f"error: --data {path}: no such file")
+    if path.endswith(".bin"):
+        return np.memmap(path, dtype=np.uint16, mode="r")
+    return np.memmap(path, dtype=np.uint8, mode="r")
+
+
+def get_batch(data, step, micro, args, world, rank, vocab_size):
+    """Rank's slice of the global micro-batch: depends only on (seed, step, micro) and
+    batch_size x world, so any split of the same global batch sees the same tokens."""
+    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro)
+    n, T = args.batch_size * world, args.seq_len
+    rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
+    if data is None:  # dummy: random tokens, as in the talk's benchmark
+        tokens = torch.randint(vocab_size, (n, T + 1), generator=g)[rows]
+    else:
+        starts = torch.randint(len(data) - T - 1, (n,), generator=g)[rows].tolist()
+        tokens = torch.from_numpy(np.stack([data[s:s + T + 1].astype(np.int64) for s in starts]))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def lr_at(step, args):
+    """Linear warmup, then cosine decay to 10% of --lr."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+
+
+def peak_memory_gib(device):
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / GiB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    # model
+    p.add_argument("--model", default="tiny", help=f"one of {', '.join(CONFIGS)}")
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
+    p.add_argument("--lora_rank", type=int, default=8)
+    p.add_argument("--lora_alpha", type=float, default=16.0)
+    p.add_argument("--lora_dropout", type=float, default=0.0)
+    # data
+    p.add_argument("--data", default=None, help="a .bin of uint16 tokens, any file as bytes, or 'dummy' "
+                                                "(default: the bytes of this file)")
+    p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
+    p.add_argument("--seq_len", type=int, default=128)
+    # optimization
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--grad_accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup_steps", type=int, default=10)
+    p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p.add_argument("--seed", type=int, default=1337)
+    # memory and speed
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="torch.compile the NF4 kernels")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                   help="activation checkpointing per block")
+    p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
+    p.add_argument("--log_every", type=int, default=1)
+    args = p.parse_args(argv)
+    if args.model not in CONFIGS:
+        p.error(f"--model {args.model}: unknown, choose from {', '.join(CONFIGS)}")
+    for flag in ("batch_size", "seq_len", "steps", "grad_accum", "lora_rank"):
+        if getattr(args, flag) < 1:
+            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    return args
+
+
+def setup_distributed():
+    """RANK in the environment (torchrun) -> a process group: NCCL on GPUs, gloo on CPUs."""
+    if "RANK" in os.environ and not dist.is_initialized():
+        if torch.cuda.is_available():
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
+        else:
+            dist.init_process_group("gloo")
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def train(args):
+    """Train; returns (summary dict, per-step losses, the FSDP object)."""
+    global COMPILE
+    COMPILE = args.compile
+    device = setup_distributed()
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    config = CONFIGS[args.model]
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    print0(format_budget(args.model, memory_budget(config, args.lora_rank)))
+
+    if args.data == "dummy":
+        data = None
+    else:
+        data = load_tokens(args.data or os.path.abspath(__file__), config.vocab_size)
+        if len(data) < args.seq_len + 2:
+            raise SystemExit(f"error: --data {args.data}: {len(data)} tokens, need at least seq_len + 2")
+
+    torch.manual_seed(args.seed)  # every rank builds the same weights, then keeps its shard
+    with torch.device(device):
+        model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
+    model.checkpointing = args.checkpointing
+    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
+    optimizer = AdamW(fsdp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    print0(f"model {args.model}: {sum(p.numel() for p in fsdp.parameters()) * world / 1e6:.2f} M adapter "
+           f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
+           f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
+           f"{args.checkpointing}, offload {args.cpu_offload}")
+
+    losses, times = [], []
+    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    for step in range(args.steps):
+        t0 = time.perf_counter()
+        lr = lr_at(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        loss_sum = torch.zeros((), device=device)
+        for micro in range(args.grad_accum):
+            x, y = get_batch(data, step, micro, args, world, rank, config.vocab_size)
+            loss = model(x.to(device), y.to(device)) / args.grad_accum
+            loss.backward()
+            fsdp.finish_backward()
+            loss_sum += loss.detach()
+        if args.grad_clip > 0:
+            fsdp.clip_grad_norm_(args.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if dist.is_initialized():  # mean over the global batch
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        loss_value = loss_sum.item()  # also synchronizes the device before timing
+        dt = time.perf_counter() - t0
+        if not math.isfinite(loss_value):
+            raise SystemExit(f"error: loss is {loss_value} at step {step + 1}; stopping")
+        losses.append(loss_value)
+        times.append(dt)
+        if step % args.log_every == 0 or step == args.steps - 1:
+            print0(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
+                   f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
+
+    peak = torch.tensor(peak_memory_gib(device), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    steady = times[1:] if len(times) > 1 else times  # the first step includes compilation
+    step_ms = float(np.median(steady)) * 1000
+    summary = dict(model=args.model, world_size=world, steps=args.steps, final_loss=losses[-1],
+                   first_loss=losses[0], step_ms=round(step_ms, 2),
+                   tokens_per_s=round(tokens_per_step / (step_ms / 1000), 1),
+                   peak_mem_gib=round(peak.item(), 4), batch_size=args.batch_size, seq_len=args.seq_len,
+                   grad_accum=args.grad_accum, dtype=args.dtype, device=device.type,
+                   comm_wait_s=round(fsdp.comm_wait_s, 3))
+    return summary, losses, fsdp
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    summary, _, _ = train(args)
+    print0(json.dumps(summary))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return summary
+
+
+if __name__ == "__main__":
+    main()
