@@ -92,14 +92,15 @@ def format_budget(name, budget):
 # -----------------------------------------------------------------------------
 # NormalFloat-4: 16 values placed at quantiles of N(0, 1), rescaled to [-1, 1], with an exact 0.
 # Paper Appendix E; bitsandbytes get_4bit_type("nf4"). Code i is NF4[i], ascending.
-NF4 = torch.tensor([
+NF4_VALUES = [
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
     -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
     0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-], dtype=torch.float32)
+]
+NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 # Nearest-value rounding == bucketize on the 15 midpoints: no (numel x 16) distance matrix.
-NF4_MIDPOINTS = (NF4[1:] + NF4[:-1]) / 2
+NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 
 # Storage per 64 weights: 32 B of codes + 1 B int8 scale, + 4 B fp32 factor per 256 scales:
 # 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
@@ -120,7 +121,7 @@ def _quantize_blocks(w, block_size: int):
     blocks = w.float().view(-1, block_size)  # (n_blocks, 64)
     absmax = blocks.abs().amax(dim=1)  # (n_blocks,)
     normalized = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-    codes = torch.bucketize(normalized, NF4_MIDPOINTS.to(w.device)).to(torch.uint8).view(-1)
+    codes = torch.bucketize(normalized, torch.tensor(NF4_MIDPOINTS, device=w.device)).to(torch.uint8).view(-1)
     # two codes per byte, first element in the high nibble: [a, b, c, d] -> [ab, cd]
     packed = (codes[0::2] << 4) | codes[1::2]
     return packed, absmax
@@ -129,7 +130,9 @@ def _quantize_blocks(w, block_size: int):
 def _double_quantize(absmax, scaler_block_size: int):
     """Quantize the fp32 block scales to int8 (torchao's scheme; bitsandbytes uses a non-linear
     8-bit map instead): subtract the global mean, then per group of 256 scales,
-    factor = 128 / absmax(group), q = round(s * factor) clamped to int8.
+    factor = 127 / absmax(group), q = round(s * factor). (torchao uses 128 and clamps to 127,
+    which clips the group's largest positive scale by a whole step; 127 keeps every scale
+    within half a step.)
     The last group may be partial: it is padded with zeros for the absmax only.
     Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32."""
     n = absmax.numel()
@@ -137,7 +140,7 @@ def _double_quantize(absmax, scaler_block_size: int):
     centered = absmax - mean
     n_groups = -(-n // scaler_block_size)
     padded = F.pad(centered, (0, n_groups * scaler_block_size - n)).view(n_groups, scaler_block_size)
-    factor = 128.0 / padded.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    factor = 127.0 / padded.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     q = (padded * factor[:, None]).round().clamp(-128, 127).to(torch.int8).view(-1)[:n]
     return q, factor, mean
 
@@ -151,12 +154,19 @@ def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
     group = torch.arange(n_blocks, device=scale_q.device) // scaler_block_size
     absmax = scale_q.float() / scale_factor[group] + scale_mean  # (n_blocks,)
     codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).long()  # unpack nibbles
-    values = NF4.to(packed.device)[codes].view(n_blocks, block_size)  # (n_blocks, 64)
+    values = torch.tensor(NF4_VALUES, device=packed.device)[codes].view(n_blocks, block_size)  # (n_blocks, 64)
     return (values * absmax[:, None]).view(-1).to(dtype)
 
 
 _quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
 _dequantize_compiled = torch.compile(_dequantize, dynamic=True)
+
+
+def _use_compiled(compile, t):
+    # Inside an outer torch.compile (a compiled LoRALinear, say) the plain function is traced
+    # into the outer graph instead; meta tensors have nothing to run.
+    compile = COMPILE if compile is None else compile
+    return compile and t.device.type != "meta" and not torch.compiler.is_compiling()
 
 
 def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
@@ -166,24 +176,24 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
                          f"got shape {tuple(weight.shape)} ({weight.numel()} elements)")
     if block_size % 2:
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
-    compile = COMPILE if compile is None else compile
-    kernel = _quantize_blocks_compiled if compile and weight.device.type != "meta" else _quantize_blocks
+    kernel = _quantize_blocks_compiled if _use_compiled(compile, weight) else _quantize_blocks
     flat = weight.detach().reshape(-1)
     step = max(block_size, QUANT_CHUNK // block_size * block_size)
     packed, absmax = [], []
-    for start in range(0, flat.numel(), step):  # chunked: big matrices never copy to fp32 whole
-        p, a = kernel(flat[start:start + step], block_size)
-        packed.append(p)
-        absmax.append(a)
+    with torch.no_grad():
+        for start in range(0, flat.numel(), step):  # chunked: big matrices never copy to fp32 whole
+            p, a = kernel(flat[start:start + step], block_size)
+            packed.append(p)
+            absmax.append(a)
     packed, absmax = torch.cat(packed), torch.cat(absmax)
     return (packed,) + _double_quantize(absmax, scaler_block_size)
 
 
 def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
                    scaler_block_size=256, dtype=torch.bfloat16, compile=None):
-    compile = COMPILE if compile is None else compile
-    kernel = _dequantize_compiled if compile and packed.device.type != "meta" else _dequantize
-    return kernel(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, dtype)
+    kernel = _dequantize_compiled if _use_compiled(compile, packed) else _dequantize
+    with torch.no_grad():  # frozen weights: never part of the autograd graph
+        return kernel(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, dtype)
 
 
 # -----------------------------------------------------------------------------
