@@ -77,13 +77,20 @@ def memory_budget(config, lora_rank=8):
     }
 
 
+def fmt_bytes(n):
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 def format_budget(name, budget):
-    rows = [f"memory before activations, {name} ({budget['n_params'] / 1e9:.2f} B params, "
-            f"{budget['n_lora'] / 1e6:.1f} M LoRA params):"]
+    rows = [f"memory before activations, {name} ({budget['n_params'] / 1e6:,.1f} M params, "
+            f"{budget['n_lora'] / 1e6:,.2f} M LoRA params):"]
     for method, label in (("full_bf16", "full fine-tune, bf16"), ("qlora", "QLoRA, NF4 base")):
         b = budget[method]
-        rows.append(f"  {label:<22} params {b['params'] / 1e9:6.2f} GB + grads {b['grads'] / 1e9:6.2f} GB"
-                    f" + Adam {b['optimizer'] / 1e9:6.2f} GB = {sum(b.values()) / 1e9:6.2f} GB")
+        rows.append(f"  {label:<21} params {fmt_bytes(b['params']):>9} + grads {fmt_bytes(b['grads']):>9}"
+                    f" + Adam {fmt_bytes(b['optimizer']):>9} = {fmt_bytes(sum(b.values())):>9}")
     return "\n".join(rows)
 
 
@@ -500,18 +507,23 @@ class _Exit(torch.autograd.Function):
         return grad, None
 
 
+# torch >= 2.13 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def _all_gather(out, inp, group, async_op):
     if not dist.is_initialized():  # world size 1 without a process group: the same code path
         out.copy_(inp)
         return None
-    return dist.all_gather_single(out, inp, group=group, async_op=async_op)
+    return _all_gather_single(out, inp, group=group, async_op=async_op)
 
 
 def _reduce_scatter_avg(out, inp, group, async_op):
     if not dist.is_initialized():
         out.copy_(inp)
         return None
-    return dist.reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    return _reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
 
 
 class ShardedUnit:
@@ -609,6 +621,7 @@ class ShardedUnit:
         with torch.profiler.record_function("fsdp::all_gather"):
             work = _all_gather(out, send, fsdp.group, async_op=True)
         self.inflight = (work, out)
+        fsdp.n_all_gathers += 1
 
     def gather(self):
         """Make the full weights available: wait for the all-gather and copy each tensor out."""
@@ -684,6 +697,7 @@ class ShardedUnit:
             with torch.profiler.record_function("fsdp::reduce_scatter"):
                 work = _reduce_scatter_avg(out, send, fsdp.group, async_op=True)
             fsdp.reductions.append((self, work, out, send))
+            fsdp.n_reduce_scatters += 1
         self.in_backward = False
         self.free()
 
@@ -697,6 +711,7 @@ class FSDP:
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.store_device = torch.device("cpu") if offload else device
         self.reductions, self.comm_wait_s = [], 0.0
+        self.n_all_gathers = self.n_reduce_scatters = 0  # collectives issued, for tests and logs
         self.units = []
         for i, (name, hook_module, modules) in enumerate(units):
             # the last unit is needed again at once by backward: keep it (torchtitan does the same)

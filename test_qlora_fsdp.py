@@ -410,7 +410,8 @@ def _worker(rank, world, port, argv, out_path):
     torch.set_num_threads(1)
     summary, losses, fsdp = qf.train(qf.parse_args(argv))
     adapters = fsdp.full_adapters()
-    shard_sizes = {s.name: s.master.numel() for u in fsdp.units for s in u.adapters}
+    shard_sizes = {s.name: max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
+                   for u in fsdp.units for s in u.frozen + u.adapters}
     result = dict(losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(), shard_sizes=shard_sizes)
     torch.save(result, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
@@ -447,6 +448,35 @@ def single_run_tiny():
     return run_single(BASE + ["--batch_size", "6"])
 
 
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_unit_lifecycle_one_collective_each(checkpointing):
+    """Each unit is gathered by ONE all-gather before its forward and freed after it (the last
+    unit, needed at once by backward, stays); backward gathers each block once more and
+    reduce-scatters its adapter gradients once; afterwards nothing stays gathered."""
+    model = make_model()
+    model.checkpointing = checkpointing
+    fsdp = qf.FSDP(model, model.units(), torch.device("cpu"), torch.float32)
+    x, y = torch.randint(256, (2, 16)), torch.randint(256, (2, 16))
+    ref = make_model()  # the same weights, unsharded
+    ref.checkpointing = checkpointing
+    ref_loss = ref(x, y)
+    ref_loss.backward()
+    loss = model(x, y)
+    n_layers = len(model.model.layers)
+    assert fsdp.n_all_gathers == n_layers + 2
+    gathered = [u.name for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.frozen)]
+    assert gathered == ["head"]
+    loss.backward()
+    fsdp.finish_backward()
+    assert fsdp.n_all_gathers == 2 * n_layers + 2 and fsdp.n_reduce_scatters == n_layers
+    assert all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.frozen + u.adapters)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    grads = {p.fqn: p.grad for p in fsdp.parameters()}
+    for name, p in ref.named_parameters():
+        if p.requires_grad:  # world 1: the shard is the whole tensor
+            torch.testing.assert_close(grads[name].view(p.shape), p.grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_equals_single_process(world, tmp_path, single_run_tiny):
     """2 and 3 ranks (fp32) give the same losses and final adapters as one process on the same
@@ -477,6 +507,8 @@ def test_world_larger_than_some_tensors(tmp_path):
     results = run_sharded(4, argv + ["--batch_size", "1"], tmp_path)
     for r in results:
         assert_same_run(r, single)
+    assert results[3]["shard_sizes"]["model.layers.0.self_attn.k_proj.weight.scale_mean"] == 0
+    assert results[3]["shard_sizes"]["model.layers.0.self_attn.k_proj.weight.scale_factor"] == 0
     # Resident weight bytes: total / world, plus at most one element and 16 B alignment per tensor.
     model = make_model("micro")
     n_tensors = sum(4 if isinstance(p, qf.NF4Tensor) else 1 for p in model.parameters())
