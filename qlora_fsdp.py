@@ -51,6 +51,11 @@ GiB = 1024**3
 # parameter, of which there are ~0.3% as many.
 
 
+# NF4 storage per 64 weights (section 2): 32 B of codes + 1 B int8 scale, + 4 B fp32 factor per
+# 256 scales: 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
+NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
+
+
 def count_params(config, lora_rank=8):
     """Parameter counts of a Llama config: (linear weights of the blocks, lm_head,
     embeddings + norms, LoRA adapters on the 7 projections of every block)."""
@@ -94,6 +99,78 @@ def format_budget(name, budget):
     return "\n".join(rows)
 
 
+def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
+                    checkpointing=True, offload=False, loss_chunk=1024):
+    """Predicted bytes per rank of a QLoRA training step as this file runs it: {row: bytes}.
+
+    Sharded state is 1/world of the whole. Activations are per token, for one rank's
+    batch_size x seq_len tokens, counted from what autograd saves in each op of a block."""
+    c, e, N = config, dtype_bytes, batch_size * seq_len
+    d, f, V, L = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    linear, head, dense, lora = count_params(config, lora_rank)
+    nf4 = lambda n: n * NF4_BITS_PER_PARAM / 8  # noqa: E731
+    block_linear = linear / L
+    state = {  # sharded, resident between steps (on the host with offload)
+        "NF4 weights (shard)": nf4(linear + head) / world,
+        "frozen dense weights (shard)": dense * e / world,
+        "adapters fp32 + wire copy (shard)": lora * (4 + e) / world,
+        "adapter gradients fp32 (shard)": 4 * lora / world,
+        "AdamW state fp32 (shard)": 8 * lora / world,
+    }
+    # All-gathers: the block being computed, fully gathered, plus the next one's receive buffer
+    # (prefetch), plus the copy-out of the current one from its own receive buffer.
+    block_unit = nf4(block_linear) + 2 * d * e + (lora / L) * e
+    gathers = 3 * block_unit
+    # Saved by one block's forward, per token (bytes): RMSNorm keeps its fp32 input and its
+    # normalized output; q, k, v and the RoPE'd q, k; attention output, its (transposed) copy
+    # into o_proj and the fp32 log-sum-exp per head; the residual sum; gate, up, silu(gate),
+    # their product; LoRA's (rank,) intermediates for each of the 7 projections.
+    norms = 2 * (4 * d + e * d)
+    attn = e * (2 * q + 2 * kv + q + kv + 2 * q) + 4 * c.num_attention_heads
+    mlp = e * 4 * f
+    block_saved = norms + attn + mlp + e * d + 7 * e * lora_rank
+    # Backward of a block also holds gradients of its activations: at most ~3 of ffn width.
+    block_backward = e * 3 * f + 2 * e * d
+    act = {}
+    if checkpointing:
+        act["checkpointed block inputs"] = L * N * e * d
+        act["recomputed block (forward + backward)"] = N * (block_saved + block_backward)
+    else:
+        act["saved activations, all blocks"] = L * N * block_saved
+        act["block backward gradients"] = N * block_backward
+    # Loss: the final norm's saved tensors, lm_head dequantized, one chunk of fp32 logits and
+    # its low-precision copy, and the gradient wrt the hidden states computed in forward.
+    act["loss: norm, lm_head dense, logits chunk, grad_h"] = (
+        N * (4 * d + e * d) + V * d * e + min(loss_chunk, N) * V * (4 + e) + N * d * e)
+    # Peak: during the last block's backward every checkpointed input is alive; the loss rows
+    # and the recomputed block are not alive together (the head's buffers go before).
+    loss_row = "loss: norm, lm_head dense, logits chunk, grad_h"
+    ckpt = act.get("checkpointed block inputs", act.get("saved activations, all blocks"))
+    block_peak = act.get("recomputed block (forward + backward)", act.get("block backward gradients"))
+    act_peak = ckpt + max(block_peak + N * d * e, act[loss_row])
+    gpu_state = 0 if offload else sum(state.values())
+    peak = gpu_state + gathers + act_peak
+    return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak,
+                gpu_state=gpu_state, host_state=sum(state.values()) if offload else 0, gpu_peak=peak)
+
+
+def format_estimate(name, est, world, offload):
+    GiB_ = 1024**3
+    rows = [f"predicted memory per rank, {name}, world {world}"
+            + (", state offloaded to the host" if offload else "") + ":"]
+    where = "host" if offload else "GPU"
+    for k, v in est["state"].items():
+        rows.append(f"  {k:<48} {v / GiB_:8.3f} GiB  ({where})")
+    rows.append(f"  {'all-gather buffers (2 block units + 1 in flight)':<48} {est['gathers'] / GiB_:8.3f} GiB")
+    for k, v in est["activations"].items():
+        rows.append(f"  {k:<48} {v / GiB_:8.3f} GiB")
+    rows.append(f"  {'predicted peak per GPU':<48} {est['gpu_peak'] / GiB_:8.3f} GiB")
+    if offload:
+        rows.append(f"  {'predicted host memory for offloaded state':<48} {est['host_state'] / GiB_:8.3f} GiB")
+    return "\n".join(rows)
+
+
 # -----------------------------------------------------------------------------
 # 2. NF4 quantization with double-quantized scales (QLoRA, Dettmers et al. 2023)
 # -----------------------------------------------------------------------------
@@ -108,10 +185,6 @@ NF4_VALUES = [
 NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 # Nearest-value rounding == bucketize on the 15 midpoints: no (numel x 16) distance matrix.
 NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
-
-# Storage per 64 weights: 32 B of codes + 1 B int8 scale, + 4 B fp32 factor per 256 scales:
-# 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
-NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
 
 # torch.compile turns the plain-Python kernels below into fused loops (CUDA: Triton, CPU: C++).
 # The CLI flag --no-compile sets this to False; results are identical either way.
@@ -631,10 +704,11 @@ class ShardedUnit:
         work, out = self.inflight
         t0 = time.perf_counter()
         if work is not None:
-            work.wait()
+            with torch.profiler.record_function("fsdp::wait_all_gather"):
+                work.wait()
         self.fsdp.comm_wait_s += time.perf_counter() - t0
         out = out.view(self.fsdp.world, self.unit_bytes)
-        with torch.no_grad():
+        with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
             for s in self.frozen + self.adapters:
                 s.full.untyped_storage().resize_(self.fsdp.world * s.nbytes)
                 s.padded.copy_(out[:, s.offset:s.offset + s.nbytes].view(s.dtype))
@@ -730,7 +804,8 @@ class FSDP:
         for unit, work, out, _ in self.reductions:
             t0 = time.perf_counter()
             if work is not None:
-                work.wait()
+                with torch.profiler.record_function("fsdp::wait_reduce_scatter"):
+                    work.wait()
             self.comm_wait_s += time.perf_counter() - t0
             out = out.to(self.store_device)  # offload: gradient shards go back to the host
             start = 0
@@ -1117,6 +1192,10 @@ def parse_args(argv=None):
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block")
     p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
+    p.add_argument("--estimate", action="store_true",
+                   help="print the predicted memory per rank (world size from WORLD_SIZE) and exit")
+    p.add_argument("--profile", default=None, metavar="DIR",
+                   help="write a torch.profiler trace (and on CUDA a memory snapshot) of steps 3-5 to DIR")
     p.add_argument("--log_every", type=int, default=1)
     args = p.parse_args(argv)
     if args.model not in CONFIGS:
@@ -1138,6 +1217,53 @@ def setup_distributed():
     if torch.cuda.is_available():
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def make_profiler(args, device, rank):
+    """--profile DIR: a torch.profiler trace of steps 3-5 (after compilation and warm-up)."""
+    if not args.profile:
+        return None
+    os.makedirs(args.profile, exist_ok=True)
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    prof = torch.profiler.profile(activities=activities, record_shapes=False, profile_memory=True,
+                                  schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+    prof.start()
+    return prof
+
+
+def finish_profiler(prof, args, device, rank):
+    prof.stop()
+    trace = os.path.join(args.profile, f"trace_rank{rank}.json")
+    prof.export_chrome_trace(trace)
+    print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+    if device.type == "cuda":
+        snap = os.path.join(args.profile, f"memory_rank{rank}.pickle")
+        torch.cuda.memory._dump_snapshot(snap)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
+
+
+def predicted_memory(args, world):
+    config = CONFIGS[args.model]
+    return estimate_memory(config, world, args.batch_size, args.seq_len, 2 if args.dtype == "bf16" else 4,
+                           args.lora_rank, args.checkpointing, args.cpu_offload, LOSS_CHUNK)
+
+
+def estimate_only(args):
+    """--estimate: the memory table from the config alone; nothing is allocated."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    est = predicted_memory(args, world)
+    print0(format_budget(args.model, memory_budget(CONFIGS[args.model], args.lora_rank)))
+    print0(format_estimate(args.model, est, world, args.cpu_offload))
+    summary = dict(model=args.model, world_size=world, batch_size=args.batch_size, seq_len=args.seq_len,
+                   dtype=args.dtype, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
+                   cpu_offload=args.cpu_offload, predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
+                   predicted_host_gib=round(est["host_state"] / GiB, 3))
+    print0(json.dumps(summary))
+    return summary
 
 
 def train(args):
@@ -1169,24 +1295,33 @@ def train(args):
            f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
            f"{args.checkpointing}, offload {args.cpu_offload}")
 
-    losses, times = [], []
+    losses, times, waits, optim_times = [], [], [], []
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    profiler = make_profiler(args, device, rank)
     for step in range(args.steps):
-        t0 = time.perf_counter()
+        t0, wait0 = time.perf_counter(), fsdp.comm_wait_s
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
         loss_sum = torch.zeros((), device=device)
         for micro in range(args.grad_accum):
             x, y = get_batch(data, step, micro, args, world, rank, config.vocab_size)
-            loss = model(x.to(device), y.to(device)) / args.grad_accum
-            loss.backward()
-            fsdp.finish_backward()
+            with torch.profiler.record_function("forward"):
+                loss = model(x.to(device), y.to(device)) / args.grad_accum
+            with torch.profiler.record_function("backward"):
+                loss.backward()
+                fsdp.finish_backward()
             loss_sum += loss.detach()
-        if args.grad_clip > 0:
-            fsdp.clip_grad_norm_(args.grad_clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        sync()
+        t_opt = time.perf_counter()
+        with torch.profiler.record_function("optimizer"):
+            if args.grad_clip > 0:
+                fsdp.clip_grad_norm_(args.grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            sync()
+        optim_times.append(time.perf_counter() - t_opt)
         if dist.is_initialized():  # mean over the global batch
             dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
         loss_value = loss_sum.item()  # also synchronizes the device before timing
@@ -1195,26 +1330,39 @@ def train(args):
             raise SystemExit(f"error: loss is {loss_value} at step {step + 1}; stopping")
         losses.append(loss_value)
         times.append(dt)
+        waits.append(fsdp.comm_wait_s - wait0)
+        if profiler is not None:
+            profiler.step()
         if step % args.log_every == 0 or step == args.steps - 1:
             print0(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
+    if profiler is not None:
+        finish_profiler(profiler, args, device, rank)
 
     peak = torch.tensor(peak_memory_gib(device), device=device)
     if dist.is_initialized():
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-    steady = times[1:] if len(times) > 1 else times  # the first step includes compilation
-    step_ms = float(np.median(steady)) * 1000
+    first = 1 if len(times) > 1 else 0  # the first step includes compilation
+    step_ms = float(np.median(times[first:])) * 1000
+    # Step time split (medians, host clock): waiting on all-gathers and reduce-scatters that had
+    # not finished when needed, the optimizer (clip + AdamW), and everything else (compute).
+    wait_ms = float(np.median(waits[first:])) * 1000
+    optim_ms = float(np.median(optim_times[first:])) * 1000
     summary = dict(model=args.model, world_size=world, steps=args.steps, final_loss=losses[-1],
                    first_loss=losses[0], step_ms=round(step_ms, 2),
                    tokens_per_s=round(tokens_per_step / (step_ms / 1000), 1),
                    peak_mem_gib=round(peak.item(), 4), batch_size=args.batch_size, seq_len=args.seq_len,
                    grad_accum=args.grad_accum, dtype=args.dtype, device=device.type,
-                   comm_wait_s=round(fsdp.comm_wait_s, 3))
+                   compute_ms=round(step_ms - wait_ms - optim_ms, 2), comm_wait_ms=round(wait_ms, 2),
+                   optimizer_ms=round(optim_ms, 2),
+                   predicted_peak_gib=round(predicted_memory(args, world)["gpu_peak"] / GiB, 4))
     return summary, losses, fsdp
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.estimate:
+        return estimate_only(args)
     summary, _, _ = train(args)
     print0(json.dumps(summary))
     if dist.is_initialized():
