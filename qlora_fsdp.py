@@ -1184,6 +1184,7 @@ def parse_args(argv=None):
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--warmup_steps", type=int, default=10)
     p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--adam_eps", type=float, default=1e-8)
     p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=1337)
     # memory and speed
@@ -1289,7 +1290,7 @@ def train(args):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
     model.checkpointing = args.checkpointing
     fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
-    optimizer = AdamW(fsdp.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     print0(f"model {args.model}: {sum(p.numel() for p in fsdp.parameters()) * world / 1e6:.2f} M adapter "
            f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
            f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
