@@ -533,6 +533,13 @@ def _contiguous_strides(shape):
     return tuple(reversed(strides))
 
 
+class _ParamMeta:
+    def __init__(self, p):
+        self.shape, self.dtype = tuple(p.shape), p.dtype
+        self.block_size = getattr(p, "block_size", None)
+        self.scaler_block_size = getattr(p, "scaler_block_size", None)
+
+
 class _Slot:
     """One tensor of a unit: its shard's place in the unit's byte buffer and its full tensor."""
 
@@ -607,28 +614,29 @@ class ShardedUnit:
         self.reshard_after_forward = reshard_after_forward
         world, rank = fsdp.world, fsdp.rank
         store = fsdp.store_device
-        self.frozen, self.adapters, self.nf4 = [], [], []  # slots; (module, attr, NF4 meta, slots)
-        self.owners = []  # (module, attr, slot or nf4 record): where gathered tensors are installed
+        self.frozen, self.adapters = [], []  # slots
+        self.owners = []  # (fqn, module, attr, kind, slot(s), param): where full tensors are installed
         for prefix, module in modules:
             for mod_name, mod in module.named_modules(prefix=prefix):
                 for attr, p in list(mod._parameters.items()):
                     fqn = f"{mod_name}.{attr}"
+                    meta = _ParamMeta(p)  # what is kept of the unsharded parameter: no data
                     if isinstance(p, NF4Tensor):
                         slots = [_Slot(f"{fqn}.{n}", getattr(p, n), world) for n in NF4Tensor.INNER]
-                        for s, n in zip(slots, NF4Tensor.INNER):
-                            s.source = getattr(p, n)
+                        for slot, n in zip(slots, NF4Tensor.INNER):
+                            slot.source = getattr(p, n)
                         self.frozen += slots
-                        self.owners.append((mod, attr, ("nf4", slots, p)))
+                        self.owners.append((fqn, mod, attr, "nf4", slots, meta))
                     elif p.requires_grad:
-                        s = _Slot(fqn, p, world, dtype=fsdp.compute_dtype)
-                        s.source = p.detach()
-                        self.adapters.append(s)
-                        self.owners.append((mod, attr, ("adapter", s, p)))
+                        slot = _Slot(fqn, p, world, dtype=fsdp.compute_dtype)
+                        slot.source = p.detach()
+                        self.adapters.append(slot)
+                        self.owners.append((fqn, mod, attr, "adapter", slot, meta))
                     else:
-                        s = _Slot(fqn, p, world)
-                        s.source = p.detach()
-                        self.frozen.append(s)
-                        self.owners.append((mod, attr, ("dense", s, p)))
+                        slot = _Slot(fqn, p, world)
+                        slot.source = p.detach()
+                        self.frozen.append(slot)
+                        self.owners.append((fqn, mod, attr, "dense", slot, meta))
         # Byte layout of this rank's shard: frozen tensors, then adapters (in the compute dtype).
         offset = 0
         for s in self.frozen + self.adapters:
@@ -639,20 +647,19 @@ class ShardedUnit:
         self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=store)
         if pin:
             self.shard_bytes = self.shard_bytes.pin_memory()
-        for s in self.frozen:
-            self._shard_view(self.shard_bytes, s).copy_(
-                _local_piece(s.source.reshape(-1), rank, s.shard_numel))
         # fp32 master adapters: this rank's piece, zero padded; the optimizer sees the unpadded part.
         self.masters = []
         for s in self.adapters:
-            padded = _local_piece(s.source.float().reshape(-1), rank, s.shard_numel).to(store)
+            s.master_padded = torch.zeros(s.shard_numel, dtype=torch.float32, device=store)
             if pin:
-                padded = padded.pin_memory()
+                s.master_padded = s.master_padded.pin_memory()
             valid = max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
-            s.master_padded = padded
-            s.master = nn.Parameter(padded[:valid])
+            s.master = nn.Parameter(s.master_padded[:valid])
             s.master.fqn = s.name
             self.masters.append(s.master)
+        for s in self.frozen + self.adapters:
+            if s.source.device.type != "meta":  # a model built on "meta" is loaded later (load_full)
+                self.write_piece(s, s.source)
         # Full tensors: one padded storage each, allocated now and freed at once (resized to 0).
         dev = fsdp.device
         for s in self.frozen + self.adapters:
@@ -666,7 +673,7 @@ class ShardedUnit:
             s.full.requires_grad_(True)
             s.full.register_post_accumulate_grad_hook(lambda t: self._arrive())
         # Install the (for now empty) full tensors on the modules in place of the parameters.
-        for mod, attr, (kind, slots, p) in self.owners:
+        for fqn, mod, attr, kind, slots, p in self.owners:
             if kind == "nf4":
                 value = NF4Tensor(*(s.full for s in slots), p.shape, p.dtype, p.block_size, p.scaler_block_size)
             else:
@@ -680,6 +687,15 @@ class ShardedUnit:
     @staticmethod
     def _shard_view(buf, s):  # this slot's piece of a flat byte buffer, as its dtype
         return buf[s.offset:s.offset + s.nbytes].view(s.dtype)
+
+    def write_piece(self, s, full):
+        """Keep this rank's piece of the full tensor `full` (any device) in slot s."""
+        with torch.no_grad():
+            piece = _local_piece(full.detach().reshape(-1), self.fsdp.rank, s.shard_numel)
+            if s in self.adapters:
+                s.master_padded.copy_(piece)
+            else:
+                self._shard_view(self.shard_bytes, s).copy_(piece)
 
     # ---- gather / free ----------------------------------------------------------------------
     def gather_async(self):
@@ -791,6 +807,7 @@ class FSDP:
             # the last unit is needed again at once by backward: keep it (torchtitan does the same)
             last = i == len(units) - 1
             self.units.append(ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=not last))
+        self.owner_of = {fqn: (u, kind, slots, p) for u in self.units for fqn, _, _, kind, slots, p in u.owners}
 
     def next_unit(self, unit, direction):
         i = unit.index + direction
@@ -839,15 +856,57 @@ class FSDP:
                 u.gather()
             u.free()
 
+    def _gather_full(self, s, piece):
+        """The full tensor of adapter slot s from every rank's (unpadded) fp32 piece."""
+        piece = F.pad(piece.to(self.device, torch.float32), (0, s.shard_numel - piece.numel()))
+        full = torch.empty(self.world * s.shard_numel, dtype=torch.float32, device=self.device)
+        _all_gather(full, piece, self.group, async_op=False)
+        return full[:s.numel].view(s.shape).cpu()
+
+    def adapter_slots(self):
+        return [s for u in self.units for s in u.adapters]
+
     def full_adapters(self):
         """{name: full fp32 adapter} on every rank, gathered from the unpadded shards."""
-        out = {}
-        for u in self.units:
-            for s in u.adapters:
-                full = torch.empty(self.world * s.shard_numel, dtype=torch.float32, device=self.device)
-                _all_gather(full, s.master_padded.to(self.device), self.group, async_op=False)
-                out[s.name] = full[:s.numel].view(s.shape).cpu()
-        return out
+        return {s.name: self._gather_full(s, s.master.detach()) for s in self.adapter_slots()}
+
+    def full_optimizer_state(self, optimizer):
+        """{name: {exp_avg, exp_avg_sq}} gathered in full, and AdamW's step count: a checkpoint
+        that any world size can resume from."""
+        out, step = {}, 0
+        for s in self.adapter_slots():
+            st = optimizer.state.get(s.master) or {}
+            step = st.get("step", step)
+            zeros = torch.zeros_like(s.master)
+            out[s.name] = {k: self._gather_full(s, st.get(k, zeros)) for k in ("exp_avg", "exp_avg_sq")}
+        return out, step
+
+    def load_full_state(self, adapters, optimizer=None, moments=None, step=0):
+        """Inverse of the two above: keep this rank's pieces of full adapters (and moments)."""
+        u_of = {s.name: u for u in self.units for s in u.adapters}
+        for s in self.adapter_slots():
+            u_of[s.name].write_piece(s, adapters[s.name])
+            if optimizer is not None and step > 0:
+                pieces = {}
+                for k in ("exp_avg", "exp_avg_sq"):
+                    pieces[k] = _local_piece(moments[s.name][k].reshape(-1), self.rank, s.shard_numel)[
+                        :s.master.numel()].to(s.master.device).clone()
+                optimizer.state[s.master] = dict(step=step, **pieces)
+
+    def load_full(self, fqn, tensor):
+        """Shard one full tensor of the model (a Hugging Face weight, say) into its slot(s):
+        NF4 weights are quantized here, on the device, and only this rank's pieces are kept."""
+        unit, kind, slots, p = self.owner_of[fqn]
+        if kind == "nf4":
+            q = to_nf4(tensor.to(self.device, p.dtype), p.block_size, p.scaler_block_size)
+            for s, n in zip(slots, NF4Tensor.INNER):
+                unit.write_piece(s, getattr(q, n))
+        else:
+            unit.write_piece(slots, tensor.to(self.device, slots.dtype if kind == "dense" else torch.float32))
+
+    def base_shapes(self):
+        """{name: shape} of every frozen weight, as a Hugging Face checkpoint names them."""
+        return {fqn: tuple(p.shape) for fqn, (u, kind, slots, p) in self.owner_of.items() if kind != "adapter"}
 
     def local_bytes(self):
         """Bytes this rank keeps between steps: shard bytes + fp32 master adapters."""
@@ -1119,7 +1178,377 @@ class Llama(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# 8. Data, training loop, command line
+# 8. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
+# -----------------------------------------------------------------------------
+# safetensors: an 8-byte little-endian header length N, N bytes of JSON
+#   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
+# then the raw little-endian bytes, offsets relative to the end of the header. Read here with
+# mmap, one tensor at a time, every offset checked before a byte is used.
+
+
+class UserError(Exception):
+    """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
+
+
+SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
+                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                      "U8": torch.uint8, "BOOL": torch.bool}
+DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+class SafetensorsFile:
+    def __init__(self, path):
+        self.path = path
+        if not os.path.isfile(path):
+            raise UserError(f"{path}: no such file")
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size < 8:
+                raise UserError(f"{path}: truncated safetensors file ({size} bytes)")
+            n = int.from_bytes(f.read(8), "little")
+            if 8 + n > size:
+                raise UserError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
+            try:
+                header = json.loads(f.read(n))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise UserError(f"{path}: header is not valid JSON ({e.msg if hasattr(e, 'msg') else e})")
+        if not isinstance(header, dict):
+            raise UserError(f"{path}: header is not a JSON object")
+        self.metadata = header.pop("__metadata__", {})
+        self.data_start, data_size = 8 + n, size - 8 - n
+        self.entries, spans = {}, []
+        for name, e in header.items():
+            try:
+                dtype_name, shape, (begin, end) = e["dtype"], [int(d) for d in e["shape"]], e["data_offsets"]
+            except (KeyError, TypeError, ValueError):
+                raise UserError(f"{path}: tensor {name}: malformed header entry")
+            if dtype_name not in SAFETENSORS_DTYPES:
+                raise UserError(f"{path}: tensor {name}: unsupported dtype {dtype_name}")
+            dtype = SAFETENSORS_DTYPES[dtype_name]
+            if not (0 <= begin <= end <= data_size):
+                raise UserError(f"{path}: tensor {name}: offsets [{begin}, {end}] run past the end of the data "
+                                f"({data_size} bytes): truncated file?")
+            if end - begin != math.prod(shape) * dtype.itemsize:
+                raise UserError(f"{path}: tensor {name}: {end - begin} bytes for shape {shape} {dtype_name}")
+            self.entries[name] = (dtype, shape, begin, end)
+            spans.append((begin, end, name))
+        spans.sort()
+        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if b1 < e0:
+                raise UserError(f"{path}: tensors {n0} and {n1} overlap in the file")
+
+    def get(self, name):
+        """One tensor, copied out of the memory-mapped file."""
+        import mmap
+        dtype, shape, begin, end = self.entries[name]
+        with open(self.path, "rb") as f:
+            if end == begin:
+                return torch.empty(shape, dtype=dtype)
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                raw = bytearray(mm[self.data_start + begin:self.data_start + end])
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
+
+
+def _fsync_replace(tmp, path):
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
+
+
+def save_safetensors(path, specs, get, metadata=None):
+    """Write tensors to `path` one at a time: specs [(name, dtype, shape)], get(name) -> tensor.
+    Written to path.tmp and renamed, so a crash never leaves a half-written file at `path`."""
+    header, offset = {}, 0
+    for name, dtype, shape in specs:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        for name, dtype, shape in specs:
+            t = get(name).detach().to("cpu", dtype).contiguous()
+            assert tuple(t.shape) == tuple(shape), name
+            f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    _fsync_replace(tmp, path)
+
+
+def write_json(path, obj):
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=2)
+    _fsync_replace(tmp, path)
+
+
+def config_from_hf(d, where="config.json"):
+    """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
+    archs = d.get("architectures") or []
+    if d.get("model_type") != "llama" and not any("Llama" in a for a in archs):
+        raise UserError(f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
+    names = {f.name for f in fields(LlamaConfig)}
+    kwargs = {k: v for k, v in d.items() if k in names}
+    rope = d.get("rope_parameters")  # transformers 5: RoPE settings moved under one key
+    if isinstance(rope, dict):
+        kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10000.0))
+        if rope.get("rope_type", "default") != "default":
+            kwargs["rope_scaling"] = rope
+    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
+        if not isinstance(kwargs.get(key), int) or kwargs[key] < 1:
+            raise UserError(f"{where}: {key} is missing or not a positive integer")
+    config = LlamaConfig(**kwargs)
+    if config.hidden_size % config.num_attention_heads or d.get("head_dim", config.head_dim) != config.head_dim:
+        raise UserError(f"{where}: head_dim must be hidden_size / num_attention_heads")
+    rs = config.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) not in ("llama3", "default"):
+        raise UserError(f"{where}: rope_scaling type {rs.get('rope_type', rs.get('type'))!r} is not supported")
+    return config
+
+
+def config_to_hf(config, dtype):
+    d = {k: getattr(config, k) for k in (f.name for f in fields(LlamaConfig))}
+    d.update(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=str(dtype).split(".")[-1],
+             hidden_act="silu", attention_bias=False, mlp_bias=False, head_dim=config.head_dim)
+    return {k: v for k, v in d.items() if v is not None}
+
+
+def read_config(path):
+    if not os.path.isdir(path):
+        raise UserError(f"--checkpoint {path}: no such directory")
+    cfg = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg):
+        raise UserError(f"{cfg}: no such file")
+    try:
+        with open(cfg) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise UserError(f"{cfg}: not valid JSON ({e.msg}, line {e.lineno})")
+    if not isinstance(d, dict):
+        raise UserError(f"{cfg}: not a JSON object")
+    return config_from_hf(d, cfg)
+
+
+def checkpoint_files(path):
+    """model.safetensors, or the shards listed in model.safetensors.index.json."""
+    single = os.path.join(path, "model.safetensors")
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise UserError(f"{index}: not a safetensors index (no weight_map)")
+        return [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
+    if os.path.isfile(single):
+        return [single]
+    raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json")
+
+
+def load_checkpoint(path, config, shapes, put):
+    """Stream every weight of a Hugging Face Llama directory into put(name, tensor), one at a
+    time, after checking names and shapes against `shapes` ({name: shape} the config expects)."""
+    files = [SafetensorsFile(p) for p in checkpoint_files(path)]  # every header checked first
+    seen = set()
+    for sf in files:
+        for name in sf.entries:
+            if name.endswith("rotary_emb.inv_freq"):  # old checkpoints store RoPE's constants
+                continue
+            if name not in shapes:
+                raise UserError(f"{sf.path}: unexpected tensor {name} for a Llama of this config.json")
+            if tuple(sf.entries[name][1]) != shapes[name]:
+                raise UserError(f"{sf.path}: tensor {name} has shape {list(sf.entries[name][1])}, "
+                                f"config.json implies {list(shapes[name])}")
+            if not sf.entries[name][0].is_floating_point:
+                raise UserError(f"{sf.path}: tensor {name} has dtype {DTYPE_NAMES[sf.entries[name][0]]}, "
+                                "not a floating point type")
+            put(name, sf.get(name))
+            seen.add(name)
+    if "lm_head.weight" not in seen and config.tie_word_embeddings and "model.embed_tokens.weight" in seen:
+        sf = next(f for f in files if "model.embed_tokens.weight" in f.entries)
+        put("lm_head.weight", sf.get("model.embed_tokens.weight"))  # tied: the head is the embedding
+        seen.add("lm_head.weight")
+    missing = sorted(set(shapes) - seen)
+    if missing:
+        raise UserError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[0]}")
+
+
+def random_base(shapes, seed, device):
+    """put-able random weights for a model with no checkpoint: embeddings N(0, 1), norms 1,
+    linear weights N(0, 1/fan_in); each from its own seeded generator, so every rank (and every
+    world size) builds the same model."""
+    for i, (name, shape) in enumerate(shapes.items()):
+        g = torch.Generator(device).manual_seed(seed * 1000 + i)
+        if "norm" in name:
+            yield name, torch.ones(shape, device=device)
+        elif "embed_tokens" in name:
+            yield name, torch.randn(shape, generator=g, device=device)
+        else:
+            yield name, torch.randn(shape, generator=g, device=device) * shape[1] ** -0.5
+
+
+def init_adapters(shapes, seed):
+    """LoRA init (A: kaiming-uniform(a=sqrt(5)) as nn.Linear and PEFT, B: 0), full tensors on
+    the CPU from seeded generators, the same on every rank."""
+    out = {}
+    for i, (name, shape) in enumerate(shapes.items()):
+        if name.endswith("lora_A"):
+            bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), ..)
+            g = torch.Generator().manual_seed(seed * 1000 + 500 + i)
+            out[name] = (torch.rand(shape, generator=g) * 2 - 1) * bound
+        else:
+            out[name] = torch.zeros(shape)
+    return out
+
+
+def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
+                    device=None):
+    """One process: a Llama with the Hugging Face weights of `path` quantized on the way in.
+    Built on the meta device, then filled one tensor at a time: host memory stays near the
+    final (NF4) footprint, never a full bf16 copy of the model."""
+    config = read_config(path)
+    device = torch.device(device or "cpu")
+    with torch.device("meta"):
+        model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if not p.requires_grad}
+
+    def put(name, tensor):
+        mod_name, attr = name.rsplit(".", 1)
+        mod = model.get_submodule(mod_name)
+        t = tensor.to(device, dtype)
+        value = to_nf4(t) if isinstance(mod, NF4Linear) else t
+        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+
+    load_checkpoint(path, config, shapes, put)
+    for m in model.modules():
+        if isinstance(m, LoRALinear):
+            m.lora_A = nn.Parameter(torch.empty(m.lora_A.shape, device=device))
+            m.lora_B = nn.Parameter(torch.zeros(m.lora_B.shape, device=device))
+            nn.init.kaiming_uniform_(m.lora_A, a=math.sqrt(5))
+    return model
+
+
+Llama.from_pretrained = staticmethod(from_pretrained)
+
+# PEFT's adapter format: what peft.PeftModel.from_pretrained(base, DIR) loads.
+PEFT_PREFIX, TARGET_MODULES = "base_model.model.", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
+                                                     "up_proj", "down_proj"]
+
+
+def save_adapters(out_dir, adapters, rank, alpha, dropout, base_model=""):
+    """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight) + adapter_config.json."""
+    os.makedirs(out_dir, exist_ok=True)
+    tensors = {PEFT_PREFIX + name + ".weight": t.float() for name, t in adapters.items()}
+    save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"),
+                     [(k, torch.float32, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__,
+                     metadata={"format": "pt"})
+    write_json(os.path.join(out_dir, "adapter_config.json"), {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+        "target_modules": TARGET_MODULES, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
+        "base_model_name_or_path": base_model})
+
+
+def load_adapters(path):
+    """{name: tensor} from a PEFT adapter directory (the inverse of save_adapters)."""
+    sf = SafetensorsFile(os.path.join(path, "adapter_model.safetensors"))
+    return {k[len(PEFT_PREFIX):-len(".weight")]: sf.get(k) for k in sf.entries}
+
+
+def save_checkpoint(out_dir, step, fsdp, optimizer, args):
+    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (PEFT adapters + training state)
+    into a temporary directory, renames it into place, then points out_dir/latest at it: a
+    crash at any moment leaves the previous checkpoint intact and `latest` naming it."""
+    adapters = fsdp.full_adapters()
+    moments, adam_step = fsdp.full_optimizer_state(optimizer)
+    if fsdp.rank == 0:
+        import shutil
+        name = f"checkpoint-{step}"
+        final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_adapters(tmp, adapters, args.lora_rank, args.lora_alpha, args.lora_dropout, args.checkpoint or "")
+        state = dict(step=step, adam_step=adam_step, moments=moments, rng=torch.get_rng_state(),
+                     model=args.model, checkpoint=args.checkpoint, lora_rank=args.lora_rank,
+                     lora_alpha=args.lora_alpha, dtype=args.dtype, world_size=fsdp.world, seed=args.seed)
+        torch.save(state, os.path.join(tmp, "training_state.pt.tmp"))
+        _fsync_replace(os.path.join(tmp, "training_state.pt.tmp"), os.path.join(tmp, "training_state.pt"))
+        shutil.rmtree(final, ignore_errors=True)
+        os.replace(tmp, final)
+        with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
+            f.write(name)
+        _fsync_replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+        for old in os.listdir(out_dir):  # keep only the newest checkpoint
+            if old.startswith("checkpoint-") and old != name:
+                shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def load_resume_state(out_dir, args):
+    """The training state `out_dir/latest` points to, checked against this run's model."""
+    latest = os.path.join(out_dir or "", "latest")
+    if not out_dir or not os.path.isfile(latest):
+        raise UserError(f"--resume: no checkpoint to resume from in --out {out_dir}")
+    with open(latest) as f:
+        ckpt = os.path.join(out_dir, f.read().strip())
+    path = os.path.join(ckpt, "training_state.pt")
+    try:
+        state = torch.load(path, weights_only=True)
+    except Exception as e:  # noqa: BLE001 -- any unreadable file is the same user error
+        raise UserError(f"{path}: cannot be read ({type(e).__name__})")
+    for key in ("model", "checkpoint", "lora_rank", "lora_alpha"):
+        if state.get(key) != getattr(args, key):
+            raise UserError(f"--resume {ckpt}: saved with --{key} {state.get(key)}, this run has "
+                            f"--{key} {getattr(args, key)}")
+    return state, load_adapters(ckpt)
+
+
+def save_merged(out_dir, fsdp, config, dtype):
+    """Collective. A Hugging Face checkpoint of the base with the adapters merged in,
+    W' = W + (alpha/rank) B A, written unit by unit by rank 0 (config.json + model.safetensors)."""
+    adapters = fsdp.full_adapters()
+    specs, where = [], {}
+    for u in fsdp.units:
+        for fqn, mod, attr, kind, slots, meta in u.owners:
+            if kind != "adapter":
+                specs.append((fqn, dtype, meta.shape))
+                where[fqn] = (u, mod, attr, kind)
+    current = {}
+
+    def get(name):
+        u, mod, attr, kind = where[name]
+        if current.get("unit") is not u:  # gather the next unit (all ranks take part)
+            if "unit" in current:
+                current["unit"].free()
+            u.gather()
+            current["unit"] = u
+        w = getattr(mod, attr)
+        if kind == "nf4":
+            w = w.dequantize(torch.float32)
+            if isinstance(mod, LoRALinear):
+                prefix = name[:-len(".weight")]
+                w = w + mod.scaling * (adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]).to(w.device)
+        return w.to(dtype)
+
+    if fsdp.rank == 0:
+        os.makedirs(out_dir, exist_ok=True)
+        hf = config_to_hf(config, dtype)
+        hf["tie_word_embeddings"] = False  # the head is written out on its own
+        write_json(os.path.join(out_dir, "config.json"), hf)
+        save_safetensors(os.path.join(out_dir, "model.safetensors"), specs, get, metadata={"format": "pt"})
+    else:
+        for name, _, _ in specs:  # the other ranks join the same all-gathers
+            get(name)
+    if "unit" in current:
+        current["unit"].free()
+    if dist.is_initialized():
+        dist.barrier()
+
+
+# -----------------------------------------------------------------------------
+# 9. Data, training loop, command line
 # -----------------------------------------------------------------------------
 
 
@@ -1128,13 +1557,18 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def load_tokens(path, vocab_size):
-    """A .bin file of uint16 tokens (nanoGPT's format) or any other file as raw bytes."""
+def load_tokens(path, vocab_size, seq_len):
+    """A .bin file of uint16 tokens (nanoGPT's format) or any other file as raw bytes, checked:
+    at least seq_len + 1 tokens, every id < vocab_size."""
     if not os.path.isfile(path):
-        raise SystemExit(f"error: --data {path}: no such file")
-    if path.endswith(".bin"):
-        return np.memmap(path, dtype=np.uint16, mode="r")
-    return np.memmap(path, dtype=np.uint8, mode="r")
+        raise UserError(f"--data {path}: no such file")
+    data = np.memmap(path, dtype=np.uint16 if path.endswith(".bin") else np.uint8, mode="r")
+    if len(data) < seq_len + 1:
+        raise UserError(f"--data {path}: {len(data)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
+    top = int(data.max())
+    if top >= vocab_size:
+        raise UserError(f"--data {path}: token id {top} >= vocab_size {vocab_size} of this model")
+    return data
 
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
@@ -1146,7 +1580,7 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
     if data is None:  # dummy: random tokens, as in the talk's benchmark
         tokens = torch.randint(vocab_size, (n, T + 1), generator=g)[rows]
     else:
-        starts = torch.randint(len(data) - T - 1, (n,), generator=g)[rows].tolist()
+        starts = torch.randint(len(data) - T, (n,), generator=g)[rows].tolist()
         tokens = torch.from_numpy(np.stack([data[s:s + T + 1].astype(np.int64) for s in starts]))
     return tokens[:, :-1], tokens[:, 1:]
 
@@ -1173,6 +1607,8 @@ def parse_args(argv=None):
     p.add_argument("--lora_rank", type=int, default=8)
     p.add_argument("--lora_alpha", type=float, default=16.0)
     p.add_argument("--lora_dropout", type=float, default=0.0)
+    p.add_argument("--checkpoint", default=None, metavar="DIR",
+                   help="a Hugging Face Llama directory (config.json + *.safetensors); overrides --model")
     # data
     p.add_argument("--data", default=None, help="a .bin of uint16 tokens, any file as bytes, or 'dummy' "
                                                 "(default: the bytes of this file)")
@@ -1187,6 +1623,13 @@ def parse_args(argv=None):
     p.add_argument("--adam_eps", type=float, default=1e-8)
     p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=1337)
+    # checkpoints
+    p.add_argument("--out", default=None, metavar="DIR", help="write PEFT adapters and resumable state here")
+    p.add_argument("--save_every", type=int, default=0, help="save to --out every N steps (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
+    p.add_argument("--merge_to", default=None, metavar="DIR",
+                   help="at the end, write the base with adapters merged as a Hugging Face checkpoint")
     # memory and speed
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the NF4 kernels")
@@ -1199,7 +1642,7 @@ def parse_args(argv=None):
                    help="write a torch.profiler trace (and on CUDA a memory snapshot) of steps 3-5 to DIR")
     p.add_argument("--log_every", type=int, default=1)
     args = p.parse_args(argv)
-    if args.model not in CONFIGS:
+    if args.model not in CONFIGS and not args.checkpoint:
         p.error(f"--model {args.model}: unknown, choose from {', '.join(CONFIGS)}")
     for flag in ("batch_size", "seq_len", "steps", "grad_accum", "lora_rank"):
         if getattr(args, flag) < 1:
@@ -1247,8 +1690,8 @@ def finish_profiler(prof, args, device, rank):
         print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
 
 
-def predicted_memory(args, world):
-    config = CONFIGS[args.model]
+def predicted_memory(args, world, config=None):
+    config = config or (read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model])
     return estimate_memory(config, world, args.batch_size, args.seq_len, 2 if args.dtype == "bf16" else 4,
                            args.lora_rank, args.checkpointing, args.cpu_offload, LOSS_CHUNK)
 
@@ -1256,8 +1699,9 @@ def predicted_memory(args, world):
 def estimate_only(args):
     """--estimate: the memory table from the config alone; nothing is allocated."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    est = predicted_memory(args, world)
-    print0(format_budget(args.model, memory_budget(CONFIGS[args.model], args.lora_rank)))
+    config = read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model]
+    est = predicted_memory(args, world, config)
+    print0(format_budget(args.model, memory_budget(config, args.lora_rank)))
     print0(format_estimate(args.model, est, world, args.cpu_offload))
     summary = dict(model=args.model, world_size=world, batch_size=args.batch_size, seq_len=args.seq_len,
                    dtype=args.dtype, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
@@ -1267,6 +1711,26 @@ def estimate_only(args):
     return summary
 
 
+def build(args, config, device):
+    """Model -> units -> shards, never holding more than one unsharded tensor: the model is
+    built on the meta device, sharded, then every base weight is made (read from --checkpoint,
+    or drawn at random) and quantized one at a time, keeping only this rank's pieces."""
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    with torch.device("meta"):
+        model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
+    model.checkpointing = args.checkpointing
+    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
+    shapes = fsdp.base_shapes()
+    if args.checkpoint:
+        load_checkpoint(args.checkpoint, config, shapes, fsdp.load_full)
+    else:
+        for name, tensor in random_base(shapes, args.seed, device):
+            fsdp.load_full(name, tensor)
+    adapters = init_adapters({s.name: s.shape for s in fsdp.adapter_slots()}, args.seed)
+    fsdp.load_full_state(adapters)
+    return model, fsdp
+
+
 def train(args):
     """Train; returns (summary dict, per-step losses, the FSDP object)."""
     global COMPILE
@@ -1274,24 +1738,21 @@ def train(args):
     device = setup_distributed()
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
-    config = CONFIGS[args.model]
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    print0(format_budget(args.model, memory_budget(config, args.lora_rank)))
-
-    if args.data == "dummy":
-        data = None
-    else:
-        data = load_tokens(args.data or os.path.abspath(__file__), config.vocab_size)
-        if len(data) < args.seq_len + 2:
-            raise SystemExit(f"error: --data {args.data}: {len(data)} tokens, need at least seq_len + 2")
-
-    torch.manual_seed(args.seed)  # every rank builds the same weights, then keeps its shard
-    with torch.device(device):
-        model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
-    model.checkpointing = args.checkpointing
-    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
+    name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.model
+    config = read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model]
+    data = None if args.data == "dummy" else load_tokens(args.data or os.path.abspath(__file__),
+                                                         config.vocab_size, args.seq_len)
+    print0(format_budget(name, memory_budget(config, args.lora_rank)))
+    model, fsdp = build(args, config, device)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    print0(f"model {args.model}: {sum(p.numel() for p in fsdp.parameters()) * world / 1e6:.2f} M adapter "
+    start = 0
+    if args.resume:
+        state, adapters = load_resume_state(args.out, args)
+        fsdp.load_full_state(adapters, optimizer, state["moments"], state["adam_step"])
+        torch.set_rng_state(state["rng"])
+        start = state["step"]
+        print0(f"resumed from {args.out} at step {start} (saved by world size {state['world_size']})")
+    print0(f"model {name}: {sum(p.numel() for p in fsdp.parameters()) * world / 1e6:.2f} M adapter "
            f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
            f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
            f"{args.checkpointing}, offload {args.cpu_offload}")
@@ -1300,7 +1761,8 @@ def train(args):
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     profiler = make_profiler(args, device, rank)
-    for step in range(args.steps):
+    last_step = min(args.steps, args.stop_at or args.steps)
+    for step in range(start, last_step):
         t0, wait0 = time.perf_counter(), fsdp.comm_wait_s
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
@@ -1314,7 +1776,12 @@ def train(args):
                 loss.backward()
                 fsdp.finish_backward()
             loss_sum += loss.detach()
-        sync()
+        if dist.is_initialized():  # mean over the global batch
+            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
+        loss_value = loss_sum.item()  # also synchronizes the device
+        if not math.isfinite(loss_value):  # stop before the update: the last checkpoint stays good
+            kept = f"; the last checkpoint in {args.out} is intact" if args.out else ""
+            raise UserError(f"loss is {loss_value} at step {step + 1}; stopped before updating{kept}")
         t_opt = time.perf_counter()
         with torch.profiler.record_function("optimizer"):
             if args.grad_clip > 0:
@@ -1323,22 +1790,31 @@ def train(args):
             optimizer.zero_grad(set_to_none=True)
             sync()
         optim_times.append(time.perf_counter() - t_opt)
-        if dist.is_initialized():  # mean over the global batch
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        loss_value = loss_sum.item()  # also synchronizes the device before timing
         dt = time.perf_counter() - t0
-        if not math.isfinite(loss_value):
-            raise SystemExit(f"error: loss is {loss_value} at step {step + 1}; stopping")
         losses.append(loss_value)
         times.append(dt)
         waits.append(fsdp.comm_wait_s - wait0)
         if profiler is not None:
             profiler.step()
-        if step % args.log_every == 0 or step == args.steps - 1:
+        if step % args.log_every == 0 or step == last_step - 1:
             print0(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
+        if args.out and args.save_every and (step + 1) % args.save_every == 0:
+            save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
         finish_profiler(profiler, args, device, rank)
+    if not losses:
+        raise UserError(f"nothing to do: --resume is at step {start}, --steps is {args.steps}")
+    if args.out:
+        if not args.save_every or last_step % args.save_every:
+            save_checkpoint(args.out, last_step, fsdp, optimizer, args)
+        adapters = fsdp.full_adapters()
+        if rank == 0:  # the final adapters, where PEFT expects them
+            save_adapters(args.out, adapters, args.lora_rank, args.lora_alpha, args.lora_dropout,
+                          args.checkpoint or "")
+    if args.merge_to:
+        save_merged(args.merge_to, fsdp, config, model.dtype)
+        print0(f"merged model written to {args.merge_to}")
 
     peak = torch.tensor(peak_memory_gib(device), device=device)
     if dist.is_initialized():
@@ -1349,22 +1825,26 @@ def train(args):
     # not finished when needed, the optimizer (clip + AdamW), and everything else (compute).
     wait_ms = float(np.median(waits[first:])) * 1000
     optim_ms = float(np.median(optim_times[first:])) * 1000
-    summary = dict(model=args.model, world_size=world, steps=args.steps, final_loss=losses[-1],
+    predicted = predicted_memory(args, world, config)
+    summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1],
                    first_loss=losses[0], step_ms=round(step_ms, 2),
                    tokens_per_s=round(tokens_per_step / (step_ms / 1000), 1),
-                   peak_mem_gib=round(peak.item(), 4), batch_size=args.batch_size, seq_len=args.seq_len,
-                   grad_accum=args.grad_accum, dtype=args.dtype, device=device.type,
-                   compute_ms=round(step_ms - wait_ms - optim_ms, 2), comm_wait_ms=round(wait_ms, 2),
-                   optimizer_ms=round(optim_ms, 2),
-                   predicted_peak_gib=round(predicted_memory(args, world)["gpu_peak"] / GiB, 4))
+                   peak_mem_gib=round(peak.item(), 4), predicted_peak_gib=round(predicted["gpu_peak"] / GiB, 4),
+                   batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
+                   dtype=args.dtype, device=device.type, compute_ms=round(step_ms - wait_ms - optim_ms, 2),
+                   comm_wait_ms=round(wait_ms, 2), optimizer_ms=round(optim_ms, 2))
     return summary, losses, fsdp
 
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.estimate:
-        return estimate_only(args)
-    summary, _, _ = train(args)
+    try:
+        if args.estimate:
+            return estimate_only(args)
+        summary, _, _ = train(args)
+    except UserError as e:  # bad input: one line, no traceback, non-zero exit
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        raise SystemExit(2)
     print0(json.dumps(summary))
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -428,21 +428,22 @@ def run_single(argv):
     return dict(losses=losses, adapters=fsdp.full_adapters(), local_bytes=fsdp.local_bytes())
 
 
-# Adam moves every element by ~lr * sign(g) on its first step, so an element whose gradient is
-# pure rounding noise (~1e-9 here) would move by +-lr in either run: eps=1e-5
-# damps updates of |g| << 1e-5 and leaves a comparison of the sharding, not of rounding signs.
-BASE = ["--dtype", "fp32", "--no-compile", "--seq_len", "32", "--steps", "4", "--lr", "1e-2",
-        "--warmup_steps", "1", "--log_every", "100", "--adam_eps", "1e-5"]
+# Adam divides each gradient by its own magnitude, so an element whose gradient is rounding noise
+# would still move by ~lr, differently in two runs that sum in another order. With eps = 1 the
+# update is ~lr * gradient (|g| << 1): the comparison is of the sharded gradients, not of the
+# signs of noise. (That our AdamW is torch's is tested on its own above.)
+BASE = ["--dtype", "fp32", "--no-compile", "--seq_len", "32", "--steps", "4", "--lr", "2",
+        "--warmup_steps", "1", "--log_every", "100", "--adam_eps", "1"]
 
 
 def assert_same_run(sharded, single):
-    # Sums run in another order across ranks (~1e-7 relative). A sharding bug moves weights by
-    # ~lr = 1e-2.
+    # Sums run in another order across ranks (~1e-7 relative); a sharding bug moves weights by
+    # about one update (~1e-2).
     torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
                                rtol=1e-5, atol=1e-5)
     assert sharded["adapters"].keys() == single["adapters"].keys()
     for k, v in single["adapters"].items():
-        torch.testing.assert_close(sharded["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+        torch.testing.assert_close(sharded["adapters"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
 @pytest.fixture(scope="module")
