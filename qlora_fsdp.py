@@ -1272,7 +1272,7 @@ def save_safetensors(path, specs, get, metadata=None):
         f.write(len(blob).to_bytes(8, "little"))
         f.write(blob)
         for name, dtype, shape in specs:
-            t = get(name).detach().to("cpu", dtype).contiguous()
+            t = get(name).detach().to("cpu", dtype, copy=True).contiguous()  # never export our storage
             assert tuple(t.shape) == tuple(shape), name
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     _fsync_replace(tmp, path)

@@ -529,3 +529,290 @@ def test_torchrun_cli_two_processes():
     assert p.returncode == 0, p.stderr[-2000:]
     s = last_json(p.stdout)
     assert s["world_size"] == 2 and s["steps"] == 3 and math.isfinite(s["final_loss"])
+
+
+# ---- 8. Hugging Face checkpoints ----------------------------------------------------------------
+
+def write_st(path, tensors, header_patch=None):
+    """An independent safetensors writer (length, JSON header, raw bytes) for the reader to face."""
+    names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+    header, blobs, offset = {}, [], 0
+    for name, t in tensors.items():
+        raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes()
+        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    if header_patch:
+        header_patch(header)
+    blob = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(len(blob).to_bytes(8, "little") + blob + b"".join(blobs))
+
+
+def hf_state_dict(config, dtype=torch.bfloat16, seed=0):
+    """Dense random weights under Hugging Face's LlamaForCausalLM names."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in qf.Llama(config).named_parameters() if not p.requires_grad}
+    return {n: (torch.ones(s) + 0.1 * torch.randn(s, generator=g) if "norm" in n
+                else torch.randn(s, generator=g) * (1.0 if "embed" in n else s[1] ** -0.5)).to(dtype)
+            for n, s in shapes.items()}
+
+
+def write_hf_checkpoint(path, config, sd, shards=1):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(qf.config_to_hf(config, torch.bfloat16), f)
+    if shards == 1:
+        write_st(os.path.join(path, "model.safetensors"), sd)
+        return
+    names, weight_map = list(sd), {}
+    for i in range(shards):
+        part = names[i::shards]
+        fname = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        write_st(os.path.join(path, fname), {n: sd[n] for n in part})
+        weight_map.update({n: fname for n in part})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f)
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("hf") / "tiny-llama")
+    config = qf.CONFIGS["tiny"]
+    sd = hf_state_dict(config)
+    write_hf_checkpoint(path, config, sd)
+    return path, sd
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_from_pretrained_equals_quantized_originals(shards, tmp_path, hf_dir):
+    """A Hugging Face directory (one file or sharded with an index) loads through from_pretrained:
+    every NF4 weight dequantizes to exactly the quantized original, dense weights are the
+    originals, and the logits equal a model given the same state dict through load_state_dict."""
+    _, sd = hf_dir
+    path = str(tmp_path / "ckpt")
+    write_hf_checkpoint(path, qf.CONFIGS["tiny"], sd, shards=shards)
+    model = qf.Llama.from_pretrained(path, dtype=torch.float32)
+    params = dict(model.named_parameters())
+    for name, w in sd.items():
+        p = params[name]
+        if isinstance(p, qf.NF4Tensor):
+            assert torch.equal(p.dequantize(torch.float32), qf.to_nf4(w.float()).dequantize(torch.float32)), name
+        else:
+            assert torch.equal(p, w.float()), name
+    ref = make_model()
+    missing, unexpected = ref.load_state_dict(sd, strict=False)  # dense in, quantized on the way
+    assert not unexpected and all(k.endswith(("lora_A", "lora_B")) for k in missing)
+    tokens = torch.randint(256, (2, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(model(tokens), reference_logits(ref, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_config_llama3_and_transformers5_layout():
+    """config.json from transformers 4 (rope_theta, rope_scaling) and 5 (rope_parameters) give the
+    same LlamaConfig; Llama 3.1 scaling divides low frequencies by `factor`, keeps high ones."""
+    rs = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+    base = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+    v4 = qf.config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": rs})
+    v5 = qf.config_from_hf({**base, "rope_parameters": {**rs, "rope_theta": 500000.0}})
+    assert v4.rope_theta == v5.rope_theta == 500000.0 and v4.num_key_value_heads == 8
+    assert v5.rope_scaling["factor"] == 8.0
+    plain = qf.rope_inv_freq(qf.config_from_hf({**base, "rope_theta": 500000.0}))
+    scaled = qf.rope_inv_freq(v5)
+    assert torch.equal(scaled[0], plain[0])  # highest frequency untouched
+    torch.testing.assert_close(scaled[-1], plain[-1] / 8)  # lowest divided by the factor
+
+
+def train_run(argv):
+    summary, losses, fsdp = qf.train(qf.parse_args(argv))
+    return dict(summary=summary, losses=losses, adapters=fsdp.full_adapters(), local_bytes=fsdp.local_bytes())
+
+
+def test_peft_adapter_files(tmp_path):
+    """--out writes adapter_model.safetensors with PEFT's keys (base_model.model.<module>.lora_A.weight,
+    A rank x in, B out x rank) and adapter_config.json; they load back exactly."""
+    out = str(tmp_path / "out")
+    run = train_run(BASE + ["--steps", "2", "--batch_size", "2", "--out", out, "--lora_rank", "4"])
+    with open(os.path.join(out, "adapter_model.safetensors"), "rb") as f:  # read the header by hand
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    keys = {k for k in header if k != "__metadata__"}
+    assert len(keys) == 2 * 7 * 4
+    assert header["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]["shape"] == [4, 128]
+    assert header["base_model.model.model.layers.3.mlp.down_proj.lora_B.weight"]["shape"] == [128, 4]
+    assert header["base_model.model.model.layers.2.self_attn.k_proj.lora_B.weight"]["shape"] == [64, 4]
+    with open(os.path.join(out, "adapter_config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 16.0
+    assert set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert cfg["task_type"] == "CAUSAL_LM" and cfg["bias"] == "none"
+    loaded = qf.load_adapters(out)
+    assert loaded.keys() == run["adapters"].keys()
+    for k, v in run["adapters"].items():
+        assert torch.equal(loaded[k], v), k
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    """Stopped after step 3 and resumed with --resume, a run ends with bitwise the same adapters
+    (and losses) as an uninterrupted one (CPU, fp32, same world size)."""
+    argv = BASE + ["--steps", "6", "--batch_size", "2", "--lr", "0.5", "--adam_eps", "1e-8"]
+    full = train_run(argv)
+    out = str(tmp_path / "run")
+    first = train_run(argv + ["--out", out, "--save_every", "3", "--stop_at", "3"])
+    assert open(os.path.join(out, "latest")).read() == "checkpoint-3"
+    rest = train_run(argv + ["--out", out, "--resume"])
+    assert first["losses"] + rest["losses"] == full["losses"]
+    for k, v in full["adapters"].items():
+        assert torch.equal(rest["adapters"][k], v), k
+
+
+def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
+    """A save that dies half-way (here: while writing the adapters of step 4) leaves the
+    checkpoint of step 2 in place, named by `latest`, and resumable."""
+    out = str(tmp_path / "run")
+    argv = BASE + ["--steps", "4", "--batch_size", "2", "--out", out, "--save_every", "2"]
+    real = qf.save_safetensors
+    calls = []
+
+    def dying(path, *a, **k):
+        calls.append(path)
+        if len(calls) == 2:  # the second checkpoint: write half a file, then die
+            with open(path + ".tmp", "wb") as f:
+                f.write(b"\x00" * 100)
+            raise KeyboardInterrupt("killed")
+        return real(path, *a, **k)
+
+    monkeypatch.setattr(qf, "save_safetensors", dying)
+    with pytest.raises(KeyboardInterrupt):
+        qf.train(qf.parse_args(argv))
+    monkeypatch.setattr(qf, "save_safetensors", real)
+    assert open(os.path.join(out, "latest")).read() == "checkpoint-2"
+    assert not os.path.exists(os.path.join(out, "checkpoint-4"))
+    assert len(qf.load_adapters(os.path.join(out, "checkpoint-2"))) == 2 * 7 * 4
+    resumed = train_run(argv + ["--resume"])
+    assert len(resumed["losses"]) == 2
+
+
+def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
+    """--merge_to writes config.json + model.safetensors with W' = W + (alpha/r) B A, which
+    from_pretrained loads back to the trained model's outputs."""
+    path, sd = hf_dir
+    out, merged = str(tmp_path / "out"), str(tmp_path / "merged")
+    train_run(BASE + ["--steps", "2", "--batch_size", "2", "--checkpoint", path, "--out", out, "--merge_to", merged])
+    adapters = qf.load_adapters(out)
+    sf = qf.SafetensorsFile(os.path.join(merged, "model.safetensors"))
+    q = "model.layers.1.self_attn.q_proj"
+    expected = qf.to_nf4(sd[q + ".weight"].float()).dequantize(torch.float32) + 2.0 * (
+        adapters[q + ".lora_B"] @ adapters[q + ".lora_A"])
+    assert adapters[q + ".lora_B"].abs().max() > 0
+    torch.testing.assert_close(sf.get(q + ".weight"), expected, rtol=1e-6, atol=1e-6)
+    assert torch.equal(sf.get("model.norm.weight"), sd["model.norm.weight"].float())
+    reloaded = qf.Llama.from_pretrained(merged, dtype=torch.float32)
+    assert isinstance(reloaded.lm_head.weight, qf.NF4Tensor)
+
+
+def _bad(tmp_path, hf_dir, case):
+    """Builds the bad input for `case`; returns (argv, expected words in the error)."""
+    path, sd = hf_dir
+    d = str(tmp_path / "bad")
+    cfg = qf.config_to_hf(qf.CONFIGS["tiny"], torch.bfloat16)
+
+    def ckpt(sd=sd, cfg=cfg, patch=None):
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(cfg, f)
+        write_st(os.path.join(d, "model.safetensors"), sd, patch)
+        return ["--checkpoint", d]
+
+    if case == "missing dir":
+        return ["--checkpoint", d], "no such directory"
+    if case == "missing config":
+        os.makedirs(d)
+        return ["--checkpoint", d], "config.json: no such file"
+    if case == "not a llama":
+        return ckpt(cfg={**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}), "not a Llama"
+    if case == "wrong shape":
+        return ckpt(sd={**sd, "model.norm.weight": torch.ones(64)}), "model.norm.weight has shape [64]"
+    if case == "unexpected name":
+        return ckpt(sd={**sd, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}), "unexpected tensor"
+    if case == "missing tensor":
+        return ckpt(sd={k: v for k, v in sd.items() if k != "lm_head.weight"}), "missing from the checkpoint"
+    if case == "unknown dtype":
+        return ckpt(patch=lambda h: h["model.norm.weight"].update(dtype="F8_E4M3")), "unsupported dtype F8_E4M3"
+    if case == "header beyond file":
+        args = ckpt()
+        with open(os.path.join(d, "model.safetensors"), "r+b") as f:
+            f.write((10**9).to_bytes(8, "little"))
+        return args, "runs past the end of the file"
+    if case == "truncated":
+        args = ckpt()
+        fname = os.path.join(d, "model.safetensors")
+        os.truncate(fname, os.path.getsize(fname) - 1000)
+        return args, "run past the end of the data"
+    if case == "overlapping":
+        def overlap(h):
+            h["model.norm.weight"]["data_offsets"] = list(h["lm_head.weight"]["data_offsets"])
+            h["model.norm.weight"]["data_offsets"][1] = h["model.norm.weight"]["data_offsets"][0] + 256
+        return ckpt(patch=overlap), "overlap"
+    if case == "short data":
+        f = tmp_path / "short.txt"
+        f.write_bytes(b"hello")
+        return ["--data", str(f)], "fewer than --seq_len + 1"
+    if case == "token id":
+        f = tmp_path / "tokens.bin"
+        f.write_bytes(torch.full((500,), 300, dtype=torch.int16).numpy().tobytes())
+        return ["--data", str(f)], "token id 300 >= vocab_size 256"
+    if case == "resume other rank":
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
+        return ["--out", out, "--resume", "--lora_rank", "4"], "saved with --lora_rank 8"
+    if case == "non-finite loss":
+        return ckpt(sd={**sd, "model.norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)}), \
+            "loss is nan at step 1"
+    raise AssertionError(case)
+
+
+BAD_CASES = ["missing dir", "missing config", "not a llama", "wrong shape", "unexpected name", "missing tensor",
+             "unknown dtype", "header beyond file", "truncated", "overlapping", "short data", "token id",
+             "resume other rank", "non-finite loss"]
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
+def test_bad_input_one_line_error(case, tmp_path, hf_dir, capsys):
+    """Each bad input exits non-zero with one line `error: ...` naming the file or flag and what
+    is wrong, and no traceback."""
+    argv, words = _bad(tmp_path, hf_dir, case)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        qf.main(BASE + ["--steps", "2", "--batch_size", "2"] + argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+def test_bad_input_no_traceback_in_a_real_process(tmp_path):
+    """From the shell: exit status 2, one line on stderr, no Python traceback."""
+    p = subprocess.run([sys.executable, os.path.join(HERE, "qlora_fsdp.py"), "--checkpoint", str(tmp_path / "nope")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == f"error: --checkpoint {tmp_path / 'nope'}: no such directory"
+
+
+def _load_worker(rank, world, port, argv, out_path):
+    _worker(rank, world, port, argv, out_path)
+
+
+def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
+    """Loading a checkpoint under 2 ranks keeps about half the weight bytes on each rank, and
+    training from it equals the single-process run."""
+    path, _ = hf_dir
+    argv = BASE + ["--checkpoint", path]
+    single = run_single(argv + ["--batch_size", "4"])
+    results = run_sharded(2, argv + ["--batch_size", "2"], tmp_path)
+    for r in results:
+        assert_same_run(r, single)
+        assert r["local_bytes"] <= single["local_bytes"] / 2 + 4096
