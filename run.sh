@@ -4,9 +4,19 @@
 #                     on a CPU-only machine the tiny model on this repo's own bytes over gloo.
 # Environment overrides: NPROC MODEL BATCH SEQ STEPS DATA, and EXTRA for any other flags
 #   e.g. MODEL=llama2-13b STEPS=5 EXTRA="--cpu_offload" bash run.sh
+# bash run.sh bench   speed of the pieces against their references (NF4 dequantization vs a plain
+#                     copy and bitsandbytes if installed, AdamW vs torch.optim.AdamW over DTensor),
+#                     then a training step of the tiny model on 2 processes.
 set -euo pipefail
 cd "$(dirname "$0")"
 python -c "import torch, numpy" 2>/dev/null || python -m pip install -q -r requirements.txt
+
+if [ "${1:-}" = "bench" ]; then
+  python qlora_fsdp.py --bench
+  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node 2 qlora_fsdp.py \
+    --model tiny --batch_size 8 --seq_len 128 --steps 30 --log_every 10
+  exit
+fi
 
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 1 ]; then
