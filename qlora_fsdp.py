@@ -1475,6 +1475,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         shutil.rmtree(tmp, ignore_errors=True)
         save_adapters(tmp, adapters, args.lora_rank, args.lora_alpha, args.lora_dropout, args.checkpoint or "")
         state = dict(step=step, adam_step=adam_step, moments=moments, rng=torch.get_rng_state(),
+                     cuda_rng=torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
                      model=args.model, checkpoint=args.checkpoint, lora_rank=args.lora_rank,
                      lora_alpha=args.lora_alpha, dtype=args.dtype, world_size=fsdp.world, seed=args.seed)
         torch.save(state, os.path.join(tmp, "training_state.pt.tmp"))
@@ -1640,6 +1641,7 @@ def parse_args(argv=None):
                    help="torch.compile the NF4 kernels")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
     p.add_argument("--estimate", action="store_true",
                    help="print the predicted memory per rank (world size from WORLD_SIZE) and exit")
@@ -1656,17 +1658,20 @@ def parse_args(argv=None):
     return args
 
 
-def setup_distributed():
-    """RANK in the environment (torchrun) -> a process group: NCCL on GPUs, gloo on CPUs."""
+def setup_distributed(device="auto"):
+    """The device (cuda:LOCAL_RANK on GPUs, else cpu) and, with RANK in the environment
+    (torchrun), a process group: NCCL on GPUs, gloo on CPUs. Nothing else differs."""
+    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
+    if use_cuda and not torch.cuda.is_available():
+        raise UserError("--device cuda: no CUDA GPU is available")
+    if use_cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     if "RANK" in os.environ and not dist.is_initialized():
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        if use_cuda:
             dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
         else:
             dist.init_process_group("gloo")
-    if torch.cuda.is_available():
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
+    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
 def make_profiler(args, device, rank):
@@ -1741,7 +1746,7 @@ def train(args):
     """Train; returns (summary dict, per-step losses, the FSDP object)."""
     global COMPILE
     COMPILE = args.compile
-    device = setup_distributed()
+    device = setup_distributed(args.device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.model
@@ -1756,6 +1761,8 @@ def train(args):
         state, adapters = load_resume_state(args.out, args)
         fsdp.load_full_state(adapters, optimizer, state["moments"], state["adam_step"])
         torch.set_rng_state(state["rng"])
+        if state.get("cuda_rng") is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda_rng"])
         start = state["step"]
         print0(f"resumed from {args.out} at step {start} (saved by world size {state['world_size']})")
     print0(f"model {name}: {sum(p.numel() for p in fsdp.parameters()) * world / 1e6:.2f} M adapter "
@@ -1843,19 +1850,22 @@ def train(args):
 
 
 def _median_ms(fn, n=10):
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
     fn()
     fn()  # warm: compilation, first-touch allocation
     times = []
     for _ in range(n):
+        sync()
         t0 = time.perf_counter()
         fn()
+        sync()  # GPU work is asynchronous: time it to the end
         times.append(time.perf_counter() - t0)
     return float(np.median(times)) * 1000
 
 
 def bench(args):
     """--bench: speed of the pieces, each measured against its reference in this one run."""
-    device = setup_distributed()
+    device = setup_distributed(args.device)
     results = {}
     # NF4 dequantization of a 4096 x 11008 weight (Llama-2-7B's MLP), bf16 out. Practical
     # roofline: a plain copy of the same output bytes into a preallocated buffer; dequantize

@@ -386,7 +386,7 @@ def last_json(out):
 def test_cli_loss_falls_on_default_data(capsys):
     """`python qlora_fsdp.py` trains the tiny model on its own bytes and the loss falls; the
     last line is the JSON summary."""
-    qf.main(["--steps", "60", "--seq_len", "64", "--log_every", "10", "--warmup_steps", "5"])
+    qf.main(["--device", "cpu", "--steps", "60", "--seq_len", "64", "--log_every", "10", "--warmup_steps", "5"])
     out = capsys.readouterr().out
     assert "step 60/60 | loss" in out and " tok/s | mem " in out
     s = last_json(out)
@@ -432,7 +432,7 @@ def run_single(argv):
 # would still move by ~lr, differently in two runs that sum in another order. With eps = 1 the
 # update is ~lr * gradient (|g| << 1): the comparison is of the sharded gradients, not of the
 # signs of noise. (That our AdamW is torch's is tested on its own above.)
-BASE = ["--dtype", "fp32", "--no-compile", "--seq_len", "32", "--steps", "4", "--lr", "2",
+BASE = ["--device", "cpu", "--dtype", "fp32", "--no-compile", "--seq_len", "32", "--steps", "4", "--lr", "2",
         "--warmup_steps", "1", "--log_every", "100", "--adam_eps", "1"]
 
 
@@ -524,7 +524,8 @@ def test_world_larger_than_some_tensors(tmp_path):
 def test_torchrun_cli_two_processes():
     """`torchrun --nproc_per_node 2 qlora_fsdp.py` runs on CPU over gloo and reports world 2."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(HERE, "qlora_fsdp.py"), "--steps", "3", "--no-compile", "--seq_len", "32", "--batch_size", "2"]
+           os.path.join(HERE, "qlora_fsdp.py"), "--device", "cpu", "--steps", "3", "--no-compile", "--seq_len", "32",
+           "--batch_size", "2"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert p.returncode == 0, p.stderr[-2000:]
     s = last_json(p.stdout)
@@ -816,3 +817,43 @@ def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
     for r in results:
         assert_same_run(r, single)
         assert r["local_bytes"] <= single["local_bytes"] / 2 + 4096
+
+
+# ---- CUDA: the same code with only the device changed (skipped without a GPU) -------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_cuda_nf4_equals_cpu():
+    """Quantizing on the GPU gives the CPU's codes and scales; dequantizing gives its values."""
+    w = torch.randn(256, 384, dtype=torch.bfloat16)
+    cpu, gpu = qf.to_nf4(w), qf.to_nf4(w.cuda())
+    for n in qf.NF4Tensor.INNER:
+        assert torch.equal(getattr(gpu, n).cpu(), getattr(cpu, n)), n
+    torch.testing.assert_close(gpu.dequantize().cpu(), cpu.dequantize(), rtol=0, atol=0)
+    assert isinstance(cpu.cuda(), qf.NF4Tensor) and cpu.cuda().packed.is_cuda
+
+
+@cuda
+def test_cuda_training_equals_cpu():
+    """One process on the GPU (fp32) gives the CPU run's losses and adapters."""
+    argv = [a for a in BASE if a not in ("--device", "cpu")] + ["--batch_size", "4"]
+    on_cpu = run_single(argv + ["--device", "cpu"])
+    on_gpu = run_single(argv + ["--device", "cuda"])
+    torch.testing.assert_close(torch.tensor(on_gpu["losses"]), torch.tensor(on_cpu["losses"]), rtol=1e-4, atol=1e-4)
+    for k, v in on_cpu["adapters"].items():
+        torch.testing.assert_close(on_gpu["adapters"][k], v, rtol=1e-3, atol=1e-4, msg=k)
+
+
+@cuda
+def test_cuda_peak_memory_matches_estimate():
+    """On a GPU the measured peak (allocated) is within 10% of --estimate's prediction for a
+    model whose activations and weights are both sizeable."""
+    qf.CONFIGS["gpu-check"] = qf.LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5504,
+                                             num_hidden_layers=8, num_attention_heads=16)
+    argv = ["--device", "cuda", "--model", "gpu-check", "--data", "dummy", "--batch_size", "4", "--seq_len", "1024",
+            "--steps", "3", "--log_every", "100"]
+    torch.cuda.reset_peak_memory_stats()
+    summary, _, _ = qf.train(qf.parse_args(argv))
+    assert abs(summary["peak_mem_gib"] - summary["predicted_peak_gib"]) <= 0.1 * summary["peak_mem_gib"], summary
