@@ -999,6 +999,9 @@ class LlamaConfig:  # field names are Hugging Face config.json's
 CONFIGS = {
     "tiny": LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
+    # the tiny model's bigger sibling, whose shapes torchao's NF4 can shard over 2 ranks (bench)
+    "small": LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=4, max_position_embeddings=1024),
     "llama2-7b": LlamaConfig(),
     "llama2-13b": LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
                               num_attention_heads=40),

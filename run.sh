@@ -13,8 +13,69 @@ python -c "import torch, numpy" 2>/dev/null || python -m pip install -q -r requi
 
 if [ "${1:-}" = "bench" ]; then
   python qlora_fsdp.py --bench
-  OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node 2 qlora_fsdp.py \
-    --model tiny --batch_size 8 --seq_len 128 --steps 30 --log_every 10
+  # A training step of the `small` model (256 wide: shapes torchao's NF4 can shard) on 2 ranks,
+  # ours, then -- if torchao is installed (never a dependency) -- the same model, batch, context,
+  # LoRA and checkpointing under PyTorch's fully_shard with torchao's NF4Tensor.
+  step=(--model small --batch_size 8 --seq_len 128 --steps 12 --log_every 100 --no-compile)
+  run2() { OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node 2 "$@" 2>/dev/null | tail -1; }
+  ours=$(run2 qlora_fsdp.py "${step[@]}")
+  echo "ours:                 $ours"
+  if python -c "import torchao.quantization" 2>/dev/null; then
+    peer=$(mktemp --suffix .py)
+    cat > "$peer" <<'PY'
+import json, os, sys, time, types
+import numpy as np, torch, torch.distributed as dist, torch.nn.functional as F
+from torch.distributed.fsdp import fully_shard
+from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import linear_nf4, to_nf4
+sys.path.insert(0, os.environ["REPO"])
+import qlora_fsdp as qf
+def forward(self, x):  # LoRALinear.forward with torchao's NF4 linear
+    lora = F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
+    return linear_nf4(x, self.weight) + self.scaling * lora
+dist.init_process_group("gloo")
+rank, world = dist.get_rank(), dist.get_world_size()
+args = qf.parse_args(sys.argv[1:])
+qf.COMPILE = args.compile
+config = qf.CONFIGS[args.model]
+torch.manual_seed(args.seed)
+model = qf.Llama(config, torch.bfloat16, args.lora_rank, args.lora_alpha)
+for m in model.modules():
+    if isinstance(m, qf.NF4Linear):
+        m.weight = torch.nn.Parameter(to_nf4(m.weight.dequantize(torch.bfloat16)), requires_grad=False)
+        if isinstance(m, qf.LoRALinear):
+            m.forward = types.MethodType(forward, m)
+for layer in model.model.layers:
+    fully_shard(layer)
+fully_shard(model)
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.lr)
+data = qf.load_tokens(qf.__file__, config.vocab_size, args.seq_len)
+times = []
+for step in range(args.steps):
+    t0 = time.perf_counter()
+    x, y = qf.get_batch(data, step, 0, args, world, rank, config.vocab_size)
+    loss = model(x, y)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], args.grad_clip)
+    opt.step()
+    opt.zero_grad()
+    dist.all_reduce(loss.detach(), op=dist.ReduceOp.AVG)
+    times.append(time.perf_counter() - t0)
+if rank == 0:
+    print(json.dumps({"peer": "fully_shard + torchao NF4", "step_ms": round(float(np.median(times[1:])) * 1000, 2)}))
+dist.destroy_process_group()
+PY
+    theirs=$(REPO="$PWD" run2 "$peer" "${step[@]}")
+    rm -f "$peer"
+    echo "fully_shard + torchao: $theirs"
+    python - "$ours" "$theirs" <<'PY'
+import json, sys
+a, b = json.loads(sys.argv[1]), json.loads(sys.argv[2])
+print(f"training step, small model, 2 ranks: ours {a['step_ms']:.1f} ms vs fully_shard + torchao "
+      f"{b['step_ms']:.1f} ms: {b['step_ms'] / a['step_ms']:.2f}x")
+PY
+  else
+    echo "(torchao not installed: fully_shard + torchao not measured)"
+  fi
   exit
 fi
 
