@@ -13,13 +13,16 @@ one lesson per section, each section depending only on torch and the sections ab
   5. sharding and offload       per-parameter shards, one all-gather per unit, reduce-scatter
   6. foreach AdamW              one kernel launch per op for all shards
   7. Llama                      Hugging Face names, RoPE, GQA, SwiGLU, chunked cross entropy
-  8. data, training loop, CLI
+  8. Hugging Face checkpoints   safetensors in and out, streamed loading, PEFT adapters, resume
+  9. data, training loop, CLI   one log line per step, a JSON summary, --estimate, --bench
 
 Run it:
   python qlora_fsdp.py                                   # tiny model on this file's bytes, CPU
   torchrun --nproc_per_node 2 qlora_fsdp.py              # the same, sharded over 2 processes
   torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy \\
       --batch_size 8 --seq_len 2048                      # the talk's benchmark, on 2 GPUs
+  WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 --estimate
+  torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.bin --out runs/a
 """
 
 import argparse
@@ -49,7 +52,6 @@ GiB = 1024**3
 # QLoRA freezes the base in NF4 (~0.516 B/param, section 2) and trains only LoRA adapters,
 # kept in fp32 (4 B) with fp32 gradients (4 B) and two fp32 moments (8 B): 16 B per *adapter*
 # parameter, of which there are ~0.3% as many.
-
 
 # NF4 storage per 64 weights (section 2): 32 B of codes + 1 B int8 scale, + 4 B fp32 factor per
 # 256 scales: 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
@@ -100,7 +102,7 @@ def format_budget(name, budget):
 
 
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
-                    checkpointing=True, offload=False, loss_chunk=1024):
+                    checkpointing=True, offload=False, loss_chunk=1024, offload_activations=False):
     """Predicted bytes per rank of a QLoRA training step as this file runs it: {row: bytes}.
 
     Sharded state is 1/world of the whole. Activations are per token, for one rank's
@@ -134,40 +136,41 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     block_backward = e * 3 * f + 2 * e * d
     act = {}
     if checkpointing:
-        act["checkpointed block inputs"] = L * N * e * d
-        act["recomputed block (forward + backward)"] = N * (block_saved + block_backward)
+        if offload_activations:  # kept on the host; one at a time back on the GPU
+            act["checkpointed block inputs (host)"] = L * N * e * d
+            act["checkpointed block input back on the GPU"] = kept = N * e * d
+        else:
+            act["checkpointed block inputs"] = kept = L * N * e * d
+        act["recomputed block (forward + backward)"] = block = N * (block_saved + block_backward)
     else:
-        act["saved activations, all blocks"] = L * N * block_saved
-        act["block backward gradients"] = N * block_backward
+        act["saved activations, all blocks"] = kept = L * N * block_saved
+        act["block backward gradients"] = block = N * block_backward
     # Loss: the final norm's saved tensors, lm_head dequantized, one chunk of fp32 logits and
     # its low-precision copy, and the gradient wrt the hidden states computed in forward.
-    act["loss: norm, lm_head dense, logits chunk, grad_h"] = (
+    act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
         N * (4 * d + e * d) + V * d * e + min(loss_chunk, N) * V * (4 + e) + N * d * e)
-    # Peak: during the last block's backward every checkpointed input is alive; the loss rows
-    # and the recomputed block are not alive together (the head's buffers go before).
-    loss_row = "loss: norm, lm_head dense, logits chunk, grad_h"
-    ckpt = act.get("checkpointed block inputs", act.get("saved activations, all blocks"))
-    block_peak = act.get("recomputed block (forward + backward)", act.get("block backward gradients"))
-    act_peak = ckpt + max(block_peak + N * d * e, act[loss_row])
+    # Peak: during the last block's backward every kept input is alive, with the gradient
+    # flowing in (N x C); the loss buffers are gone by then (they are not alive together).
+    act_peak = kept + max(block + N * d * e, loss)
     gpu_state = 0 if offload else sum(state.values())
     peak = gpu_state + gathers + act_peak
+    host = (sum(state.values()) if offload else 0) + act.get("checkpointed block inputs (host)", 0)
     return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak,
-                gpu_state=gpu_state, host_state=sum(state.values()) if offload else 0, gpu_peak=peak)
+                gpu_state=gpu_state, host_state=host, gpu_peak=peak)
 
 
 def format_estimate(name, est, world, offload):
-    GiB_ = 1024**3
     rows = [f"predicted memory per rank, {name}, world {world}"
             + (", state offloaded to the host" if offload else "") + ":"]
     where = "host" if offload else "GPU"
     for k, v in est["state"].items():
-        rows.append(f"  {k:<48} {v / GiB_:8.3f} GiB  ({where})")
-    rows.append(f"  {'all-gather buffers (2 block units + 1 in flight)':<48} {est['gathers'] / GiB_:8.3f} GiB")
+        rows.append(f"  {k:<48} {v / GiB:8.3f} GiB  ({where})")
+    rows.append(f"  {'all-gather buffers (2 block units + 1 in flight)':<48} {est['gathers'] / GiB:8.3f} GiB")
     for k, v in est["activations"].items():
-        rows.append(f"  {k:<48} {v / GiB_:8.3f} GiB")
-    rows.append(f"  {'predicted peak per GPU':<48} {est['gpu_peak'] / GiB_:8.3f} GiB")
-    if offload:
-        rows.append(f"  {'predicted host memory for offloaded state':<48} {est['host_state'] / GiB_:8.3f} GiB")
+        rows.append(f"  {k:<48} {v / GiB:8.3f} GiB")
+    rows.append(f"  {'predicted peak per GPU':<48} {est['gpu_peak'] / GiB:8.3f} GiB")
+    if est["host_state"]:
+        rows.append(f"  {'predicted host memory for offloaded tensors':<48} {est['host_state'] / GiB:8.3f} GiB")
     return "\n".join(rows)
 
 
@@ -1150,6 +1153,10 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
 
 
+def _run_block(layer, h, cos, sin):
+    return layer(h.to(cos.device, non_blocking=True), cos, sin)
+
+
 class Llama(nn.Module):
     """LlamaForCausalLM with every projection a LoRALinear over NF4 and an NF4 lm_head."""
 
@@ -1157,6 +1164,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.checkpointing = True  # activation checkpointing per block
+        self.offload_activations = False  # ... with each block's saved input kept on the host
         lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype)
         self.model = LlamaModel(config, lora)
         self.lm_head = NF4Linear(config.hidden_size, config.vocab_size, dtype)
@@ -1167,8 +1175,11 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
         for layer in self.model.layers:
             if self.checkpointing and torch.is_grad_enabled():
-                # keep only the block's input; recompute the rest in backward
-                h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                # keep only the block's input; recompute the rest in backward. With offload the
+                # kept input is a host copy (2*B*T*C bytes per block off the GPU), brought back
+                # to the device when the block runs, in forward and again in backward.
+                saved = h.to("cpu", non_blocking=True) if self.offload_activations else h
+                h = checkpoint(_run_block, layer, saved, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
         h = self.model.norm(h)
@@ -1646,6 +1657,8 @@ def parse_args(argv=None):
                    help="activation checkpointing per block")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
+    p.add_argument("--offload_activations", action="store_true",
+                   help="keep each block's checkpointed input on the host (needs --checkpointing)")
     p.add_argument("--estimate", action="store_true",
                    help="print the predicted memory per rank (world size from WORLD_SIZE) and exit")
     p.add_argument("--bench", action="store_true", help="time NF4 dequantization and AdamW against references")
@@ -1707,7 +1720,8 @@ def finish_profiler(prof, args, device, rank):
 def predicted_memory(args, world, config=None):
     config = config or (read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model])
     return estimate_memory(config, world, args.batch_size, args.seq_len, 2 if args.dtype == "bf16" else 4,
-                           args.lora_rank, args.checkpointing, args.cpu_offload, LOSS_CHUNK)
+                           args.lora_rank, args.checkpointing, args.cpu_offload, LOSS_CHUNK,
+                           args.offload_activations)
 
 
 def estimate_only(args):
@@ -1719,7 +1733,8 @@ def estimate_only(args):
     print0(format_estimate(args.model, est, world, args.cpu_offload))
     summary = dict(model=args.model, world_size=world, batch_size=args.batch_size, seq_len=args.seq_len,
                    dtype=args.dtype, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
-                   cpu_offload=args.cpu_offload, predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
+                   cpu_offload=args.cpu_offload, offload_activations=args.offload_activations,
+                   predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
                    predicted_host_gib=round(est["host_state"] / GiB, 3))
     print0(json.dumps(summary))
     return summary
@@ -1733,6 +1748,7 @@ def build(args, config, device):
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
     model.checkpointing = args.checkpointing
+    model.offload_activations = args.offload_activations
     fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
     shapes = fsdp.base_shapes()
     if args.checkpoint:
