@@ -537,6 +537,8 @@ def _contiguous_strides(shape):
 
 
 class _ParamMeta:
+    """What is kept of an unsharded parameter: its metadata, no data."""
+
     def __init__(self, p):
         self.shape, self.dtype = tuple(p.shape), p.dtype
         self.block_size = getattr(p, "block_size", None)
@@ -547,7 +549,7 @@ class _Slot:
     """One tensor of a unit: its shard's place in the unit's byte buffer and its full tensor."""
 
     def __init__(self, name, tensor, world, dtype=None):
-        self.name, self.shape = name, tuple(tensor.shape)
+        self.name, self.shape, self.source = name, tuple(tensor.shape), tensor  # source: until sharded
         self.dtype = dtype or tensor.dtype  # dtype on the wire (adapters: the compute dtype)
         self.numel = tensor.numel()
         self.shard_numel = -(-self.numel // world)  # ceil
@@ -618,28 +620,21 @@ class ShardedUnit:
         world, rank = fsdp.world, fsdp.rank
         store = fsdp.store_device
         self.frozen, self.adapters = [], []  # slots
-        self.owners = []  # (fqn, module, attr, kind, slot(s), param): where full tensors are installed
+        self.owners = []  # (fqn, module, attr, kind, slot(s), meta): where full tensors are installed
         for prefix, module in modules:
             for mod_name, mod in module.named_modules(prefix=prefix):
                 for attr, p in list(mod._parameters.items()):
                     fqn = f"{mod_name}.{attr}"
-                    meta = _ParamMeta(p)  # what is kept of the unsharded parameter: no data
-                    if isinstance(p, NF4Tensor):
-                        slots = [_Slot(f"{fqn}.{n}", getattr(p, n), world) for n in NF4Tensor.INNER]
-                        for slot, n in zip(slots, NF4Tensor.INNER):
-                            slot.source = getattr(p, n)
+                    if isinstance(p, NF4Tensor):  # one slot per inner tensor, each in its dtype
+                        kind, slots = "nf4", [_Slot(f"{fqn}.{n}", getattr(p, n), world) for n in NF4Tensor.INNER]
                         self.frozen += slots
-                        self.owners.append((fqn, mod, attr, "nf4", slots, meta))
-                    elif p.requires_grad:
-                        slot = _Slot(fqn, p, world, dtype=fsdp.compute_dtype)
-                        slot.source = p.detach()
-                        self.adapters.append(slot)
-                        self.owners.append((fqn, mod, attr, "adapter", slot, meta))
+                    elif p.requires_grad:  # travels in the compute dtype; fp32 master shard
+                        kind, slots = "adapter", _Slot(fqn, p.detach(), world, fsdp.compute_dtype)
+                        self.adapters.append(slots)
                     else:
-                        slot = _Slot(fqn, p, world)
-                        slot.source = p.detach()
-                        self.frozen.append(slot)
-                        self.owners.append((fqn, mod, attr, "dense", slot, meta))
+                        kind, slots = "dense", _Slot(fqn, p.detach(), world)
+                        self.frozen.append(slots)
+                    self.owners.append((fqn, mod, attr, kind, slots, _ParamMeta(p)))
         # Byte layout of this rank's shard: frozen tensors, then adapters (in the compute dtype).
         offset = 0
         for s in self.frozen + self.adapters:
@@ -676,9 +671,10 @@ class ShardedUnit:
             s.full.requires_grad_(True)
             s.full.register_post_accumulate_grad_hook(lambda t: self._arrive())
         # Install the (for now empty) full tensors on the modules in place of the parameters.
-        for fqn, mod, attr, kind, slots, p in self.owners:
+        for fqn, mod, attr, kind, slots, meta in self.owners:
             if kind == "nf4":
-                value = NF4Tensor(*(s.full for s in slots), p.shape, p.dtype, p.block_size, p.scaler_block_size)
+                value = NF4Tensor(*(s.full for s in slots), meta.shape, meta.dtype, meta.block_size,
+                                  meta.scaler_block_size)
             else:
                 value = slots.full
             del mod._parameters[attr]
@@ -810,7 +806,7 @@ class FSDP:
             # the last unit is needed again at once by backward: keep it (torchtitan does the same)
             last = i == len(units) - 1
             self.units.append(ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=not last))
-        self.owner_of = {fqn: (u, kind, slots, p) for u in self.units for fqn, _, _, kind, slots, p in u.owners}
+        self.owner_of = {fqn: (u, kind, slots, meta) for u in self.units for fqn, _, _, kind, slots, meta in u.owners}
 
     def next_unit(self, unit, direction):
         i = unit.index + direction
@@ -834,8 +830,8 @@ class FSDP:
                 s.master.grad = g.clone() if s.master.grad is None else s.master.grad.add_(g)
                 start += s.shard_numel
         self.reductions = []
-        for u in self.units:
-            if u.in_backward or u.pending > 0 and u.gathered:
+        for u in self.units:  # every unit that joined this backward has finished it
+            if u.in_backward or u.pending > 0:
                 raise RuntimeError(f"unit {u.name} did not finish its backward")
 
     def clip_grad_norm_(self, max_norm):
@@ -899,9 +895,9 @@ class FSDP:
     def load_full(self, fqn, tensor):
         """Shard one full tensor of the model (a Hugging Face weight, say) into its slot(s):
         NF4 weights are quantized here, on the device, and only this rank's pieces are kept."""
-        unit, kind, slots, p = self.owner_of[fqn]
+        unit, kind, slots, meta = self.owner_of[fqn]
         if kind == "nf4":
-            q = to_nf4(tensor.to(self.device, p.dtype), p.block_size, p.scaler_block_size)
+            q = to_nf4(tensor.to(self.device, meta.dtype), meta.block_size, meta.scaler_block_size)
             for s, n in zip(slots, NF4Tensor.INNER):
                 unit.write_piece(s, getattr(q, n))
         else:
@@ -909,7 +905,7 @@ class FSDP:
 
     def base_shapes(self):
         """{name: shape} of every frozen weight, as a Hugging Face checkpoint names them."""
-        return {fqn: tuple(p.shape) for fqn, (u, kind, slots, p) in self.owner_of.items() if kind != "adapter"}
+        return {fqn: meta.shape for fqn, (u, kind, slots, meta) in self.owner_of.items() if kind != "adapter"}
 
     def local_bytes(self):
         """Bytes this rank keeps between steps: shard bytes + fp32 master adapters."""
