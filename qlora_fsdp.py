@@ -1667,6 +1667,12 @@ def parse_args(argv=None):
     for flag in ("batch_size", "seq_len", "steps", "grad_accum", "lora_rank"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if (args.save_every or args.resume) and not args.out:
+        p.error("--save_every and --resume need --out DIR")
+    if args.offload_activations and not args.checkpointing:
+        p.error("--offload_activations offloads the checkpointed block inputs: it needs --checkpointing")
+    if args.checkpoint:
+        args.checkpoint = os.path.abspath(args.checkpoint)  # as saved in, and compared by, --resume
     return args
 
 
