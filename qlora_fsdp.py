@@ -514,7 +514,7 @@ class LoRALinear(NF4Linear):
 #   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's
 #   forward:       compute (with activation checkpointing only the unit's input is kept)
 #   post-forward:  free the full weights (storage resized to 0; the tensors stay as shells)
-#   pre-backward:  all-gather again (the Exit hook on the unit's output), prefetch the previous unit
+#   pre-backward:  all-gather again (a boundary hook on the unit's output), prefetch the previous unit
 #   backward:      recompute the forward, then backward; adapter gradients land on full tensors
 #   post-backward: once every adapter has its gradient and the unit's input gradient is done:
 #                  one reduce-scatter (fp32, averaged) of all adapter gradients, free the weights
@@ -564,31 +564,18 @@ def _local_piece(flat, rank, shard_numel):
     return F.pad(piece, (0, shard_numel - piece.numel()))
 
 
-class _Enter(torch.autograd.Function):
-    """Identity on a unit's input; its backward runs when the unit's input gradient is done."""
+class _Boundary(torch.autograd.Function):
+    """Identity in forward; in backward calls `hook`. On a unit's output its backward is the
+    first of the unit's (gather the weights); on its input, the last (the input grad is done)."""
 
     @staticmethod
-    def forward(ctx, x, unit):
-        ctx.unit = unit
+    def forward(ctx, x, hook):
+        ctx.hook = hook
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        ctx.unit._arrive()
-        return grad, None
-
-
-class _Exit(torch.autograd.Function):
-    """Identity on a unit's output; its backward runs first in the unit's backward: gather."""
-
-    @staticmethod
-    def forward(ctx, x, unit):
-        ctx.unit = unit
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.unit._pre_backward()
+        ctx.hook()
         return grad, None
 
 
@@ -748,14 +735,14 @@ class ShardedUnit:
             # (if the input needs one): then no backward op of this unit needs its weights.
             self.pending = len(self.adapters) + int(x.requires_grad)
             if x.requires_grad:
-                x = _Enter.apply(x, self)
+                x = _Boundary.apply(x, self._arrive)
         return (x,) + tuple(args[1:])
 
     def _post_forward(self, module, args, output):
         if self.in_backward:
             return output
         if torch.is_grad_enabled() and self.pending > 0:
-            output = _Exit.apply(output, self)
+            output = _Boundary.apply(output, self._pre_backward)
         if self.reshard_after_forward:
             self.free()
         return output
