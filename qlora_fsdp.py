@@ -1635,7 +1635,7 @@ def parse_args(argv=None):
                    help="at the end, write the base with adapters merged as a Hugging Face checkpoint")
     # memory and speed
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile the NF4 kernels")
+                   help="torch.compile the NF4 kernels and each block's forward")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="activation checkpointing per block")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
@@ -1738,6 +1738,9 @@ def build(args, config, device):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
     model.checkpointing = args.checkpointing
     model.offload_activations = args.offload_activations
+    if args.compile:  # each block's forward (as torchtune's compile=True); the sharding hooks stay eager
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward)
     fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
     shapes = fsdp.base_shapes()
     if args.checkpoint:
