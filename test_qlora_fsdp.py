@@ -885,3 +885,34 @@ def test_cuda_peak_memory_matches_estimate():
     torch.cuda.reset_peak_memory_stats()
     summary, _, _ = qf.train(qf.parse_args(argv))
     assert abs(summary["peak_mem_gib"] - summary["predicted_peak_gib"]) <= 0.1 * summary["peak_mem_gib"], summary
+
+
+# ---- Peers: Hugging Face transformers and PEFT, only where installed (never a dependency) --------
+
+def test_equals_transformers_and_peft_loads_our_adapters(tmp_path):
+    """A checkpoint saved by transformers loads here; with the same (dequantized) weights our
+    logits equal LlamaForCausalLM's; PEFT loads the adapters we train into that model and its
+    logits equal ours; transformers loads our merged checkpoint to the same logits."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    base, out, merged = str(tmp_path / "base"), str(tmp_path / "out"), str(tmp_path / "merged")
+    transformers.LlamaForCausalLM(cfg).float().save_pretrained(base)
+    train_run(BASE + ["--checkpoint", base, "--steps", "2", "--batch_size", "2", "--lora_rank", "4",
+                      "--out", out, "--merge_to", merged])
+    ours = qf.Llama.from_pretrained(base, dtype=torch.float32, lora_rank=4).eval()
+    hf = transformers.LlamaForCausalLM(cfg).float().eval()
+    dense = {n: p.dequantize(torch.float32) if isinstance(p, qf.NF4Tensor) else p.detach()
+             for n, p in ours.named_parameters() if not n.endswith(("lora_A", "lora_B"))}
+    missing, unexpected = hf.load_state_dict(dense, strict=False)
+    assert not missing and not unexpected
+    tokens = torch.randint(256, (2, 24))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
+        ours.load_state_dict(qf.load_adapters(out), strict=False)
+        tuned = peft.PeftModel.from_pretrained(hf, out).eval()
+        torch.testing.assert_close(ours(tokens), tuned(tokens).logits, rtol=1e-5, atol=1e-5)
+        back = transformers.LlamaForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
+        torch.testing.assert_close(ours(tokens), back(tokens).logits, rtol=1e-5, atol=1e-5)
