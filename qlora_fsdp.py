@@ -1597,9 +1597,18 @@ def lr_at(step, args):
 
 
 def peak_memory_gib(device):
+    """This process's peak: GPU memory allocated on CUDA, the resident set on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / GiB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
+
+
+def max_over_ranks(value, device):
+    if not dist.is_initialized():
+        return value
+    t = torch.tensor(float(value), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def parse_args(argv=None):
@@ -1821,8 +1830,9 @@ def train(args):
         if profiler is not None:
             profiler.step()
         if step % args.log_every == 0 or step == last_step - 1:
+            mem = max_over_ranks(peak_memory_gib(device), device)
             print0(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
-                   f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
+                   f"{tokens_per_step / dt:,.0f} tok/s | mem {mem:.2f} GiB")
         if args.out and args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
@@ -1840,9 +1850,7 @@ def train(args):
         save_merged(args.merge_to, fsdp, config, model.dtype)
         print0(f"merged model written to {args.merge_to}")
 
-    peak = torch.tensor(peak_memory_gib(device), device=device)
-    if dist.is_initialized():
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+    peak = max_over_ranks(peak_memory_gib(device), device)
     first = 1 if len(times) > 1 else 0  # the first step includes compilation
     step_ms = float(np.median(times[first:])) * 1000
     # Step time split (medians, host clock): waiting on all-gathers and reduce-scatters that had
@@ -1853,7 +1861,7 @@ def train(args):
     summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1],
                    first_loss=losses[0], step_ms=round(step_ms, 2),
                    tokens_per_s=round(tokens_per_step / (step_ms / 1000), 1),
-                   peak_mem_gib=round(peak.item(), 4), predicted_peak_gib=round(predicted["gpu_peak"] / GiB, 4),
+                   peak_mem_gib=round(peak, 4), predicted_peak_gib=round(predicted["gpu_peak"] / GiB, 4),
                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                    dtype=args.dtype, device=device.type, compute_ms=round(step_ms - wait_ms - optim_ms, 2),
                    comm_wait_ms=round(wait_ms, 2), optimizer_ms=round(optim_ms, 2))
