@@ -1161,7 +1161,8 @@ class Llama(nn.Module):
             if self.checkpointing and torch.is_grad_enabled():
                 # keep only the block's input; recompute the rest in backward. With offload the
                 # kept input is a host copy (2*B*T*C bytes per block off the GPU), brought back
-                # to the device when the block runs, in forward and again in backward.
+                # to the device when the block runs, in forward and again in backward. The price:
+                # that copy's gradient also goes to the host and back, once per block.
                 saved = h.to("cpu", non_blocking=True) if self.offload_activations else h
                 h = checkpoint(_run_block, layer, saved, cos, sin, use_reentrant=False)
             else:
