@@ -154,9 +154,12 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     act_peak = kept + max(block + N * d * e, loss)
     gpu_state = 0 if offload else sum(state.values())
     peak = gpu_state + gathers + act_peak
+    # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
+    largest = max(V * d, d * f, d * q)
+    load_peak = gpu_state + largest * (e + NF4_BITS_PER_PARAM / 8)
     host = (sum(state.values()) if offload else 0) + act.get("checkpointed block inputs (host)", 0)
     return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak,
-                gpu_state=gpu_state, host_state=host, gpu_peak=peak)
+                gpu_state=gpu_state, host_state=host, gpu_peak=peak, load_peak=load_peak)
 
 
 def format_estimate(name, est, world, offload):
@@ -169,6 +172,7 @@ def format_estimate(name, est, world, offload):
     for k, v in est["activations"].items():
         rows.append(f"  {k:<48} {v / GiB:8.3f} GiB")
     rows.append(f"  {'predicted peak per GPU':<48} {est['gpu_peak'] / GiB:8.3f} GiB")
+    rows.append(f"  {'while loading (one weight at a time), per GPU':<48} {est['load_peak'] / GiB:8.3f} GiB")
     if est["host_state"]:
         rows.append(f"  {'predicted host memory for offloaded tensors':<48} {est['host_state'] / GiB:8.3f} GiB")
     return "\n".join(rows)
