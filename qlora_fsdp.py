@@ -124,14 +124,16 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     # (prefetch), plus the copy-out of the current one from its own receive buffer.
     block_unit = nf4(block_linear) + 2 * d * e + (lora / L) * e
     gathers = 3 * block_unit
-    # Saved by one block's forward, per token (bytes): RMSNorm keeps its fp32 input and its
-    # normalized output; q, k, v and the RoPE'd q, k; attention output, its (transposed) copy
-    # into o_proj and the fp32 log-sum-exp per head; the residual sum; gate, up, silu(gate),
-    # their product; LoRA's (rank,) intermediates for each of the 7 projections.
+    # Saved by one block's forward for backward, per token (bytes), op by op: each RMSNorm its
+    # fp32 input, and its output once (the LoRA A of the projections it feeds); attention its
+    # RoPE'd q, k, its v, its output and the fp32 log-sum-exp per head; o_proj's LoRA its input
+    # (a copy: transpose + reshape); silu its input (gate), the product both factors, down_proj's
+    # LoRA the product; LoRA's (rank,) intermediates in the 7 projections. (The NF4 linears save
+    # only their 4-bit weight; RoPE only cos and sin.)
     norms = 2 * (4 * d + e * d)
-    attn = e * (2 * q + 2 * kv + q + kv + 2 * q) + 4 * c.num_attention_heads
+    attn = e * (3 * q + 2 * kv) + 4 * c.num_attention_heads
     mlp = e * 4 * f
-    block_saved = norms + attn + mlp + e * d + 7 * e * lora_rank
+    block_saved = norms + attn + mlp + 7 * e * lora_rank
     # Backward of a block also holds gradients of its activations: at most ~3 of ffn width.
     block_backward = e * 3 * f + 2 * e * d
     act = {}
@@ -1107,14 +1109,19 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         grad_h = torch.empty_like(h) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, N, chunk):
-            logits = (h[s:s + chunk] @ W.T).float()  # (n, V) fp32
+            logits = (h[s:s + chunk] @ W.T).float()  # (n, V) fp32: the one big buffer
             t = targets[s:s + chunk]
-            lse = torch.logsumexp(logits, dim=-1)  # (n,)
-            total += (lse - logits.gather(1, t[:, None]).squeeze(1)).sum()
-            if need_grad:  # d(sum of losses)/d logits = softmax - onehot
-                probs = logits.sub_(lse[:, None]).exp_()
+            target_logit = logits.gather(1, t[:, None]).squeeze(1)  # (n,)
+            # log-sum-exp in place (torch.logsumexp would allocate a second (n, V) buffer)
+            m = logits.amax(dim=-1, keepdim=True)
+            sumexp = logits.sub_(m).exp_().sum(dim=-1)  # logits now holds exp(l - max)
+            total += (m.squeeze(1) + sumexp.log() - target_logit).sum()
+            probs = None
+            if need_grad:  # d(sum of losses)/d logits = softmax - onehot, still in place
+                probs = logits.div_(sumexp[:, None])
                 probs[torch.arange(t.numel(), device=h.device), t] -= 1
                 grad_h[s:s + chunk] = probs.to(h.dtype) @ W
+            del logits, probs  # before the next chunk's are made: one chunk alive, not two
         ctx.save_for_backward(grad_h)
         ctx.N = N
         return total / N

@@ -554,6 +554,41 @@ def test_compiled_blocks_equal_eager():
         torch.testing.assert_close(compiled["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
+def _allocated_peak(fn):
+    """(result, peak, end) of the bytes fn allocates, from the profiler's allocator events."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        out = fn()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    total = peak = 0
+    for _, n in events:
+        total += n
+        peak = max(peak, total)
+    return out, peak, total
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+def test_estimate_matches_measured_activations(checkpointing, monkeypatch):
+    """The estimate's activation and all-gather rows are within 10% of the peak the allocator
+    actually sees during a training step (CPU, bf16, one rank), with and without checkpointing."""
+    monkeypatch.setattr(qf, "COMPILE", True)  # the estimate assumes fused (compiled) dequantization
+    qf.CONFIGS["mem"] = qf.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                                       num_attention_heads=8, num_key_value_heads=4)
+    argv = ["--model", "mem", "--batch_size", "4", "--seq_len", "512", "--device", "cpu", "--no-compile",
+            "--data", "dummy", "--checkpointing" if checkpointing else "--no-checkpointing"]
+    args = qf.parse_args(argv)
+    model, fsdp = qf.build(args, qf.CONFIGS["mem"], torch.device("cpu"))
+    x, y = qf.get_batch(None, 0, 0, args, 1, 0, 8192)
+    model(x, y).backward()
+    fsdp.finish_backward()
+    loss, forward_peak, forward_end = _allocated_peak(lambda: model(x, y))
+    _, backward_peak, _ = _allocated_peak(lambda: (loss.backward(), fsdp.finish_backward()))
+    measured = max(forward_peak, forward_end + backward_peak)
+    est = qf.predicted_memory(args, 1)
+    predicted = est["activation_peak"] + est["gathers"]
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
+
+
 def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
     """--estimate answers from the config alone (WORLD_SIZE from the environment, no process
     group): the 7B talk benchmark at world 2 ends with a JSON line holding predicted_peak_gib;
