@@ -745,6 +745,20 @@ def test_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(rest["adapters"][k], v), k
 
 
+def test_resume_at_another_world_size(tmp_path):
+    """A checkpoint saved by one process resumes under 2 ranks (same global batch) and ends where
+    the uninterrupted single-process run ends."""
+    argv = BASE + ["--steps", "6"]
+    full = run_single(argv + ["--batch_size", "4"])
+    out = str(tmp_path / "run")
+    train_run(argv + ["--batch_size", "4", "--out", out, "--save_every", "3", "--stop_at", "3"])
+    results = run_sharded(2, argv + ["--batch_size", "2", "--out", out, "--resume"], tmp_path)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=1e-5)
+        for k, v in full["adapters"].items():
+            torch.testing.assert_close(r["adapters"][k], v, rtol=1e-5, atol=1e-6, msg=k)
+
+
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     """A save that dies half-way (here: while writing the adapters of step 4) leaves the
     checkpoint of step 2 in place, named by `latest`, and resumable."""
