@@ -99,6 +99,24 @@ def test_compiled_equals_eager():
     assert torch.equal(d_eager, d_compiled)
 
 
+def test_vectorized_dequantize_equals_table_lookup():
+    """The select-tree + packed-pairs formulation (what torch.compile gets for bf16) gives the
+    table lookup's bf16 values bit for bit: every code, zero blocks, tiny and huge scales, and
+    the manual fp32 -> bf16 rounding on ties, subnormals and large values."""
+    codes = torch.arange(16)
+    assert torch.equal(qf._nf4_lookup(codes), qf.NF4[codes])
+    x = torch.cat([torch.randn(10000) * 10.0 ** torch.randint(-40, 38, (10000,)).float(),
+                   torch.tensor([0.0, -0.0, 1e-45, -3e-39, 3.4e38, 1.00390625, 1.01171875, -1.01171875])])
+    assert torch.equal(qf._bf16_bits(x).to(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    w = torch.randn(64, 1024) * torch.logspace(-30, 30, 64)[:, None]
+    w[3] = 0.0  # an all-zero row: 16 blocks whose absmax is 0
+    w[5, :64] = torch.linspace(-1, 1, 64)  # a block that hits every code
+    parts = qf.quantize_nf4(w, compile=False)
+    ref = qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=False)
+    assert torch.equal(qf._dequantize_bf16_pairs(*parts, 64, 256).view(torch.bfloat16), ref)
+    assert torch.equal(qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=True), ref)
+
+
 @pytest.mark.parametrize("shape", [(1, 64), (3, 320), (257, 64), (5, 7, 128)])
 def test_padded_scale_groups(shape):
     """Shapes whose block count is not a multiple of 256 quantize their last, partial group of
