@@ -320,8 +320,12 @@ def test_only_adapters_require_grad():
 # ---- 6. AdamW ---------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-def test_adamw_equals_torch(weight_decay):
-    """Our foreach AdamW equals torch.optim.AdamW over 50 steps, with and without weight decay."""
+@pytest.mark.parametrize("chunk_bytes", [None, 50])
+def test_adamw_equals_torch(weight_decay, chunk_bytes, monkeypatch):
+    """Our foreach AdamW equals torch.optim.AdamW over 50 steps, with and without weight decay,
+    with all tensors in one chunk and in cache-sized chunks (here 50 bytes: 3 chunks, one with an
+    empty tensor)."""
+    monkeypatch.setattr(qf, "ADAM_CHUNK_BYTES", {"cpu": chunk_bytes} if chunk_bytes else {})
     torch.manual_seed(0)
     params = [torch.randn(s, requires_grad=True) for s in [(7, 3), (64,), (0,), (5, 5, 2)]]
     ref = [p.detach().clone().requires_grad_() for p in params]
