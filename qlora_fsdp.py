@@ -685,16 +685,19 @@ class ShardedUnit:
         self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=store)
         if pin:
             self.shard_bytes = self.shard_bytes.pin_memory()
-        # fp32 master adapters: this rank's piece, zero padded; the optimizer sees the unpadded part.
-        self.masters = []
+        # fp32 master adapters: this rank's pieces, zero padded, side by side in one flat buffer,
+        # which is what the optimizer steps: one tensor per unit, not one per adapter (per-tensor
+        # dispatch is what made the talk's optimizer slow). The reduce-scatter's output has the
+        # same layout, so it becomes the gradient as it arrives. Padding stays 0 under AdamW:
+        # zero gradient, zero moments, zero update, and decay keeps 0 at 0.
+        flat = torch.zeros(sum(s.shard_numel for s in self.adapters), dtype=torch.float32, device=store)
+        self.master = nn.Parameter(flat.pin_memory() if pin else flat) if self.adapters else None
+        start = 0
         for s in self.adapters:
-            s.master_padded = torch.zeros(s.shard_numel, dtype=torch.float32, device=store)
-            if pin:
-                s.master_padded = s.master_padded.pin_memory()
-            valid = max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
-            s.master = nn.Parameter(s.master_padded[:valid])
-            s.master.fqn = s.name
-            self.masters.append(s.master)
+            s.start = start
+            s.master_padded = self.master.data[start:start + s.shard_numel]
+            s.master = s.master_padded[:max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))]
+            start += s.shard_numel
         for s in self.frozen + self.adapters:
             if s.source.device.type != "meta":  # a model built on "meta" is loaded later (load_full)
                 self.write_piece(s, s.source)
@@ -853,7 +856,13 @@ class FSDP:
         return self.units[i] if 0 <= i < len(self.units) else None
 
     def parameters(self):
-        return [p for u in self.units for p in u.masters]
+        """What the optimizer steps: each unit's flat fp32 master shard."""
+        return [u.master for u in self.units if u.master is not None]
+
+    def shard_grads(self):
+        """{adapter name: this rank's unpadded gradient piece} (views into the units' gradients)."""
+        return {s.name: u.master.grad[s.start:s.start + s.master.numel()]
+                for u in self.units if u.master is not None and u.master.grad is not None for s in u.adapters}
 
     def finish_backward(self):
         """Wait for the reduce-scatters and accumulate gradient shards into the masters (fp32)."""
@@ -864,11 +873,8 @@ class FSDP:
                     work.wait()
             self.comm_wait_s += time.perf_counter() - t0
             out = out.to(self.store_device)  # offload: gradient shards go back to the host
-            start = 0
-            for s in unit.adapters:
-                g = out[start:start + s.master.numel()]
-                s.master.grad = g.clone() if s.master.grad is None else s.master.grad.add_(g)
-                start += s.shard_numel
+            g = unit.master.grad
+            unit.master.grad = out if g is None else g.add_(out)  # gradient accumulation
         self.reductions = []
         for u in self.units:  # every unit that joined this backward has finished it
             if u.in_backward or u.pending > 0:
@@ -913,24 +919,28 @@ class FSDP:
         """{name: {exp_avg, exp_avg_sq}} gathered in full, and AdamW's step count: a checkpoint
         that any world size can resume from."""
         out, step = {}, 0
-        for s in self.adapter_slots():
-            st = optimizer.state.get(s.master) or {}
+        for u in self.units:
+            st = optimizer.state.get(u.master) or {}
             step = st.get("step", step)
-            zeros = torch.zeros_like(s.master)
-            out[s.name] = {k: self._gather_full(s, st.get(k, zeros)) for k in ("exp_avg", "exp_avg_sq")}
+            for s in u.adapters:
+                out[s.name] = {k: self._gather_full(s, st[k][s.start:s.start + s.master.numel()] if k in st
+                                                    else torch.zeros_like(s.master))
+                               for k in ("exp_avg", "exp_avg_sq")}
         return out, step
 
     def load_full_state(self, adapters, optimizer=None, moments=None, step=0):
         """Inverse of the two above: keep this rank's pieces of full adapters (and moments)."""
-        u_of = {s.name: u for u in self.units for s in u.adapters}
-        for s in self.adapter_slots():
-            u_of[s.name].write_piece(s, adapters[s.name])
-            if optimizer is not None and step > 0:
-                pieces = {}
+        for u in self.units:
+            for s in u.adapters:
+                u.write_piece(s, adapters[s.name])
+            if optimizer is not None and step > 0 and u.master is not None:
+                state = dict(step=step)
                 for k in ("exp_avg", "exp_avg_sq"):
-                    pieces[k] = _local_piece(moments[s.name][k].reshape(-1), self.rank, s.shard_numel)[
-                        :s.master.numel()].to(s.master.device).clone()
-                optimizer.state[s.master] = dict(step=step, **pieces)
+                    state[k] = torch.zeros_like(u.master)
+                    for s in u.adapters:  # the same layout as the master: pieces, zero padded
+                        state[k][s.start:s.start + s.shard_numel] = _local_piece(
+                            moments[s.name][k].reshape(-1).to(state[k].device), self.rank, s.shard_numel)
+                optimizer.state[u.master] = state
 
     def load_full(self, fqn, tensor):
         """Shard one full tensor of the model (a Hugging Face weight, say) into its slot(s):
@@ -949,7 +959,7 @@ class FSDP:
 
     def local_bytes(self):
         """Bytes this rank keeps between steps: shard bytes + fp32 master adapters."""
-        return sum(u.shard_bytes.nbytes + sum(s.master_padded.nbytes for s in u.adapters) for u in self.units)
+        return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.units)
 
 
 # -----------------------------------------------------------------------------
@@ -1873,7 +1883,7 @@ def train(args):
             torch.cuda.set_rng_state(state["cuda_rng"])
         start = state["step"]
         print0(f"resumed from {args.out} at step {start} (saved by world size {state['world_size']})")
-    print0(f"model {name}: {sum(p.numel() for p in fsdp.parameters()) * world / 1e6:.2f} M adapter "
+    print0(f"model {name}: {sum(s.numel for s in fsdp.adapter_slots()) / 1e6:.2f} M adapter "
            f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
            f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
            f"{args.checkpointing}, offload {args.cpu_offload}")
@@ -2025,11 +2035,20 @@ def bench(args):
             p.grad = torch.randn_like(p)
             ps.append(p)
         return ps
-    opt_rows = {"ours (foreach, plain shards)": AdamW(params(False), lr=1e-4),
+
+    def flat_params():  # what FSDP here hands its optimizer: one flat fp32 shard per block
+        per_block = sum(math.prod(s) for s in shapes) // c.num_hidden_layers // dist.get_world_size()
+        ps = [nn.Parameter(torch.randn(per_block, device=device)) for _ in range(c.num_hidden_layers)]
+        for p in ps:
+            p.grad = torch.randn_like(p)
+        return ps
+    opt_rows = {"ours, a flat shard per block": AdamW(flat_params(), lr=1e-4),
+                "ours, over the 448 tensors": AdamW(params(False), lr=1e-4),
                 "torch AdamW over DTensor (default)": torch.optim.AdamW(params(True), lr=1e-4),
                 "torch AdamW over DTensor (foreach)": torch.optim.AdamW(params(True), lr=1e-4, foreach=True),
                 "torch AdamW, plain tensors (foreach)": torch.optim.AdamW(params(False), lr=1e-4, foreach=True)}
-    print0(f"AdamW step over {sum(math.prod(s) for s in shapes) / 1e6:.1f} M adapter params in {len(shapes)} tensors:")
+    print0(f"AdamW step over Llama-2-7B's {sum(math.prod(s) for s in shapes) / 1e6:.1f} M adapter params "
+           f"({len(shapes)} tensors, {c.num_hidden_layers} blocks):")
     ours = None
     for k, opt in opt_rows.items():
         ms = _median_ms(opt.step, 7)

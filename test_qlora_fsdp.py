@@ -434,7 +434,11 @@ def _worker(rank, world, port, argv, out_path):
     adapters = fsdp.full_adapters()
     shard_sizes = {s.name: max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
                    for u in fsdp.units for s in u.frozen + u.adapters}
-    result = dict(losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(), shard_sizes=shard_sizes)
+    padding = [u.master.data[s.start + s.master.numel():s.start + s.shard_numel].abs().sum()
+               for u in fsdp.units for s in u.adapters]  # flat master's padding: must stay 0
+    result = dict(losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(), shard_sizes=shard_sizes,
+                  padding_sum=float(sum(padding)), padding_numel=sum(s.shard_numel - s.master.numel()
+                                                                     for u in fsdp.units for s in u.adapters))
     torch.save(result, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
@@ -496,7 +500,7 @@ def test_unit_lifecycle_one_collective_each(checkpointing):
     assert fsdp.n_all_gathers == 2 * n_layers + 2 and fsdp.n_reduce_scatters == n_layers
     assert all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.frozen + u.adapters)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    grads = {p.fqn: p.grad for p in fsdp.parameters()}
+    grads = fsdp.shard_grads()
     for name, p in ref.named_parameters():
         if p.requires_grad:  # world 1: the shard is the whole tensor
             torch.testing.assert_close(grads[name].view(p.shape), p.grad, rtol=1e-5, atol=1e-7, msg=name)
@@ -512,6 +516,8 @@ def test_sharded_equals_single_process(world, tmp_path, single_run_tiny):
     if world == 3:
         sizes = [r["shard_sizes"]["model.layers.0.self_attn.q_proj.lora_A"] for r in results]
         assert sizes == [342, 342, 340]  # 8 x 128 = 1024 elements: the last shard is short
+        # the short shard's padding, inside the flat master AdamW steps, is still exactly 0
+        assert results[2]["padding_numel"] > 0 and results[2]["padding_sum"] == 0
 
 
 def test_offload_accumulation_clipping_equal_single_process(tmp_path):
