@@ -6,25 +6,28 @@
 #   e.g. MODEL=llama2-13b STEPS=5 EXTRA="--cpu_offload" bash run.sh
 # bash run.sh bench   speed of the pieces against their references (NF4 dequantization vs a plain
 #                     copy and bitsandbytes if installed, AdamW vs torch.optim.AdamW over DTensor),
-#                     then a training step of the tiny model on 2 processes.
+#                     then a training step of the tiny model on 2 processes, and of the small
+#                     model against fully_shard + torchao if torchao is installed.
 set -euo pipefail
 cd "$(dirname "$0")"
 python -c "import torch, numpy" 2>/dev/null || python -m pip install -q -r requirements.txt
 
 if [ "${1:-}" = "bench" ]; then
   python qlora_fsdp.py --bench
+  run2() { OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node 2 "$@" 2>/dev/null | tail -1; }
+  echo "training step, tiny model, 2 ranks, batch 8 x 128 tokens, compiled:"
+  echo "  $(run2 qlora_fsdp.py --model tiny --batch_size 8 --seq_len 128 --steps 12 --log_every 100 --compile)"
   # A training step of the `small` model (256 wide: shapes torchao's NF4 can shard) on 2 ranks,
   # ours, then -- if torchao is installed (never a dependency) -- the same model, batch, context,
-  # LoRA and checkpointing under PyTorch's fully_shard with torchao's NF4Tensor.
-  step=(--model small --batch_size 8 --seq_len 128 --steps 12 --log_every 100)
-  run2() { OMP_NUM_THREADS=1 python -m torch.distributed.run --standalone --nproc_per_node 2 "$@" 2>/dev/null | tail -1; }
-  ours=$(run2 qlora_fsdp.py "${step[@]}" --compile)
-  ours_eager=$(run2 qlora_fsdp.py "${step[@]}" --no-compile)
-  echo "ours, compiled:       $ours"
-  echo "ours, eager:          $ours_eager"
-  if python -c "import torchao.quantization" 2>/dev/null; then
-    peer=$(mktemp --suffix .py)
-    cat > "$peer" <<'PY'
+  # LoRA and checkpointing under PyTorch's fully_shard with torchao's NF4Tensor. Twice: batch 8,
+  # where the model's own matmuls and attention (the same code in both) take most of the step,
+  # and batch 1, where the weights' all-gathers and dequantization -- what the stacks differ
+  # in -- weigh as they do for a large model at a small batch.
+  has_torchao=$(python -c "import torchao.quantization" 2>/dev/null && echo 1 || echo "")
+  [ -n "$has_torchao" ] || echo "(torchao not installed: fully_shard + torchao not measured)"
+  peer=$(mktemp --suffix .py)
+  trap 'rm -f "$peer"' EXIT
+  cat > "$peer" <<'PY'
 import json, os, sys, time, types
 import numpy as np, torch, torch.distributed as dist, torch.nn.functional as F
 from torch.distributed.fsdp import fully_shard
@@ -69,21 +72,26 @@ if rank == 0:
     print(json.dumps({"peer": "fully_shard + torchao NF4", "step_ms": round(float(np.median(times[1:])) * 1000, 2)}))
 dist.destroy_process_group()
 PY
+  for batch in 8 1; do
+    step=(--model small --batch_size "$batch" --seq_len 128 --steps 12 --log_every 100)
+    ours=$(run2 qlora_fsdp.py "${step[@]}" --compile)
+    ours_eager=$(run2 qlora_fsdp.py "${step[@]}" --no-compile)
+    echo "training step, small model, 2 ranks, batch $batch x 128 tokens:"
+    echo "  ours, compiled:                        $ours"
+    echo "  ours, eager:                           $ours_eager"
+    [ -n "$has_torchao" ] || continue
     theirs=$(REPO="$PWD" run2 "$peer" "${step[@]}" --compile)
     theirs_eager=$(REPO="$PWD" run2 "$peer" "${step[@]}" --no-compile)
-    rm -f "$peer"
-    echo "fully_shard + torchao, compiled blocks: $theirs"
-    echo "fully_shard + torchao, eager:           $theirs_eager"
-    python - "$ours" "$ours_eager" "$theirs" "$theirs_eager" <<'PY'
+    echo "  fully_shard + torchao, compiled blocks: $theirs"
+    echo "  fully_shard + torchao, eager:           $theirs_eager"
+    python - "$batch" "$ours" "$ours_eager" "$theirs" "$theirs_eager" <<'PY'
 import json, sys
-ours, ours_eager, theirs, theirs_eager = (json.loads(a)["step_ms"] for a in sys.argv[1:])
+ours, ours_eager, theirs, theirs_eager = (json.loads(a)["step_ms"] for a in sys.argv[2:])
 best_ours, best_theirs = min(ours, ours_eager), min(theirs, theirs_eager)
-print(f"training step, small model, 2 ranks: ours {best_ours:.1f} ms vs fully_shard + torchao "
-      f"{best_theirs:.1f} ms (the faster of eager and compiled, each): {best_theirs / best_ours:.2f}x")
+print(f"  => batch {sys.argv[1]}: ours {best_ours:.1f} ms vs fully_shard + torchao {best_theirs:.1f} ms "
+      f"(the faster of eager and compiled, each): {best_theirs / best_ours:.2f}x")
 PY
-  else
-    echo "(torchao not installed: fully_shard + torchao not measured)"
-  fi
+  done
   exit
 fi
 
