@@ -118,7 +118,8 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
         "frozen dense weights (shard)": dense * e / world,
         "adapters fp32 + wire copy (shard)": lora * (4 + e) / world,
         "adapter gradients fp32 (shard)": 4 * lora / world,
-        "AdamW state fp32 (shard)": 8 * lora / world,
+        # m and v, plus AdamW's sqrt(v) scratch: all of it on a GPU (one chunk), ~1 MiB on the host
+        "AdamW state fp32 + scratch (shard)": (8 if offload else 12) * lora / world,
     }
     # All-gathers: the block being computed, fully gathered, plus the next one's receive buffer
     # (prefetch), plus the copy-out of the current one from its own receive buffer.
