@@ -115,6 +115,9 @@ def test_vectorized_dequantize_equals_table_lookup():
     ref = qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=False)
     assert torch.equal(qf._dequantize_bf16_pairs(*parts, 64, 256).view(torch.bfloat16), ref)
     assert torch.equal(qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=True), ref)
+    # traced into a bigger compiled graph it is one custom op, with the same values
+    outer = torch.compile(lambda *p: qf.dequantize_nf4(*p, dtype=torch.bfloat16) * 1, fullgraph=True)
+    assert torch.equal(outer(*parts), ref)
 
 
 @pytest.mark.parametrize("shape", [(1, 64), (3, 320), (257, 64), (5, 7, 128)])
