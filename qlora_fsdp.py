@@ -344,7 +344,7 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
         fast = (compile or tracing) and packed.device.type != "meta"
         if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
             return _dequantize_bf16(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
-        kernel = _dequantize_compiled if _use_compiled(compile, packed) else _dequantize
+        kernel = _dequantize_compiled if fast and not tracing else _dequantize
         return kernel(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, dtype)
 
 
