@@ -26,6 +26,7 @@ Run it:
 """
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -237,13 +238,40 @@ def _double_quantize(absmax, scaler_block_size: int):
 
 def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
                 scaler_block_size: int, dtype: torch.dtype):
-    """Inverse of the above: (numel,) tensor of `dtype`, row-major. The reference (and eager) path.
+    """Inverse of the above: (numel,) tensor of `dtype`, row-major. The reference, and what
+    torch.compile turns into a kernel for any output dtype.
 
     absmax = q / factor[group] + mean; w = NF4[code] * absmax[block]."""
     absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)  # (n_blocks,)
     codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).long()  # unpack nibbles
     values = torch.tensor(NF4_VALUES, device=packed.device)[codes].view(absmax.numel(), block_size)
     return (values * absmax[:, None]).view(-1).to(dtype)  # (n_blocks, 64) -> (numel,)
+
+
+_NF4_ON_DEVICE = {}  # the codebook, copied to each device once
+DEQUANT_CHUNK = 1 << 22  # elements per pass of the eager dequantize
+
+
+def _dequantize_eager(packed, scale_q, scale_factor, scale_mean, block_size: int,
+                      scaler_block_size: int, dtype: torch.dtype):
+    """_dequantize's numbers without a compiler, for `--no-compile`: the codebook is copied to
+    the device once (not a host-to-device copy per call), codes index it as int32, and the
+    weight is done a chunk of blocks at a time into the output, so that no temporary (4-byte
+    codes and values) is larger than the output itself."""
+    table = _NF4_ON_DEVICE.get(packed.device)
+    if table is None:
+        table = _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
+    absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)  # (n_blocks,)
+    numel = 2 * packed.numel()
+    out = torch.empty(numel, dtype=dtype, device=packed.device)
+    step = max(block_size, min(DEQUANT_CHUNK, numel // 2) // block_size * block_size)
+    for start in range(0, numel, step):  # elements [start, start + step): whole blocks
+        byte = packed[start // 2:(start + step) // 2]
+        codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()
+        values = table.index_select(0, codes).view(-1, block_size)
+        values *= absmax[start // block_size:start // block_size + values.shape[0], None]
+        out[start:start + values.numel()] = values.view(-1)
+    return out
 
 
 def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
@@ -340,12 +368,15 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
                    scaler_block_size=256, dtype=torch.bfloat16, compile=None):
     compile = COMPILE if compile is None else compile
     tracing = torch.compiler.is_compiling()  # inside an outer torch.compile: trace, don't call
+    args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
     with torch.no_grad():  # frozen weights: never part of the autograd graph
-        fast = (compile or tracing) and packed.device.type != "meta"
-        if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
-            return _dequantize_bf16(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
-        kernel = _dequantize_compiled if fast and not tracing else _dequantize
-        return kernel(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, dtype)
+        if packed.device.type == "meta":
+            return _dequantize(*args, dtype)
+        if (compile or tracing) and dtype == torch.bfloat16 and sys.byteorder == "little":
+            return _dequantize_bf16(*args)
+        if tracing:
+            return _dequantize(*args, dtype)
+        return (_dequantize_compiled if compile else _dequantize_eager)(*args, dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -489,23 +520,53 @@ def to_nf4(weight, block_size=64, scaler_block_size=256):
     return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
 
 
-class _LinearNF4(torch.autograd.Function):
-    """y = x W^T with W frozen in NF4. Saves the 4-bit tensor for backward, never a dense copy;
-    backward dequantizes again: grad_x = grad_y W."""
+# y = x W^T with W frozen in NF4, as one custom op with its own backward, grad_x = grad_y W
+# (dequantized again). Saved for backward: the four packed inner tensors, never a dense W.
+# Why an op and not an autograd.Function: torch.compile traces through a Function, and its
+# common-subexpression pass merges the forward's and the backward's identical dequantize into
+# one call whose dense (out, in) result is then kept for backward -- QLoRA's saving, gone. An
+# op is opaque to the compiler: the two dequantizes stay apart, compiled or eager.
+@torch.library.custom_op("qlora_fsdp::linear_nf4", mutates_args=())
+def _linear_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
+                scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int) -> torch.Tensor:
+    w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, x.dtype)
+    return F.linear(x, w.view(out_features, -1))  # (..., in) -> (..., out)
 
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(weight)
-        return F.linear(x, weight.dequantize(x.dtype))
 
-    @staticmethod
-    def backward(ctx, grad_y):
-        (weight,) = ctx.saved_tensors
-        return grad_y @ weight.dequantize(grad_y.dtype), None
+@torch.library.custom_op("qlora_fsdp::matmul_nf4", mutates_args=())
+def _matmul_nf4(grad: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
+                scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int) -> torch.Tensor:
+    w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, grad.dtype)
+    return grad @ w.view(out_features, -1)  # (..., out) -> (..., in)
+
+
+@_linear_nf4.register_fake
+def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size):
+    return x.new_empty(*x.shape[:-1], out_features)
+
+
+@_matmul_nf4.register_fake
+def _(grad, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size):
+    return grad.new_empty(*grad.shape[:-1], 2 * packed.numel() // out_features)
+
+
+def _linear_nf4_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs[1:5])  # packed, scale_q, scale_factor, scale_mean
+    ctx.meta = inputs[5:]  # out_features, block_size, scaler_block_size
+
+
+def _linear_nf4_backward(ctx, grad_y):
+    grad_x = _matmul_nf4(grad_y, *ctx.saved_tensors, *ctx.meta) if ctx.needs_input_grad[0] else None
+    return (grad_x,) + (None,) * 7
+
+
+_linear_nf4.register_autograd(_linear_nf4_backward, setup_context=_linear_nf4_setup)
 
 
 def linear_nf4(x, weight):
-    return _LinearNF4.apply(x, weight)
+    """y = x W^T for an NF4Tensor W; autograd gives a gradient to x only."""
+    return _linear_nf4(x, weight.packed, weight.scale_q, weight.scale_factor, weight.scale_mean,
+                       weight.shape[0], weight.block_size, weight.scaler_block_size)
 
 
 # torch.load's safe (weights_only) unpickler must be told the class may be rebuilt.
@@ -761,11 +822,15 @@ class ShardedUnit:
         if self.gathered or self.inflight is not None:
             return
         fsdp = self.fsdp
-        send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
-        for s in self.adapters:  # cast the fp32 masters into the wire dtype
-            self._shard_view(send, s).copy_(s.master_padded, non_blocking=True)
-        out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
-        with torch.profiler.record_function("fsdp::all_gather"):
+        # On the side stream (CUDA), after what the compute stream has queued so far (the
+        # optimizer's last update of the masters included): the shard's copy to the GPU (with
+        # offload) and the all-gather then overlap the compute of the unit before this one.
+        fsdp.side_wait_compute()
+        with torch.cuda.stream(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
+            send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
+            for s in self.adapters:  # cast the fp32 masters into the wire dtype
+                self._shard_view(send, s).copy_(s.master_padded, non_blocking=True)
+            out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
             work = _all_gather(out, send, fsdp.group, async_op=True)
         self.inflight = (work, out)
         fsdp.n_all_gathers += 1
@@ -776,11 +841,10 @@ class ShardedUnit:
             return
         self.gather_async()
         work, out = self.inflight
-        t0 = time.perf_counter()
-        if work is not None:
-            with torch.profiler.record_function("fsdp::wait_all_gather"):
-                work.wait()
-        self.fsdp.comm_wait_s += time.perf_counter() - t0
+        with torch.profiler.record_function("fsdp::wait_all_gather"):
+            self.fsdp.wait(work)
+        if out.is_cuda:  # made on the side stream, read on this one: not reused before that
+            out.record_stream(torch.cuda.current_stream(out.device))
         out = out.view(self.fsdp.world, self.unit_bytes)
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
             for s in self.frozen + self.adapters:
@@ -858,7 +922,10 @@ class FSDP:
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.store_device = torch.device("cpu") if offload else device
-        self.reductions, self.comm_wait_s = [], 0.0
+        self.reductions, self.comm_wait_s, self.wait_events = [], 0.0, []
+        # CUDA: collectives and host copies are issued on a side stream so they overlap the
+        # compute stream; on the CPU there are no streams (None) and the same code runs in order.
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.n_all_gathers = self.n_reduce_scatters = 0  # collectives issued, for tests and logs
         self.units = []
         for i, (name, hook_module, modules) in enumerate(units):
@@ -880,15 +947,55 @@ class FSDP:
         return {s.name: u.master.grad[s.start:s.start + s.master.numel()]
                 for u in self.units if u.master is not None and u.master.grad is not None for s in u.adapters}
 
-    def finish_backward(self):
-        """Wait for the reduce-scatters and accumulate gradient shards into the masters (fp32)."""
-        for unit, work, out, _ in self.reductions:
+    def side_wait_compute(self):
+        if self.side_stream is not None:
+            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
+
+    def wait(self, work):
+        """Wait for a collective issued on the side stream. On CUDA this returns at once and makes
+        the compute stream wait (NCCL's wait() does not block the host): events on the compute
+        stream around it time that stall. On the CPU the host itself waits: its clock times it."""
+        if self.side_stream is None:
             t0 = time.perf_counter()
             if work is not None:
-                with torch.profiler.record_function("fsdp::wait_reduce_scatter"):
-                    work.wait()
+                work.wait()
             self.comm_wait_s += time.perf_counter() - t0
-            out = out.to(self.store_device)  # offload: gradient shards go back to the host
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        if work is not None:
+            work.wait()
+        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+        end.record()
+        self.wait_events.append((start, end))
+
+    def take_comm_wait_s(self):
+        """Seconds the compute stream (or host) waited on collectives since the last call; call
+        it after the device is synchronized."""
+        s = self.comm_wait_s + sum(a.elapsed_time(b) for a, b in self.wait_events) / 1000
+        self.comm_wait_s, self.wait_events = 0.0, []
+        return s
+
+    def finish_backward(self):
+        """Wait for the reduce-scatters and accumulate gradient shards into the masters (fp32).
+        With offload the shards go to pinned host memory on the side stream, all queued before
+        one wait for the lot."""
+        arrived = []
+        for unit, work, out, _ in self.reductions:
+            with torch.profiler.record_function("fsdp::wait_reduce_scatter"):
+                self.wait(work)
+            if self.store_device != out.device:
+                self.side_wait_compute()
+                with torch.cuda.stream(self.side_stream):
+                    host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
+                    host.copy_(out, non_blocking=True)
+                    if out.is_cuda:
+                        out.record_stream(self.side_stream)
+                out = host
+            arrived.append((unit, out))
+        if self.side_stream is not None and self.offload:
+            self.side_stream.synchronize()  # the host reads these gradients next
+        for unit, out in arrived:
             g = unit.master.grad
             unit.master.grad = out if g is None else g.add_(out)  # gradient accumulation
         self.reductions = []
@@ -910,12 +1017,6 @@ class FSDP:
         if coef < 1 and grads:
             torch._foreach_mul_(grads, coef)
         return total
-
-    def reshard(self):
-        for u in self.units:
-            if u.inflight is not None:
-                u.gather()
-            u.free()
 
     def _gather_full(self, s, piece):
         """The full tensor of adapter slot s from every rank's (unpadded) fp32 piece."""
@@ -1250,8 +1351,43 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
 
 
-def _run_block(layer, h, cos, sin):
-    return layer(h.to(cos.device, non_blocking=True), cos, sin)
+class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
+    """While active, the tensor autograd saves that is `self.input` -- a checkpointed block's
+    input, the one thing checkpointing keeps of a block -- is packed into host memory (pinned,
+    copied on `stream`) and brought back to its device when backward recomputes the block. Only
+    what autograd saves is touched: the gradient that flows through the block stays on the device.
+    On the CPU (stream None) the same copies run in order."""
+
+    def __init__(self, stream=None):
+        self.stream, self.input, self.nbytes = stream, None, 0
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t):
+        x = self.input
+        if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
+            return t  # not a block input (RoPE's cos and sin): kept as is
+        if self.stream is not None:  # the copy starts once the block input has been computed
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=True)
+            if t.is_cuda:
+                t.record_stream(self.stream)  # not reused before the copy has read it
+        self.nbytes += t.nbytes
+        return t.device, host
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        t = torch.empty(host.shape, dtype=host.dtype, device=device)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            t.copy_(host, non_blocking=True)
+        if self.stream is not None:
+            torch.cuda.current_stream(device).wait_stream(self.stream)
+        return t
 
 
 class Llama(nn.Module):
@@ -1261,7 +1397,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.checkpointing = True  # activation checkpointing per block
-        self.offload_activations = False  # ... with each block's saved input kept on the host
+        self.offload_activations = None  # an OffloadedInputs: each block's saved input on the host
         lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype)
         self.model = LlamaModel(config, lora)
         self.lm_head = NF4Linear(config.hidden_size, config.vocab_size, dtype)
@@ -1272,12 +1408,13 @@ class Llama(nn.Module):
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
         for layer in self.model.layers:
             if self.checkpointing and torch.is_grad_enabled():
-                # keep only the block's input; recompute the rest in backward. With offload the
-                # kept input is a host copy (2*B*T*C bytes per block off the GPU), brought back
-                # to the device when the block runs, in forward and again in backward. The price:
-                # that copy's gradient also goes to the host and back, once per block.
-                saved = h.to("cpu", non_blocking=True) if self.offload_activations else h
-                h = checkpoint(_run_block, layer, saved, cos, sin, use_reentrant=False)
+                # keep only the block's input (B, T, C); recompute the rest in backward. With
+                # offload that input waits in host memory until the block's backward.
+                offload = self.offload_activations
+                if offload:
+                    offload.input = h
+                with offload or contextlib.nullcontext():
+                    h = checkpoint(layer, h, cos, sin, use_reentrant=False)
             else:
                 h = layer(h, cos, sin)
         h = self.model.norm(h)
@@ -1495,16 +1632,18 @@ def load_checkpoint(path, config, shapes, put):
 
 def random_base(shapes, seed, device):
     """put-able random weights for a model with no checkpoint: embeddings N(0, 1), norms 1,
-    linear weights N(0, 1/fan_in); each from its own seeded generator, so every rank (and every
-    world size) builds the same model."""
+    linear weights N(0, 1/fan_in); each from its own seeded CPU generator, then moved: every
+    rank, every world size and every device builds the same model (a CUDA generator would draw
+    other numbers from the same seed)."""
     for i, (name, shape) in enumerate(shapes.items()):
-        g = torch.Generator(device).manual_seed(seed * 1000 + i)
+        g = torch.Generator().manual_seed(seed * 1000 + i)
         if "norm" in name:
-            yield name, torch.ones(shape, device=device)
+            w = torch.ones(shape)
         elif "embed_tokens" in name:
-            yield name, torch.randn(shape, generator=g, device=device)
+            w = torch.randn(shape, generator=g)
         else:
-            yield name, torch.randn(shape, generator=g, device=device) * shape[1] ** -0.5
+            w = torch.randn(shape, generator=g) * shape[1] ** -0.5
+        yield name, w.to(device)
 
 
 def init_adapters(shapes, seed):
@@ -1811,11 +1950,18 @@ def make_profiler(args, device, rank):
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-        torch.cuda.memory._record_memory_history(max_entries=200_000)
     prof = torch.profiler.profile(activities=activities, record_shapes=False, profile_memory=True,
                                   schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
     prof.start()
     return prof
+
+
+def profiler_step(prof, steps_done, device):
+    prof.step()
+    if steps_done == 2 and device.type == "cuda":  # the next step is the first one traced
+        # the allocator's history for the memory snapshot, with Python stacks only (C++ stacks
+        # would be unwound on every allocation)
+        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
 
 
 def finish_profiler(prof, args, device, rank):
@@ -1861,11 +2007,11 @@ def build(args, config, device):
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
     model.checkpointing = args.checkpointing
-    model.offload_activations = args.offload_activations
     if args.compile:  # each block's forward (as torchtune's compile=True); the sharding hooks stay eager
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
     fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
+    model.offload_activations = OffloadedInputs(fsdp.side_stream) if args.offload_activations else None
     shapes = fsdp.base_shapes()
     if args.checkpoint:
         load_checkpoint(args.checkpoint, config, shapes, fsdp.load_full)
@@ -1878,9 +2024,17 @@ def build(args, config, device):
 
 
 def train(args):
-    """Train; returns (summary dict, per-step losses, the FSDP object)."""
+    """Train; returns (summary dict, per-step losses, the FSDP object). The NF4 kernels follow
+    --compile for this run only: the module's COMPILE is restored when it ends."""
     global COMPILE
-    COMPILE = args.compile
+    saved, COMPILE = COMPILE, args.compile
+    try:
+        return _train(args)
+    finally:
+        COMPILE = saved
+
+
+def _train(args):
     device = setup_distributed(args.device)
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -1911,7 +2065,7 @@ def train(args):
     profiler = make_profiler(args, device, rank)
     last_step = min(args.steps, args.stop_at or args.steps)
     for step in range(start, last_step):
-        t0, wait0 = time.perf_counter(), fsdp.comm_wait_s
+        t0 = time.perf_counter()
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -1941,9 +2095,9 @@ def train(args):
         dt = time.perf_counter() - t0
         losses.append(loss_value)
         times.append(dt)
-        waits.append(fsdp.comm_wait_s - wait0)
+        waits.append(fsdp.take_comm_wait_s())  # after sync(): the events have completed
         if profiler is not None:
-            profiler.step()
+            profiler_step(profiler, step + 1 - start, device)
         if step % args.log_every == 0 or step == last_step - 1:
             mem = max_over_ranks(peak_memory_gib(device), device)
             print0(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
@@ -1968,8 +2122,9 @@ def train(args):
     peak = max_over_ranks(peak_memory_gib(device), device)
     first = 1 if len(times) > 1 else 0  # the first step includes compilation
     step_ms = float(np.median(times[first:])) * 1000
-    # Step time split (medians, host clock): waiting on all-gathers and reduce-scatters that had
-    # not finished when needed, the optimizer (clip + AdamW), and everything else (compute).
+    # Step time split (medians): the time the compute stream (CUDA events; on the CPU the host)
+    # waited on all-gathers and reduce-scatters that had not finished when needed, the optimizer
+    # (clip + AdamW), and everything else (compute).
     wait_ms = float(np.median(waits[first:])) * 1000
     optim_ms = float(np.median(optim_times[first:])) * 1000
     predicted = predicted_memory(args, world, config)
@@ -1980,6 +2135,8 @@ def train(args):
                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                    dtype=args.dtype, device=device.type, compute_ms=round(step_ms - wait_ms - optim_ms, 2),
                    comm_wait_ms=round(wait_ms, 2), optimizer_ms=round(optim_ms, 2))
+    if device.type == "cuda":  # what the caching allocator holds: allocated + its free blocks
+        summary["peak_reserved_gib"] = round(max_over_ranks(torch.cuda.max_memory_reserved(device) / GiB, device), 4)
     return summary, losses, fsdp
 
 
