@@ -161,7 +161,20 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
     largest = max(V * d, d * f, d * q)
     load_peak = gpu_state + largest * (e + NF4_BITS_PER_PARAM / 8)
-    host = (sum(state.values()) if offload else 0) + act.get("checkpointed block inputs (host)", 0)
+    # Host memory. Pinned allocations (what the GPU copies from and to without blocking) are
+    # rounded up to a power of two by CUDA's host allocator: each unit's shard bytes, its fp32
+    # master adapters and their gradient, each offloaded block input. AdamW's moments are pageable.
+    pinned = lambda n: 2 ** math.ceil(math.log2(n)) if n >= 1 else 0  # noqa: E731
+    host = 0
+    if offload:
+        block_master = 4 * lora / L / world
+        unit_shards = [dense * e / world - (2 * L + 1) * d * e / world,  # embeddings
+                       (nf4(block_linear) + 2 * d * e + (lora / L) * e) / world,  # a block
+                       (nf4(head) + d * e) / world]  # final norm + lm_head
+        host = (pinned(unit_shards[0]) + L * (pinned(unit_shards[1]) + 2 * pinned(block_master))
+                + pinned(unit_shards[2]) + 8 * lora / world + 2**20)
+    if checkpointing and offload_activations:
+        host += L * pinned(N * e * d)
     return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak,
                 gpu_state=gpu_state, host_state=host, gpu_peak=peak, load_peak=load_peak)
 

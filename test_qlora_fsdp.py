@@ -2,6 +2,7 @@
 against a reference: a dense F.linear, torch.optim.AdamW, a plain Llama written here, the
 unsharded single-process run. Run: python -m pytest -q test_qlora_fsdp.py"""
 
+import contextlib
 import json
 import math
 import os
@@ -120,6 +121,26 @@ def test_vectorized_dequantize_equals_table_lookup():
     assert torch.equal(outer(*parts), ref)
 
 
+def _allocations(fn):
+    """(result, sizes in bytes of every allocation fn makes), from the profiler's allocator events."""
+    with torch.profiler.profile(profile_memory=True) as prof:
+        out = fn()
+    return out, [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_dequantize_chunked_equals_reference(dtype, monkeypatch):
+    """--no-compile's dequantize, a chunk of blocks at a time, gives the reference's values bit
+    for bit, and allocates nothing larger than its output (no int64 codes, no fp32 copy of the
+    weight)."""
+    monkeypatch.setattr(qf, "DEQUANT_CHUNK", 64 * 40)  # 7 chunks, the last partial
+    w = torch.randn(96, 160)
+    parts = qf.quantize_nf4(w, compile=False)
+    out, sizes = _allocations(lambda: qf.dequantize_nf4(*parts, dtype=dtype, compile=False))
+    assert torch.equal(out, qf._dequantize(*parts, 64, 256, dtype))
+    assert max(sizes) == out.nbytes, sizes
+
+
 @pytest.mark.parametrize("shape", [(1, 64), (3, 320), (257, 64), (5, 7, 128)])
 def test_padded_scale_groups(shape):
     """Shapes whose block count is not a multiple of 256 quantize their last, partial group of
@@ -219,6 +240,34 @@ def test_compile_lora_linear_fullgraph():
         layer.zero_grad()
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def saved_weights(fn, weight_shapes):
+    """Plain tensors shaped like a base weight (or its transpose) that autograd saves for backward
+    while fn() runs forward and backward."""
+    shapes = {tuple(s) for s in weight_shapes} | {tuple(s)[::-1] for s in weight_shapes}
+    found = []
+
+    def pack(t):
+        if type(t) is torch.Tensor and tuple(t.shape) in shapes:
+            found.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fn()
+    return found
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_lora_linear_saves_no_dense_weight(compile):
+    """A LoRALinear over NF4, compiled or eager, saves the 4-bit weight for backward, never a
+    dense (1536, 512) copy of it (activations here are (3, 5, .): no shape to confuse)."""
+    torch.manual_seed(0)
+    layer = qf.LoRALinear(512, 1536, dtype=torch.bfloat16)
+    x = torch.randn(3, 5, 512, dtype=torch.bfloat16, requires_grad=True)
+    fn = torch.compile(layer) if compile else layer
+    assert saved_weights(lambda: fn(x).float().sum().backward(), [(1536, 512)]) == []
+    assert x.grad is not None and layer.lora_B.grad is not None
 
 
 # ---- 4. LoRA ----------------------------------------------------------------------------------
@@ -585,6 +634,53 @@ def test_compiled_blocks_equal_eager():
         torch.testing.assert_close(compiled["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
+# A 512-wide model whose activations (4 x 512 tokens: 2048 rows) outweigh its weights, and
+# whose activation shapes cannot be mistaken for a weight's (512, 256, 1536, 8192).
+MEM = qf.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4)
+MEM_ARGV = ["--model", "mem", "--batch_size", "4", "--seq_len", "512", "--device", "cpu", "--data", "dummy"]
+
+
+@pytest.mark.parametrize("checkpointing", [True, False])
+@pytest.mark.parametrize("compile", [True, False])
+def test_training_step_saves_no_dense_weight(compile, checkpointing, monkeypatch):
+    """The real step (sharded units, bf16, blocks compiled or eager, with or without activation
+    checkpointing) saves no plain tensor shaped like a base weight for backward: NF4 weights stay
+    4-bit between forward and backward. With checkpointing, what each block's recompute saves
+    is recorded too."""
+    found = []
+    monkeypatch.setitem(qf.CONFIGS, "mem", MEM)
+    monkeypatch.setattr(qf, "COMPILE", compile)
+    args = qf.parse_args(MEM_ARGV + ["--compile" if compile else "--no-compile",
+                                     "--checkpointing" if checkpointing else "--no-checkpointing"])
+    model, fsdp = qf.build(args, MEM, torch.device("cpu"))
+    shapes = {s for s in fsdp.base_shapes().values() if len(s) == 2}  # RMSNorm's 1-D weights are dense
+    shapes |= {s[::-1] for s in shapes}
+    seen = []
+
+    def record(t):
+        seen.append(tuple(t.shape))
+        if type(t) is torch.Tensor and tuple(t.shape) in shapes:
+            found.append(tuple(t.shape))
+
+    @contextlib.contextmanager
+    def recompute_recorder():  # inside a checkpoint's recompute: record, then hand on to its hook
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), pack(t))[1], unpack):
+            yield
+
+    real = qf.checkpoint
+    monkeypatch.setattr(qf, "checkpoint", lambda *a, **k: real(
+        *a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()), **k))
+    x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), t)[1], lambda t: t):
+        model(x, y).backward()
+    fsdp.finish_backward()
+    assert found == []
+    assert len(seen) > 10 and (4, 512, 512) in seen  # the recorder sees inside the blocks
+    assert all(p.grad is not None for p in fsdp.parameters())
+
+
 def _allocated_peak(fn):
     """(result, peak, end) of the bytes fn allocates, from the profiler's allocator events."""
     with torch.profiler.profile(profile_memory=True) as prof:
@@ -598,17 +694,18 @@ def _allocated_peak(fn):
     return out, peak, total
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
-def test_estimate_matches_measured_activations(checkpointing, monkeypatch):
+@pytest.mark.parametrize("compile,checkpointing", [(True, True), (False, True), (False, False)])
+def test_estimate_matches_measured_activations(compile, checkpointing, monkeypatch):
     """The estimate's activation and all-gather rows are within 10% of the peak the allocator
-    actually sees during a training step (CPU, bf16, one rank), with and without checkpointing."""
+    actually sees during a training step (CPU, bf16, one rank): the default path (blocks
+    compiled, checkpointing), and eager blocks with and without checkpointing. (Compiled without
+    checkpointing, inductor recomputes cheap ops instead of saving them: the estimate, counting
+    eager's saves, is then an upper bound.)"""
     monkeypatch.setattr(qf, "COMPILE", True)  # the estimate assumes fused (compiled) dequantization
-    qf.CONFIGS["mem"] = qf.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                                       num_attention_heads=8, num_key_value_heads=4)
-    argv = ["--model", "mem", "--batch_size", "4", "--seq_len", "512", "--device", "cpu", "--no-compile",
-            "--data", "dummy", "--checkpointing" if checkpointing else "--no-checkpointing"]
-    args = qf.parse_args(argv)
-    model, fsdp = qf.build(args, qf.CONFIGS["mem"], torch.device("cpu"))
+    monkeypatch.setitem(qf.CONFIGS, "mem", MEM)
+    args = qf.parse_args(MEM_ARGV + ["--compile" if compile else "--no-compile",
+                                     "--checkpointing" if checkpointing else "--no-checkpointing"])
+    model, fsdp = qf.build(args, MEM, torch.device("cpu"))
     x, y = qf.get_batch(None, 0, 0, args, 1, 0, 8192)
     model(x, y).backward()
     fsdp.finish_backward()
