@@ -680,12 +680,15 @@ def _contiguous_strides(shape):
 
 
 class _ParamMeta:
-    """What is kept of an unsharded parameter: its metadata, no data."""
+    """What is kept of an unsharded parameter: its shape and, for a wrapper tensor subclass
+    (an NF4 weight, say), how to rebuild it from its inner tensors."""
 
     def __init__(self, p):
-        self.shape, self.dtype = tuple(p.shape), p.dtype
-        self.block_size = getattr(p, "block_size", None)
-        self.scaler_block_size = getattr(p, "scaler_block_size", None)
+        self.shape = tuple(p.shape)
+        self.subclass = hasattr(p, "__tensor_flatten__")
+        if self.subclass:
+            self.cls, self.stride = type(p), p.stride()
+            self.inner, self.ctx = p.__tensor_flatten__()
 
 
 class _Slot:
@@ -754,9 +757,9 @@ class ShardedUnit:
         for prefix, module in modules:
             for mod_name, mod in module.named_modules(prefix=prefix):
                 for attr, p in list(mod._parameters.items()):
-                    fqn = f"{mod_name}.{attr}"
-                    if isinstance(p, NF4Tensor):  # one slot per inner tensor, each in its dtype
-                        kind, slots = "nf4", [_Slot(f"{fqn}.{n}", getattr(p, n), world) for n in NF4Tensor.INNER]
+                    fqn, meta = f"{mod_name}.{attr}", _ParamMeta(p)
+                    if meta.subclass:  # one slot per inner tensor, each in its own dtype
+                        kind, slots = "subclass", [_Slot(f"{fqn}.{n}", getattr(p, n), world) for n in meta.inner]
                         self.frozen += slots
                     elif p.requires_grad:  # travels in the compute dtype; fp32 master shard
                         kind, slots = "adapter", _Slot(fqn, p.detach(), world, fsdp.compute_dtype)
@@ -764,7 +767,7 @@ class ShardedUnit:
                     else:
                         kind, slots = "dense", _Slot(fqn, p.detach(), world)
                         self.frozen.append(slots)
-                    self.owners.append((fqn, mod, attr, kind, slots, _ParamMeta(p)))
+                    self.owners.append((fqn, mod, attr, kind, slots, meta))
         # Byte layout of this rank's shard: frozen tensors, then adapters (in the compute dtype).
         offset = 0
         for s in self.frozen + self.adapters:
@@ -805,9 +808,9 @@ class ShardedUnit:
             s.full.register_post_accumulate_grad_hook(lambda t: self._arrive())
         # Install the (for now empty) full tensors on the modules in place of the parameters.
         for fqn, mod, attr, kind, slots, meta in self.owners:
-            if kind == "nf4":
-                value = NF4Tensor(*(s.full for s in slots), meta.shape, meta.dtype, meta.block_size,
-                                  meta.scaler_block_size)
+            if kind == "subclass":
+                value = meta.cls.__tensor_unflatten__({n: s.full for n, s in zip(meta.inner, slots)}, meta.ctx,
+                                                      meta.shape, meta.stride)
             else:
                 value = slots.full
             del mod._parameters[attr]
@@ -846,7 +849,6 @@ class ShardedUnit:
             out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
             work = _all_gather(out, send, fsdp.group, async_op=True)
         self.inflight = (work, out)
-        fsdp.n_all_gathers += 1
 
     def gather(self):
         """Make the full weights available: wait for the all-gather and copy each tensor out."""
@@ -922,7 +924,6 @@ class ShardedUnit:
             with torch.profiler.record_function("fsdp::reduce_scatter"):
                 work = _reduce_scatter_avg(out, send, fsdp.group, async_op=True)
             fsdp.reductions.append((self, work, out, send))
-            fsdp.n_reduce_scatters += 1
         self.in_backward = False
         self.free()
 
@@ -930,7 +931,7 @@ class ShardedUnit:
 class FSDP:
     """Shards a model's units over the ranks of `group`; owns the fp32 master adapters."""
 
-    def __init__(self, model, units, device, compute_dtype, offload=False, group=None):
+    def __init__(self, units, device, compute_dtype, offload=False, group=None):
         self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
@@ -939,7 +940,6 @@ class FSDP:
         # CUDA: collectives and host copies are issued on a side stream so they overlap the
         # compute stream; on the CPU there are no streams (None) and the same code runs in order.
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.n_all_gathers = self.n_reduce_scatters = 0  # collectives issued, for tests and logs
         self.units = []
         for i, (name, hook_module, modules) in enumerate(units):
             # the last unit is needed again at once by backward: keep it (torchtitan does the same)
@@ -1073,15 +1073,24 @@ class FSDP:
                 optimizer.state[u.master] = state
 
     def load_full(self, fqn, tensor):
-        """Shard one full tensor of the model (a Hugging Face weight, say) into its slot(s):
-        NF4 weights are quantized here, on the device, and only this rank's pieces are kept."""
+        """Keep this rank's pieces of one full parameter, given in the form the model holds it
+        (a tensor subclass as such: each inner tensor is split)."""
         unit, kind, slots, meta = self.owner_of[fqn]
-        if kind == "nf4":
-            q = to_nf4(tensor.to(self.device, meta.dtype), meta.block_size, meta.scaler_block_size)
-            for s, n in zip(slots, NF4Tensor.INNER):
-                unit.write_piece(s, getattr(q, n))
+        if kind == "subclass":
+            for s, n in zip(slots, meta.inner):
+                unit.write_piece(s, getattr(tensor, n))
         else:
             unit.write_piece(slots, tensor.to(self.device, slots.dtype if kind == "dense" else torch.float32))
+
+    def full_base(self):
+        """Collective, consumed in full on every rank: (name, full tensor) of every frozen
+        parameter, in order, one unit gathered at a time."""
+        for u in self.units:
+            u.gather()
+            for fqn, mod, attr, kind, slots, meta in u.owners:
+                if kind != "adapter":
+                    yield fqn, getattr(mod, attr)
+            u.free()
 
     def base_shapes(self):
         """{name: shape} of every frozen weight, as a Hugging Face checkpoint names them."""
@@ -1673,6 +1682,13 @@ def init_adapters(shapes, seed):
     return out
 
 
+def as_parameter(model, name, tensor, device):
+    """A full dense tensor (from a checkpoint, or drawn at random) in the form `model` keeps
+    parameter `name`: quantized to NF4 on `device` for an NF4Linear's weight, else in the model's dtype."""
+    t = tensor.to(device, model.dtype)
+    return to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t
+
+
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None):
     """One process: a Llama with the Hugging Face weights of `path` quantized on the way in.
@@ -1686,10 +1702,8 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
 
     def put(name, tensor):
         mod_name, attr = name.rsplit(".", 1)
-        mod = model.get_submodule(mod_name)
-        t = tensor.to(device, dtype)
-        value = to_nf4(t) if isinstance(mod, NF4Linear) else t
-        mod._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        value = as_parameter(model, name, tensor, device)
+        model.get_submodule(mod_name)._parameters[attr] = nn.Parameter(value, requires_grad=False)
 
     load_checkpoint(path, config, shapes, put)
     for m in model.modules():
@@ -1775,44 +1789,32 @@ def load_resume_state(out_dir, args):
     return state, load_adapters(ckpt)
 
 
-def save_merged(out_dir, fsdp, config, dtype):
+def save_merged(out_dir, fsdp, model):
     """Collective. A Hugging Face checkpoint of the base with the adapters merged in,
     W' = W + (alpha/rank) B A, written unit by unit by rank 0 (config.json + model.safetensors)."""
     adapters = fsdp.full_adapters()
-    specs, where = [], {}
-    for u in fsdp.units:
-        for fqn, mod, attr, kind, slots, meta in u.owners:
-            if kind != "adapter":
-                specs.append((fqn, dtype, meta.shape))
-                where[fqn] = (u, mod, attr, kind)
-    current = {}
+    specs = [(name, model.dtype, shape) for name, shape in fsdp.base_shapes().items()]
+    base = fsdp.full_base()  # in the order of specs
 
     def get(name):
-        u, mod, attr, kind = where[name]
-        if current.get("unit") is not u:  # gather the next unit (all ranks take part)
-            if "unit" in current:
-                current["unit"].free()
-            u.gather()
-            current["unit"] = u
-        w = getattr(mod, attr)
-        if kind == "nf4":
+        got, w = next(base)
+        assert got == name, (got, name)
+        if isinstance(w, NF4Tensor):
             w = w.dequantize(torch.float32)
-            if isinstance(mod, LoRALinear):
-                prefix = name[:-len(".weight")]
-                w = w + mod.scaling * (adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]).to(w.device)
-        return w.to(dtype)
+            prefix = name[:-len(".weight")]
+            if prefix + ".lora_A" in adapters:
+                scaling = model.get_submodule(prefix).scaling
+                w = w + scaling * (adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]).to(w.device)
+        return w.to(model.dtype)
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        hf = config_to_hf(config, dtype)
+        hf = config_to_hf(model.config, model.dtype)
         hf["tie_word_embeddings"] = False  # the head is written out on its own
         write_json(os.path.join(out_dir, "config.json"), hf)
         save_safetensors(os.path.join(out_dir, "model.safetensors"), specs, get, metadata={"format": "pt"})
-    else:
-        for name, _, _ in specs:  # the other ranks join the same all-gathers
-            get(name)
-    if "unit" in current:
-        current["unit"].free()
+    for _ in base:  # the other ranks join the same all-gathers
+        pass
     if dist.is_initialized():
         dist.barrier()
 
@@ -2023,14 +2025,17 @@ def build(args, config, device):
     if args.compile:  # each block's forward (as torchtune's compile=True); the sharding hooks stay eager
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
-    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
+    fsdp = FSDP(model.units(), device, dtype, offload=args.cpu_offload)
     model.offload_activations = OffloadedInputs(fsdp.side_stream) if args.offload_activations else None
     shapes = fsdp.base_shapes()
+    def put(name, tensor):
+        fsdp.load_full(name, as_parameter(model, name, tensor, device))
+
     if args.checkpoint:
-        load_checkpoint(args.checkpoint, config, shapes, fsdp.load_full)
+        load_checkpoint(args.checkpoint, config, shapes, put)
     else:
         for name, tensor in random_base(shapes, args.seed, device):
-            fsdp.load_full(name, tensor)
+            put(name, tensor)
     adapters = init_adapters({s.name: s.shape for s in fsdp.adapter_slots()}, args.seed)
     fsdp.load_full_state(adapters)
     return model, fsdp
@@ -2129,7 +2134,7 @@ def _train(args):
             save_adapters(args.out, adapters, args.lora_rank, args.lora_alpha, args.lora_dropout,
                           args.checkpoint or "")
     if args.merge_to:
-        save_merged(args.merge_to, fsdp, config, model.dtype)
+        save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
 
     peak = max_over_ranks(peak_memory_gib(device), device)
