@@ -14,7 +14,7 @@ one lesson per section, each section depending only on torch and the sections ab
   6. foreach AdamW              one kernel launch per op for all shards
   7. Llama                      Hugging Face names, RoPE, GQA, SwiGLU, chunked cross entropy
   8. Hugging Face checkpoints   safetensors in and out, streamed loading, PEFT adapters, resume
-  9. data, training loop, CLI   one log line per step, a JSON summary, --estimate, --bench
+  9. data, training loop, CLI   one log line per step, a JSON summary, --estimate, --profile
 
 Run it:
   python qlora_fsdp.py                                   # tiny model on this file's bytes, CPU
@@ -1922,7 +1922,6 @@ def parse_args(argv=None):
                    help="keep each block's checkpointed input on the host (needs --checkpointing)")
     p.add_argument("--estimate", action="store_true",
                    help="print the predicted memory per rank (world size from WORLD_SIZE) and exit")
-    p.add_argument("--bench", action="store_true", help="time NF4 dequantization and AdamW against references")
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch.profiler trace (and on CUDA a memory snapshot) of steps 3-5 to DIR")
     p.add_argument("--log_every", type=int, default=1)
@@ -2158,106 +2157,11 @@ def _train(args):
     return summary, losses, fsdp
 
 
-def _median_ms(fn, n=10):
-    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    fn()
-    fn()  # warm: compilation, first-touch allocation
-    times = []
-    for _ in range(n):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()  # GPU work is asynchronous: time it to the end
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1000
-
-
-def bench(args):
-    """--bench: speed of the pieces, each measured against its reference in this one run."""
-    device = setup_distributed(args.device)
-    results = {}
-    # NF4 dequantization of a 4096 x 11008 weight (Llama-2-7B's MLP), bf16 out. Practical
-    # roofline: a plain copy of the same output bytes into a preallocated buffer; dequantize
-    # allocates its output, so an allocating copy (clone) is shown too.
-    torch.manual_seed(0)
-    w = torch.randn(4096, 11008, dtype=torch.bfloat16, device=device)
-    q = to_nf4(w)
-    n = w.numel()
-    dst = torch.empty_like(w)
-    rows = {"copy_ (roofline)": _median_ms(lambda: dst.copy_(w)), "clone (allocating copy)": _median_ms(w.clone),
-            "dequantize, eager": _median_ms(lambda: dequantize_nf4(q.packed, q.scale_q, q.scale_factor, q.scale_mean,
-                                                                   compile=False), 3),
-            "dequantize, torch.compile": _median_ms(lambda: dequantize_nf4(q.packed, q.scale_q, q.scale_factor,
-                                                                           q.scale_mean, compile=True))}
-    try:  # a peer, measured only if it is installed (never a dependency)
-        import bitsandbytes.functional as bnbF
-        bq, bstate = bnbF.quantize_4bit(w, quant_type="nf4", blocksize=64, compress_statistics=True)
-        rows["bitsandbytes dequantize_4bit"] = _median_ms(lambda: bnbF.dequantize_4bit(bq, bstate))
-    except Exception as e:  # noqa: BLE001 -- not installed, or no kernel for this device
-        print0(f"(bitsandbytes not measured: {type(e).__name__})")
-    roof = rows["copy_ (roofline)"]
-    print0(f"NF4 dequantize {tuple(w.shape)} -> bf16 on {device} ({torch.get_num_threads()} threads); "
-           f"{NF4_BITS_PER_PARAM / 8 + 2:.3f} B moved per element:")
-    for k, ms in rows.items():
-        print0(f"  {k:<30} {ms:8.2f} ms  {n / ms / 1e6:7.2f} G elem/s  "
-               f"{n * (NF4_BITS_PER_PARAM / 8 + 2) / ms / 1e6:7.2f} GB/s  {100 * roof / ms:6.1f}% of copy_")
-    results["dequantize_ms"] = {k: round(v, 3) for k, v in rows.items()}
-    if "bitsandbytes dequantize_4bit" in rows:
-        results["compiled_vs_bitsandbytes_speed"] = round(
-            rows["bitsandbytes dequantize_4bit"] / rows["dequantize, torch.compile"], 3)
-
-    # Optimizer step over Llama-2-7B's LoRA adapters (rank 8, 7 projections x 32 layers, 20 M
-    # params): ours over plain tensors vs torch.optim.AdamW over the DTensors FSDP2 would hand it.
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    if not dist.is_initialized():
-        store = dist.HashStore()
-        dist.init_process_group("gloo" if device.type == "cpu" else "nccl", store=store, rank=0, world_size=1)
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
-    c = CONFIGS["llama2-7b"]
-    d, f, kv = c.hidden_size, c.intermediate_size, c.num_key_value_heads * c.head_dim
-    shapes = [s for _ in range(c.num_hidden_layers)
-              for i, o in [(d, d), (d, kv), (d, kv), (d, d), (d, f), (d, f), (f, d)] for s in [(8, i), (o, 8)]]
-
-    def params(dtensor):
-        ps = []
-        for s in shapes:
-            t = torch.randn(s, device=device)
-            p = nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]) if dtensor else t)
-            p.grad = torch.randn_like(p)
-            ps.append(p)
-        return ps
-
-    def flat_params():  # what FSDP here hands its optimizer: one flat fp32 shard per block
-        per_block = sum(math.prod(s) for s in shapes) // c.num_hidden_layers // dist.get_world_size()
-        ps = [nn.Parameter(torch.randn(per_block, device=device)) for _ in range(c.num_hidden_layers)]
-        for p in ps:
-            p.grad = torch.randn_like(p)
-        return ps
-    opt_rows = {"ours, a flat shard per block": AdamW(flat_params(), lr=1e-4),
-                "ours, over the 448 tensors": AdamW(params(False), lr=1e-4),
-                "torch AdamW over DTensor (default)": torch.optim.AdamW(params(True), lr=1e-4),
-                "torch AdamW over DTensor (foreach)": torch.optim.AdamW(params(True), lr=1e-4, foreach=True),
-                "torch AdamW, plain tensors (foreach)": torch.optim.AdamW(params(False), lr=1e-4, foreach=True)}
-    print0(f"AdamW step over Llama-2-7B's {sum(math.prod(s) for s in shapes) / 1e6:.1f} M adapter params "
-           f"({len(shapes)} tensors, {c.num_hidden_layers} blocks):")
-    ours = None
-    for k, opt in opt_rows.items():
-        ms = _median_ms(opt.step, 7)
-        ours = ours or ms
-        print0(f"  {k:<36} {ms:8.2f} ms   {ms / ours:5.2f}x ours")
-        results[f"optimizer_ms {k}"] = round(ms, 3)
-    print0(json.dumps(results))
-    return results
-
-
 def main(argv=None):
     args = parse_args(argv)
     try:
         if args.estimate:
             return estimate_only(args)
-        if args.bench:
-            return bench(args)
         summary, _, _ = train(args)
     except UserError as e:  # bad input: one line, no traceback, non-zero exit
         print(f"error: {e}", file=sys.stderr, flush=True)
