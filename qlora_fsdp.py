@@ -1196,49 +1196,62 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross entropy of h W^T against targets, LOSS_CHUNK rows at a time.
+    """Cross entropy of h W^T against targets, LOSS_CHUNK rows at a time: the sum over the
+    counted targets (those != IGNORE_INDEX), or their mean.
 
     Full logits for Llama-2-7B at T=2048 are 131 MB per sequence (bf16) plus an fp32 copy and a
     gradient of each. Here only one chunk's logits ever exist: forward computes each chunk's
-    loss AND its gradient wrt h at once (softmax - onehot) W, and backward just scales it."""
+    loss AND its gradient wrt h at once (softmax - onehot) W, and backward just scales it.
+    Ignored rows add 0 to the loss and get a zero gradient."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):  # h (N, C), weight (V, C), targets (N,)
+    def forward(ctx, h, weight, targets, chunk, reduction):  # h (N, C), weight (V, C), targets (N,)
         W = weight.dequantize(h.dtype) if isinstance(weight, NF4Tensor) else weight.to(h.dtype)
         N = h.shape[0]
         need_grad = ctx.needs_input_grad[0]
         grad_h = torch.empty_like(h) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        counted = targets != IGNORE_INDEX  # (N,)
         for s in range(0, N, chunk):
             logits = (h[s:s + chunk] @ W.T).float()  # (n, V) fp32: the one big buffer
-            t = targets[s:s + chunk]
+            keep = counted[s:s + chunk]
+            t = targets[s:s + chunk].clamp(min=0)  # ignored rows look up class 0, then count 0
             target_logit = logits.gather(1, t[:, None]).squeeze(1)  # (n,)
             # log-sum-exp in place (torch.logsumexp would allocate a second (n, V) buffer)
             m = logits.amax(dim=-1, keepdim=True)
             sumexp = logits.sub_(m).exp_().sum(dim=-1)  # logits now holds exp(l - max)
-            total += (m.squeeze(1) + sumexp.log() - target_logit).sum()
+            total += torch.where(keep, m.squeeze(1) + sumexp.log() - target_logit, 0.0).sum()
             probs = None
             if need_grad:  # d(sum of losses)/d logits = softmax - onehot, still in place
                 probs = logits.div_(sumexp[:, None])
                 probs[torch.arange(t.numel(), device=h.device), t] -= 1
                 grad_h[s:s + chunk] = probs.to(h.dtype) @ W
+                grad_h[s:s + chunk].masked_fill_(~keep[:, None], 0)  # (n, C), not (n, V)
             del logits, probs  # before the next chunk's are made: one chunk alive, not two
+        # "mean": over the counted targets; none counted gives 0, not 0/0
+        ctx.denominator = counted.sum().clamp(min=1) if reduction == "mean" else 1
         ctx.save_for_backward(grad_h)
-        ctx.N = N
-        return total / N
+        return total / ctx.denominator
 
     @staticmethod
     def backward(ctx, grad_loss):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * (grad_loss / ctx.N).to(grad_h.dtype), None, None, None
+        return grad_h * (grad_loss / ctx.denominator).to(grad_h.dtype), None, None, None, None
 
 
 LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
 
 
-def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK):
-    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk)
+def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+    for reduction "mean" or "sum", without the full logits; a mean over no target is 0."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction)
 
 
 class LlamaModel(nn.Module):
@@ -1266,7 +1279,9 @@ class Llama(nn.Module):
         self.model = LlamaModel(config, lora)
         self.lm_head = NF4Linear(config.hidden_size, config.vocab_size, dtype)
 
-    def forward(self, tokens, targets=None):  # tokens (B, T) int64
+    def forward(self, tokens, targets=None, reduction="mean"):  # tokens, targets (B, T) int64
+        """Logits (B, T, vocab); with targets, the cross entropy over the targets that count
+        (!= IGNORE_INDEX): their mean, or with reduction="sum" their sum."""
         B, T = tokens.shape
         h = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
@@ -1283,7 +1298,8 @@ class Llama(nn.Module):
         h = self.model.norm(h)
         if targets is None:
             return linear_nf4(h, self.lm_head.weight)  # (B, T, vocab)
-        return chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
+        return chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                     reduction=reduction)
 
     def units(self):
         """The sharding units in execution order: (name, module whose hooks run it, [(prefix, module)])."""
