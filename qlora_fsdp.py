@@ -22,7 +22,7 @@ Run it:
   torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy \\
       --batch_size 8 --seq_len 2048                      # the talk's benchmark, on 2 GPUs
   WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 --estimate
-  torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.bin --out runs/a
+  torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.npy --out runs/a
 """
 
 import argparse
@@ -1691,32 +1691,88 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def load_tokens(path, vocab_size, seq_len):
-    """A .bin file of uint16 tokens (nanoGPT's format) or any other file as raw bytes, checked:
-    at least seq_len + 1 tokens, every id < vocab_size."""
-    if not os.path.isfile(path):
-        raise UserError(f"--data {path}: no such file")
-    data = np.memmap(path, dtype=np.uint16 if path.endswith(".bin") else np.uint8, mode="r")
-    if len(data) < seq_len + 1:
-        raise UserError(f"--data {path}: {len(data)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
-    top = int(data.max())
+DATA_FORMATS = ".npy, .npz, .bin, .txt or dummy"
+
+
+def _check_ids(path, tokens, vocab_size, seq_len):
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"--data {path}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}")
+    if len(tokens) < seq_len + 1:
+        raise UserError(f"--data {path}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
+    top = int(tokens.max())
     if top >= vocab_size:
         raise UserError(f"--data {path}: token id {top} >= vocab_size {vocab_size} of this model")
-    return data
+    if np.issubdtype(tokens.dtype, np.signedinteger) and tokens.min() < 0:
+        raise UserError(f"--data {path}: negative token id {int(tokens.min())}")
+
+
+def load_tokens(path, vocab_size, seq_len):
+    """(tokens, loss_mask) from --data, checked: at least seq_len + 1 tokens, every id < vocab_size.
+      .npy   a 1-D array of any integer dtype (uint32 for Llama 3's 128,256 ids), memory-mapped
+      .npz   `tokens` and `loss_mask` (0/1, same length; read into memory): the prediction of
+             token i counts where loss_mask[i] is 1
+      .bin   nanoGPT's uint16 tokens, memory-mapped (ids < 65,536 only)
+      .txt   raw bytes as tokens (byte-level models), memory-mapped
+    loss_mask is None where every target counts."""
+    if not os.path.isfile(path):
+        raise UserError(f"--data {path}: no such file")
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.samefile(path, __file__):  # the default: this file's own bytes
+        ext = ".txt"
+    if ext not in (".npy", ".npz", ".bin", ".txt"):
+        raise UserError(f"--data {path}: unknown format {ext or '(no extension)'}; use {DATA_FORMATS}")
+    if ext == ".bin" and vocab_size > 65536:
+        raise UserError(f"--data {path}: a .bin holds uint16 ids, too few for this model's {vocab_size:,}-token "
+                        f"vocabulary; save the tokens as .npy (uint32)")
+    arrays = {}
+    try:
+        if ext == ".npy":
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        elif ext == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in ("tokens", "loss_mask") if k in z.files}
+                names = z.files
+        else:
+            tokens = np.memmap(path, dtype=np.uint16 if ext == ".bin" else np.uint8, mode="r")
+    except Exception as e:  # noqa: BLE001 -- not an array file, truncated, pickled, odd size: one user error
+        why = " ".join(str(e).split()).split(". ")[0]  # numpy's messages run to several sentences
+        raise UserError(f"--data {path}: cannot be read as {ext} ({type(e).__name__}: {why})")
+    mask = None
+    if ext == ".npz":
+        if len(arrays) < 2:
+            raise UserError(f"--data {path}: needs arrays `tokens` and `loss_mask`, has {names}")
+        tokens, mask = arrays["tokens"], arrays["loss_mask"]
+    _check_ids(path, tokens, vocab_size, seq_len)
+    if mask is not None:
+        if mask.shape != tokens.shape:
+            raise UserError(f"--data {path}: loss_mask has shape {mask.shape}, tokens {tokens.shape}")
+        if not ((mask == 0) | (mask == 1)).all():
+            raise UserError(f"--data {path}: loss_mask holds values other than 0 and 1")
+        if not mask[1:].any():  # token 0 is never a target
+            raise UserError(f"--data {path}: loss_mask counts no target (0 at every position after the first)")
+        mask = mask.astype(bool)
+    return tokens, mask
 
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """Rank's slice of the global micro-batch: depends only on (seed, step, micro) and
-    batch_size x world, so any split of the same global batch sees the same tokens."""
+    """Rank's slice of the global micro-batch: (inputs, targets), each (batch_size, seq_len) int64.
+    It depends only on (seed, step, micro) and batch_size x world, so any split of the same
+    global batch sees the same tokens. data: None (dummy: random tokens) or load_tokens' pair;
+    targets whose loss_mask is 0 are IGNORE_INDEX."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro)
     n, T = args.batch_size * world, args.seq_len
     rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
     if data is None:  # dummy: random tokens, as in the talk's benchmark
         tokens = torch.randint(vocab_size, (n, T + 1), generator=g)[rows]
-    else:
-        starts = torch.randint(len(data) - T, (n,), generator=g)[rows].tolist()
-        tokens = torch.from_numpy(np.stack([data[s:s + T + 1].astype(np.int64) for s in starts]))
-    return tokens[:, :-1], tokens[:, 1:]
+        return tokens[:, :-1], tokens[:, 1:]
+    ids, mask = data
+    starts = torch.randint(len(ids) - T, (n,), generator=g)[rows].tolist()
+    tokens = torch.from_numpy(np.stack([ids[s:s + T + 1].astype(np.int64) for s in starts]))
+    targets = tokens[:, 1:]
+    if mask is not None:  # the target at position i counts where loss_mask[i] is 1
+        counted = torch.from_numpy(np.stack([mask[s + 1:s + T + 1] for s in starts]))
+        targets = targets.masked_fill(~counted, IGNORE_INDEX)
+    return tokens[:, :-1], targets
 
 
 def lr_at(step, args):
@@ -1753,8 +1809,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a Hugging Face Llama directory (config.json + *.safetensors); overrides --model")
     # data
-    p.add_argument("--data", default=None, help="a .bin of uint16 tokens, any file as bytes, or 'dummy' "
-                                                "(default: the bytes of this file)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="tokens: .npy (any integer dtype), .npz (tokens + loss_mask), .bin (uint16), .txt "
+                        "(raw bytes), or 'dummy' (random); default: the bytes of this file")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
     # optimization
@@ -1931,18 +1988,27 @@ def train(args):
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        # The loss is the mean over the counted targets of the global batch (all ranks, all
+        # micro-batches), so any split of it gives the same loss and gradients: count them first.
+        batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
+                   for micro in range(args.grad_accum)]
+        count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        count = count.clamp(min=1)  # a batch that counts nothing: loss 0 and zero gradients
         loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            x, y = get_batch(data, step, micro, args, world, rank, config.vocab_size)
+        for x, y in batches:
             with torch.profiler.record_function("forward"):
-                loss = model(x.to(device), y.to(device)) / args.grad_accum
+                loss = model(x.to(device), y.to(device), reduction="sum")  # this micro-batch's sum
             with torch.profiler.record_function("backward"):
-                loss.backward()
+                # x world: the reduce-scatter averages over ranks, so the adapters' gradient is
+                # that of (sum over the global batch) / count
+                (loss * (world / count)).backward()
                 fsdp.finish_backward()
             loss_sum += loss.detach()
-        if dist.is_initialized():  # mean over the global batch
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        loss_value = loss_sum.item()  # also synchronizes the device
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum)
+        loss_value = (loss_sum / count).item()  # also synchronizes the device
         if not math.isfinite(loss_value):  # stop before the update: the last checkpoint stays good
             kept = f"; the last checkpoint in {args.out} is intact" if args.out else ""
             raise UserError(f"loss is {loss_value} at step {step + 1}; stopped before updating{kept}")
