@@ -31,6 +31,7 @@ import math
 import os
 import resource
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -1775,6 +1776,30 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
     return tokens[:, :-1], targets
 
 
+def check_writable(args, rank):
+    """Create --out, --merge_to (written by rank 0) and --profile (every rank) and write a file
+    into each now, so that a bad path stops the run before its first step, not at its end.
+    Every rank hears of any rank's failure, so all stop together."""
+    problem = None
+    for flag, path, writer in (("--out", args.out, rank == 0), ("--merge_to", args.merge_to, rank == 0),
+                               ("--profile", args.profile, True)):
+        if path and writer and problem is None:
+            try:
+                os.makedirs(path, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=path, prefix=".write_check_") as f:
+                    f.write(b"ok")
+                    f.flush()
+            except OSError as e:
+                why = "a file, not a directory" if os.path.isfile(path) else e.strerror or e
+                problem = f"{flag} {path}: cannot be written ({why})"
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise UserError(problem)
+
+
 def lr_at(step, args):
     """Linear warmup, then cosine decay to 10% of --lr."""
     if step < args.warmup_steps:
@@ -1959,6 +1984,7 @@ def train(args):
     rank = dist.get_rank() if dist.is_initialized() else 0
     name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.model
     config = read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model]
+    check_writable(args, rank)
     data = None if args.data == "dummy" else load_tokens(args.data or os.path.abspath(__file__),
                                                          config.vocab_size, args.seq_len)
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
@@ -1983,6 +2009,8 @@ def train(args):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     profiler = make_profiler(args, device, rank)
     last_step = min(args.steps, args.stop_at or args.steps)
+    if args.compile and start < last_step:
+        print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
     for step in range(start, last_step):
         t0, wait0 = time.perf_counter(), fsdp.comm_wait_s
         lr = lr_at(step, args)

@@ -1064,6 +1064,41 @@ def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
         assert torch.equal(v, initial[k].float()), k
 
 
+@pytest.mark.parametrize("flag", ["--out", "--merge_to", "--profile"])
+def test_unwritable_output_refused_before_the_first_step(flag, tmp_path, capsys):
+    """An output path that cannot be written (here one under a regular file, which fails even as
+    root) stops the run at startup with one line naming the flag: no model built, no step taken."""
+    (tmp_path / "file").write_text("x")
+    path = str(tmp_path / "file" / "sub")
+    with pytest.raises(SystemExit) as exc:
+        qf.main(BASE + ["--batch_size", "2", flag, path])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2
+    assert err.strip() == f"error: {flag} {path}: cannot be written (Not a directory)"
+    assert "model tiny" not in out and "step 1/" not in out
+
+
+def test_output_paths_created_and_left_clean(tmp_path):
+    """The startup check creates missing output directories and leaves no file behind in them."""
+    dirs = [str(tmp_path / name / "deeper") for name in ("out", "merged", "prof")]
+    qf.check_writable(qf.parse_args(["--out", dirs[0], "--merge_to", dirs[1], "--profile", dirs[2]]), rank=0)
+    assert all(os.listdir(d) == [] for d in dirs)
+
+
+def test_compile_notice_before_the_first_step(monkeypatch, capsys):
+    """With --compile (the default) one line before the first step says it compiles and how to
+    skip that; with --no-compile there is no such line."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the notice is tested, not the compiler
+    monkeypatch.setattr(qf, "COMPILE", qf.COMPILE)  # train sets it; restored after the test
+    notice = "compiling the first step (about a minute on a CPU); --no-compile skips it"
+    for flag in ("--compile", "--no-compile"):
+        qf.main([a for a in BASE if a != "--no-compile"] + ["--batch_size", "1", "--steps", "1", flag])
+        out = capsys.readouterr().out
+        assert (notice in out) == (flag == "--compile")
+        if flag == "--compile":
+            assert out.index(notice) < out.index("step 1/1")
+
+
 # ---- CUDA: the same code with only the device changed (skipped without a GPU) -------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
