@@ -23,6 +23,7 @@ Run it:
       --batch_size 8 --seq_len 2048                      # the talk's benchmark, on 2 GPUs
   WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 --estimate
   torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.npy --out runs/a
+  python qlora_fsdp.py --sample 200 --prompt "def "      # then continue a prompt by 200 tokens
 """
 
 import argparse
@@ -1776,6 +1777,58 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
     return tokens[:, :-1], targets
 
 
+def encode_prompt(text, vocab_size):
+    """--prompt as token ids: UTF-8 bytes for a byte-level model (vocab 256; default a newline),
+    else comma-separated ids."""
+    if vocab_size == 256:
+        ids = list(("\n" if text is None else text).encode("utf-8"))
+    else:
+        try:
+            ids = [int(t) for t in (text or "").split(",") if t.strip()]
+        except ValueError:
+            ids = []
+        if not ids:
+            raise UserError(f"--prompt {text!r}: this model's prompt is comma-separated token ids, e.g. 128000,791")
+        if not all(0 <= i < vocab_size for i in ids):
+            raise UserError(f"--prompt {text}: token ids must be below this model's vocab_size {vocab_size}")
+    if not ids:
+        raise UserError("--prompt is empty: --sample continues a prompt of at least one token")
+    return ids
+
+
+def decode_sample(ids, vocab_size):
+    """Text for a byte-level model (invalid UTF-8 shown as U+FFFD), the ids otherwise."""
+    return bytes(ids).decode("utf-8", errors="replace") if vocab_size == 256 else list(ids)
+
+
+@torch.no_grad()
+def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
+    """n tokens continuing the ids `prompt`: greedy (temperature 0) or drawn from softmax(logits / T)
+    with a CPU generator seeded by `seed` (the same draws on any device). No KV cache: each token
+    re-runs forward on the last `window` tokens. Sharded, every rank runs the same forward (the
+    unit hooks gather the weights) and takes rank 0's token, so all ranks stay in step."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
+    out, was_training = [], model.training
+    model.eval()  # no LoRA dropout
+    # Compiled blocks would compile again for every new length: run those eagerly; what is
+    # already compiled for these shapes (the NF4 kernels) is still used.
+    with torch.compiler.set_stance("eager_on_recompile"):
+        for _ in range(n):
+            logits = model(ids[:, -window:])[0, -1].float()  # (V,): the last position's
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                nxt = torch.multinomial(probs, 1, generator=g).to(device)
+            else:
+                nxt = logits.argmax().view(1)
+            if dist.is_initialized():
+                dist.broadcast(nxt, src=0)
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            out.append(int(nxt))
+    model.train(was_training)
+    return out
+
+
 def check_writable(args, rank):
     """Create --out, --merge_to (written by rank 0) and --profile (every rank) and write a file
     into each now, so that a bad path stops the run before its first step, not at its end.
@@ -1870,12 +1923,19 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch.profiler trace (and on CUDA a memory snapshot) of steps 3-5 to DIR")
     p.add_argument("--log_every", type=int, default=1)
+    # sampling
+    p.add_argument("--sample", type=int, default=0, metavar="N", help="after training, continue --prompt by N tokens")
+    p.add_argument("--prompt", default=None, help="text for byte-level models (vocab 256; default a newline), "
+                                                  "else comma-separated token ids")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (seeded by --seed)")
     args = p.parse_args(argv)
     if args.model not in CONFIGS and not args.checkpoint:
         p.error(f"--model {args.model}: unknown, choose from {', '.join(CONFIGS)}")
     for flag in ("batch_size", "seq_len", "steps", "grad_accum", "lora_rank"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.sample < 0 or args.temperature < 0:
+        p.error(f"--sample and --temperature must be >= 0, got {args.sample} and {args.temperature}")
     if (args.save_every or args.resume) and not args.out:
         p.error("--save_every and --resume need --out DIR")
     if args.offload_activations and not args.checkpointing:
@@ -1987,6 +2047,7 @@ def train(args):
     check_writable(args, rank)
     data = None if args.data == "dummy" else load_tokens(args.data or os.path.abspath(__file__),
                                                          config.vocab_size, args.seq_len)
+    prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
     model, fsdp = build(args, config, device)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
@@ -2074,6 +2135,13 @@ def train(args):
     if args.merge_to:
         save_merged(args.merge_to, fsdp, config, model.dtype)
         print0(f"merged model written to {args.merge_to}")
+    if args.sample:  # after the saves: what was trained is on disk whatever happens here
+        window = min(args.seq_len, config.max_position_embeddings)
+        ids = generate(model, prompt, args.sample, window, device, args.temperature, args.seed)
+        fsdp.reshard()
+        sample = decode_sample(ids, config.vocab_size)
+        print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
+               + (decode_sample(prompt, 256) + sample if config.vocab_size == 256 else str(sample)))
 
     peak = max_over_ranks(peak_memory_gib(device), device)
     first = 1 if len(times) > 1 else 0  # the first step includes compilation
@@ -2090,6 +2158,8 @@ def train(args):
                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                    dtype=args.dtype, device=device.type, compute_ms=round(step_ms - wait_ms - optim_ms, 2),
                    comm_wait_ms=round(wait_ms, 2), optimizer_ms=round(optim_ms, 2))
+    if args.sample:
+        summary["sample"] = sample
     return summary, losses, fsdp
 
 

@@ -2,6 +2,7 @@
 against a reference: a dense F.linear, torch.optim.AdamW, a plain Llama written here, the
 unsharded single-process run. Run: python -m pytest -q test_qlora_fsdp.py"""
 
+import dataclasses
 import json
 import math
 import os
@@ -932,6 +933,8 @@ def _bad(tmp_path, hf_dir, case):
     if case == "mask length":
         np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.ones(499, np.uint8))
         return ["--data", str(tmp_path / "sft.npz")], "loss_mask has shape (499,), tokens (500,)"
+    if case == "prompt not ids":
+        return ["--model", "llama3-8b", "--sample", "5", "--prompt", "Hello"], "comma-separated token ids"
     if case == "resume other rank":
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
@@ -945,7 +948,7 @@ def _bad(tmp_path, hf_dir, case):
 BAD_CASES = ["missing dir", "missing config", "not a llama", "wrong shape", "unexpected name", "missing tensor",
              "unknown dtype", "header beyond file", "truncated", "overlapping", "short data", "token id",
              "bin for a big vocabulary", "unknown format", "float tokens", "not an array", "mask counts nothing",
-             "mask length", "resume other rank", "non-finite loss"]
+             "mask length", "prompt not ids", "resume other rank", "non-finite loss"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -1083,6 +1086,32 @@ def test_output_paths_created_and_left_clean(tmp_path):
     dirs = [str(tmp_path / name / "deeper") for name in ("out", "merged", "prof")]
     qf.check_writable(qf.parse_args(["--out", dirs[0], "--merge_to", dirs[1], "--profile", dirs[2]]), rank=0)
     assert all(os.listdir(d) == [] for d in dirs)
+
+
+def test_greedy_sample_equals_stepwise_argmax(monkeypatch):
+    """--sample N at temperature 0 continues --prompt (comma-separated ids for a model that is not
+    byte-level) by the argmax of forward's last logits, one token at a time over the last
+    seq_len tokens: as computed here from the trained adapters."""
+    monkeypatch.setitem(qf.CONFIGS, "micro-ids", dataclasses.replace(qf.CONFIGS["micro"], vocab_size=320))
+    argv = BASE + ["--model", "micro-ids", "--data", "dummy", "--batch_size", "2", "--steps", "2", "--seq_len", "8"]
+    summary, _, fsdp = qf.train(qf.parse_args(argv + ["--sample", "12", "--prompt", "5, 17,300"]))
+    model, ref = qf.build(qf.parse_args(argv), qf.CONFIGS["micro-ids"], torch.device("cpu"))
+    ref.load_full_state(fsdp.full_adapters())
+    ids = [5, 17, 300]
+    with torch.no_grad():
+        for _ in range(12):  # 3 + 12 tokens: the window of 8 slides
+            ids.append(int(model(torch.tensor([ids[-8:]]))[0, -1].argmax()))
+    assert summary["sample"] == ids[3:]
+
+
+def test_sample_same_on_two_ranks(tmp_path):
+    """Sharded over 2 ranks, --sample (here drawn at temperature 0.8 from the --seed generator)
+    gives the single process's text on every rank."""
+    argv = BASE + ["--steps", "2", "--sample", "24", "--prompt", "def ", "--temperature", "0.8"]
+    single, _, _ = qf.train(qf.parse_args(argv + ["--batch_size", "4"]))
+    assert isinstance(single["sample"], str) and single["sample"]
+    for r in run_sharded(2, argv + ["--batch_size", "2"], tmp_path):
+        assert r["summary"]["sample"] == single["sample"]
 
 
 def test_compile_notice_before_the_first_step(monkeypatch, capsys):
