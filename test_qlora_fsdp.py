@@ -1128,6 +1128,27 @@ def test_compile_notice_before_the_first_step(monkeypatch, capsys):
             assert out.index(notice) < out.index("step 1/1")
 
 
+def test_two_nodes_equal_one_process(single_run_tiny):
+    """Two torchrun "nodes" of one process each (--nnodes 2, --node_rank 0 and 1, meeting at
+    --master_addr 127.0.0.1) end with the single process's final loss on the same global batch."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+              "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    script = [os.path.join(HERE, "qlora_fsdp.py")] + BASE + ["--batch_size", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(launch + ["--node_rank", str(r)] + script, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    s = last_json(outs[0][0])
+    assert s["world_size"] == 2 and s["steps"] == len(single_run_tiny["losses"])
+    assert s["final_loss"] == pytest.approx(single_run_tiny["losses"][-1], abs=1e-5)
+
+
 # ---- CUDA: the same code with only the device changed (skipped without a GPU) -------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
