@@ -466,9 +466,8 @@ def _worker(rank, world, port, argv, out_path):
     padding = [u.master.data[s.start + s.master.numel():s.start + s.shard_numel].abs().sum()
                for u in fsdp.units for s in u.adapters]  # flat master's padding: must stay 0
     result = dict(summary=summary, losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(),
-                  shard_sizes=shard_sizes,
-                  padding_sum=float(sum(padding)), padding_numel=sum(s.shard_numel - s.master.numel()
-                                                                     for u in fsdp.units for s in u.adapters))
+                  shard_sizes=shard_sizes, padding_sum=float(sum(padding)),
+                  padding_numel=sum(s.shard_numel - s.master.numel() for u in fsdp.units for s in u.adapters))
     torch.save(result, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
