@@ -22,7 +22,8 @@ Run it:
   torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy \\
       --batch_size 8 --seq_len 2048                      # the talk's benchmark, on 2 GPUs
   WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 --estimate
-  torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.bin --out runs/a
+  torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.npy --out runs/a
+  python qlora_fsdp.py --sample 200 --prompt "def "      # then continue a prompt by 200 tokens
 """
 
 import argparse
@@ -32,6 +33,7 @@ import math
 import os
 import resource
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, fields
 from typing import Optional
@@ -1031,6 +1033,13 @@ class FSDP:
             torch._foreach_mul_(grads, coef)
         return total
 
+    def reshard(self):
+        """Free every unit still gathered (the last one stays after a forward without backward)."""
+        for u in self.units:
+            if u.inflight is not None:
+                u.gather()
+            u.free()
+
     def _gather_full(self, s, piece):
         """The full tensor of adapter slot s from every rank's (unpadded) fp32 piece."""
         piece = F.pad(piece.to(self.device, torch.float32), (0, s.shard_numel - piece.numel()))
@@ -1319,49 +1328,62 @@ class LlamaDecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Mean cross entropy of h W^T against targets, LOSS_CHUNK rows at a time.
+    """Cross entropy of h W^T against targets, LOSS_CHUNK rows at a time: the sum over the
+    counted targets (those != IGNORE_INDEX), or their mean.
 
     Full logits for Llama-2-7B at T=2048 are 131 MB per sequence (bf16) plus an fp32 copy and a
     gradient of each. Here only one chunk's logits ever exist: forward computes each chunk's
-    loss AND its gradient wrt h at once (softmax - onehot) W, and backward just scales it."""
+    loss AND its gradient wrt h at once (softmax - onehot) W, and backward just scales it.
+    Ignored rows add 0 to the loss and get a zero gradient."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk):  # h (N, C), weight (V, C), targets (N,)
+    def forward(ctx, h, weight, targets, chunk, reduction):  # h (N, C), weight (V, C), targets (N,)
         W = weight.dequantize(h.dtype) if isinstance(weight, NF4Tensor) else weight.to(h.dtype)
         N = h.shape[0]
         need_grad = ctx.needs_input_grad[0]
         grad_h = torch.empty_like(h) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
+        counted = targets != IGNORE_INDEX  # (N,)
         for s in range(0, N, chunk):
             logits = (h[s:s + chunk] @ W.T).float()  # (n, V) fp32: the one big buffer
-            t = targets[s:s + chunk]
+            keep = counted[s:s + chunk]
+            t = targets[s:s + chunk].clamp(min=0)  # ignored rows look up class 0, then count 0
             target_logit = logits.gather(1, t[:, None]).squeeze(1)  # (n,)
             # log-sum-exp in place (torch.logsumexp would allocate a second (n, V) buffer)
             m = logits.amax(dim=-1, keepdim=True)
             sumexp = logits.sub_(m).exp_().sum(dim=-1)  # logits now holds exp(l - max)
-            total += (m.squeeze(1) + sumexp.log() - target_logit).sum()
+            total += torch.where(keep, m.squeeze(1) + sumexp.log() - target_logit, 0.0).sum()
             probs = None
             if need_grad:  # d(sum of losses)/d logits = softmax - onehot, still in place
                 probs = logits.div_(sumexp[:, None])
                 probs[torch.arange(t.numel(), device=h.device), t] -= 1
                 grad_h[s:s + chunk] = probs.to(h.dtype) @ W
+                grad_h[s:s + chunk].masked_fill_(~keep[:, None], 0)  # (n, C), not (n, V)
             del logits, probs  # before the next chunk's are made: one chunk alive, not two
+        # "mean": over the counted targets; none counted gives 0, not 0/0
+        ctx.denominator = counted.sum().clamp(min=1) if reduction == "mean" else 1
         ctx.save_for_backward(grad_h)
-        ctx.N = N
-        return total / N
+        return total / ctx.denominator
 
     @staticmethod
     def backward(ctx, grad_loss):
         (grad_h,) = ctx.saved_tensors
-        return grad_h * (grad_loss / ctx.N).to(grad_h.dtype), None, None, None
+        return grad_h * (grad_loss / ctx.denominator).to(grad_h.dtype), None, None, None, None
 
 
 LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
 
 
-def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK):
-    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk)
+def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
+    for reduction "mean" or "sum", without the full logits; a mean over no target is 0."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction)
 
 
 class LlamaModel(nn.Module):
@@ -1424,7 +1446,9 @@ class Llama(nn.Module):
         self.model = LlamaModel(config, lora)
         self.lm_head = NF4Linear(config.hidden_size, config.vocab_size, dtype)
 
-    def forward(self, tokens, targets=None):  # tokens (B, T) int64
+    def forward(self, tokens, targets=None, reduction="mean"):  # tokens, targets (B, T) int64
+        """Logits (B, T, vocab); with targets, the cross entropy over the targets that count
+        (!= IGNORE_INDEX): their mean, or with reduction="sum" their sum."""
         B, T = tokens.shape
         h = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
@@ -1442,7 +1466,8 @@ class Llama(nn.Module):
         h = self.model.norm(h)
         if targets is None:
             return linear_nf4(h, self.lm_head.weight)  # (B, T, vocab)
-        return chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1))
+        return chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1),
+                                     reduction=reduction)
 
     def units(self):
         """The sharding units in execution order: (name, module whose hooks run it, [(prefix, module)])."""
@@ -1829,32 +1854,164 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-def load_tokens(path, vocab_size, seq_len):
-    """A .bin file of uint16 tokens (nanoGPT's format) or any other file as raw bytes, checked:
-    at least seq_len + 1 tokens, every id < vocab_size."""
-    if not os.path.isfile(path):
-        raise UserError(f"--data {path}: no such file")
-    data = np.memmap(path, dtype=np.uint16 if path.endswith(".bin") else np.uint8, mode="r")
-    if len(data) < seq_len + 1:
-        raise UserError(f"--data {path}: {len(data)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
-    top = int(data.max())
+DATA_FORMATS = ".npy, .npz, .bin, .txt or dummy"
+
+
+def _check_ids(path, tokens, vocab_size, seq_len):
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"--data {path}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}")
+    if len(tokens) < seq_len + 1:
+        raise UserError(f"--data {path}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
+    top = int(tokens.max())
     if top >= vocab_size:
         raise UserError(f"--data {path}: token id {top} >= vocab_size {vocab_size} of this model")
-    return data
+    if np.issubdtype(tokens.dtype, np.signedinteger) and tokens.min() < 0:
+        raise UserError(f"--data {path}: negative token id {int(tokens.min())}")
+
+
+def load_tokens(path, vocab_size, seq_len):
+    """(tokens, loss_mask) from --data, checked: at least seq_len + 1 tokens, every id < vocab_size.
+      .npy   a 1-D array of any integer dtype (uint32 for Llama 3's 128,256 ids), memory-mapped
+      .npz   `tokens` and `loss_mask` (0/1, same length; read into memory): the prediction of
+             token i counts where loss_mask[i] is 1
+      .bin   nanoGPT's uint16 tokens, memory-mapped (ids < 65,536 only)
+      .txt   raw bytes as tokens (byte-level models), memory-mapped
+    loss_mask is None where every target counts."""
+    if not os.path.isfile(path):
+        raise UserError(f"--data {path}: no such file")
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.samefile(path, __file__):  # the default: this file's own bytes
+        ext = ".txt"
+    if ext not in (".npy", ".npz", ".bin", ".txt"):
+        raise UserError(f"--data {path}: unknown format {ext or '(no extension)'}; use {DATA_FORMATS}")
+    if ext == ".bin" and vocab_size > 65536:
+        raise UserError(f"--data {path}: a .bin holds uint16 ids, too few for this model's {vocab_size:,}-token "
+                        f"vocabulary; save the tokens as .npy (uint32)")
+    arrays = {}
+    try:
+        if ext == ".npy":
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
+        elif ext == ".npz":
+            with np.load(path, allow_pickle=False) as z:
+                arrays = {k: z[k] for k in ("tokens", "loss_mask") if k in z.files}
+                names = z.files
+        else:
+            tokens = np.memmap(path, dtype=np.uint16 if ext == ".bin" else np.uint8, mode="r")
+    except Exception as e:  # noqa: BLE001 -- not an array file, truncated, pickled, odd size: one user error
+        why = " ".join(str(e).split()).split(". ")[0]  # numpy's messages run to several sentences
+        raise UserError(f"--data {path}: cannot be read as {ext} ({type(e).__name__}: {why})")
+    mask = None
+    if ext == ".npz":
+        if len(arrays) < 2:
+            raise UserError(f"--data {path}: needs arrays `tokens` and `loss_mask`, has {names}")
+        tokens, mask = arrays["tokens"], arrays["loss_mask"]
+    _check_ids(path, tokens, vocab_size, seq_len)
+    if mask is not None:
+        if mask.shape != tokens.shape:
+            raise UserError(f"--data {path}: loss_mask has shape {mask.shape}, tokens {tokens.shape}")
+        if not ((mask == 0) | (mask == 1)).all():
+            raise UserError(f"--data {path}: loss_mask holds values other than 0 and 1")
+        if not mask[1:].any():  # token 0 is never a target
+            raise UserError(f"--data {path}: loss_mask counts no target (0 at every position after the first)")
+        mask = mask.astype(bool)
+    return tokens, mask
 
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """Rank's slice of the global micro-batch: depends only on (seed, step, micro) and
-    batch_size x world, so any split of the same global batch sees the same tokens."""
+    """Rank's slice of the global micro-batch: (inputs, targets), each (batch_size, seq_len) int64.
+    It depends only on (seed, step, micro) and batch_size x world, so any split of the same
+    global batch sees the same tokens. data: None (dummy: random tokens) or load_tokens' pair;
+    targets whose loss_mask is 0 are IGNORE_INDEX."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro)
     n, T = args.batch_size * world, args.seq_len
     rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
     if data is None:  # dummy: random tokens, as in the talk's benchmark
         tokens = torch.randint(vocab_size, (n, T + 1), generator=g)[rows]
+        return tokens[:, :-1], tokens[:, 1:]
+    ids, mask = data
+    starts = torch.randint(len(ids) - T, (n,), generator=g)[rows].tolist()
+    tokens = torch.from_numpy(np.stack([ids[s:s + T + 1].astype(np.int64) for s in starts]))
+    targets = tokens[:, 1:]
+    if mask is not None:  # the target at position i counts where loss_mask[i] is 1
+        counted = torch.from_numpy(np.stack([mask[s + 1:s + T + 1] for s in starts]))
+        targets = targets.masked_fill(~counted, IGNORE_INDEX)
+    return tokens[:, :-1], targets
+
+
+def encode_prompt(text, vocab_size):
+    """--prompt as token ids: UTF-8 bytes for a byte-level model (vocab 256; default a newline),
+    else comma-separated ids."""
+    if vocab_size == 256:
+        ids = list(("\n" if text is None else text).encode("utf-8"))
     else:
-        starts = torch.randint(len(data) - T, (n,), generator=g)[rows].tolist()
-        tokens = torch.from_numpy(np.stack([data[s:s + T + 1].astype(np.int64) for s in starts]))
-    return tokens[:, :-1], tokens[:, 1:]
+        try:
+            ids = [int(t) for t in (text or "").split(",") if t.strip()]
+        except ValueError:
+            ids = []
+        if not ids:
+            raise UserError(f"--prompt {text!r}: this model's prompt is comma-separated token ids, e.g. 128000,791")
+        if not all(0 <= i < vocab_size for i in ids):
+            raise UserError(f"--prompt {text}: token ids must be below this model's vocab_size {vocab_size}")
+    if not ids:
+        raise UserError("--prompt is empty: --sample continues a prompt of at least one token")
+    return ids
+
+
+def decode_sample(ids, vocab_size):
+    """Text for a byte-level model (invalid UTF-8 shown as U+FFFD), the ids otherwise."""
+    return bytes(ids).decode("utf-8", errors="replace") if vocab_size == 256 else list(ids)
+
+
+@torch.no_grad()
+def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
+    """n tokens continuing the ids `prompt`: greedy (temperature 0) or drawn from softmax(logits / T)
+    with a CPU generator seeded by `seed` (the same draws on any device). No KV cache: each token
+    re-runs forward on the last `window` tokens. Sharded, every rank runs the same forward (the
+    unit hooks gather the weights) and takes rank 0's token, so all ranks stay in step."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
+    out, was_training = [], model.training
+    model.eval()  # no LoRA dropout
+    # Compiled blocks would compile again for every new length: run those eagerly; what is
+    # already compiled for these shapes (the NF4 kernels) is still used.
+    with torch.compiler.set_stance("eager_on_recompile"):
+        for _ in range(n):
+            logits = model(ids[:, -window:])[0, -1].float()  # (V,): the last position's
+            if temperature > 0:
+                probs = torch.softmax(logits / temperature, dim=-1).cpu()
+                nxt = torch.multinomial(probs, 1, generator=g).to(device)
+            else:
+                nxt = logits.argmax().view(1)
+            if dist.is_initialized():
+                dist.broadcast(nxt, src=0)
+            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
+            out.append(int(nxt))
+    model.train(was_training)
+    return out
+
+
+def check_writable(args, rank):
+    """Create --out, --merge_to (written by rank 0) and --profile (every rank) and write a file
+    into each now, so that a bad path stops the run before its first step, not at its end.
+    Every rank hears of any rank's failure, so all stop together."""
+    problem = None
+    for flag, path, writer in (("--out", args.out, rank == 0), ("--merge_to", args.merge_to, rank == 0),
+                               ("--profile", args.profile, True)):
+        if path and writer and problem is None:
+            try:
+                os.makedirs(path, exist_ok=True)
+                with tempfile.NamedTemporaryFile(dir=path, prefix=".write_check_") as f:
+                    f.write(b"ok")
+                    f.flush()
+            except OSError as e:
+                why = "a file, not a directory" if os.path.isfile(path) else e.strerror or e
+                problem = f"{flag} {path}: cannot be written ({why})"
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    if problem:
+        raise UserError(problem)
 
 
 def lr_at(step, args):
@@ -1891,8 +2048,9 @@ def parse_args(argv=None):
     p.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="a Hugging Face Llama directory (config.json + *.safetensors); overrides --model")
     # data
-    p.add_argument("--data", default=None, help="a .bin of uint16 tokens, any file as bytes, or 'dummy' "
-                                                "(default: the bytes of this file)")
+    p.add_argument("--data", default=None, metavar="PATH",
+                   help="tokens: .npy (any integer dtype), .npz (tokens + loss_mask), .bin (uint16), .txt "
+                        "(raw bytes), or 'dummy' (random); default: the bytes of this file")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
     # optimization
@@ -1925,12 +2083,19 @@ def parse_args(argv=None):
     p.add_argument("--profile", default=None, metavar="DIR",
                    help="write a torch.profiler trace (and on CUDA a memory snapshot) of steps 3-5 to DIR")
     p.add_argument("--log_every", type=int, default=1)
+    # sampling
+    p.add_argument("--sample", type=int, default=0, metavar="N", help="after training, continue --prompt by N tokens")
+    p.add_argument("--prompt", default=None, help="text for byte-level models (vocab 256; default a newline), "
+                                                  "else comma-separated token ids")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (seeded by --seed)")
     args = p.parse_args(argv)
     if args.model not in CONFIGS and not args.checkpoint:
         p.error(f"--model {args.model}: unknown, choose from {', '.join(CONFIGS)}")
     for flag in ("batch_size", "seq_len", "steps", "grad_accum", "lora_rank"):
         if getattr(args, flag) < 1:
             p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
+    if args.sample < 0 or args.temperature < 0:
+        p.error(f"--sample and --temperature must be >= 0, got {args.sample} and {args.temperature}")
     if (args.save_every or args.resume) and not args.out:
         p.error("--save_every and --resume need --out DIR")
     if args.offload_activations and not args.checkpointing:
@@ -2057,8 +2222,10 @@ def _train(args):
     rank = dist.get_rank() if dist.is_initialized() else 0
     name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.model
     config = read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model]
+    check_writable(args, rank)
     data = None if args.data == "dummy" else load_tokens(args.data or os.path.abspath(__file__),
                                                          config.vocab_size, args.seq_len)
+    prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
     model, fsdp = build(args, config, device)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
@@ -2081,23 +2248,34 @@ def _train(args):
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     profiler = make_profiler(args, device, rank)
     last_step = min(args.steps, args.stop_at or args.steps)
+    if args.compile and start < last_step:
+        print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
     for step in range(start, last_step):
         t0 = time.perf_counter()
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
+        # The loss is the mean over the counted targets of the global batch (all ranks, all
+        # micro-batches), so any split of it gives the same loss and gradients: count them first.
+        batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
+                   for micro in range(args.grad_accum)]
+        count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
+        if dist.is_initialized():
+            dist.all_reduce(count)
+        count = count.clamp(min=1)  # a batch that counts nothing: loss 0 and zero gradients
         loss_sum = torch.zeros((), device=device)
-        for micro in range(args.grad_accum):
-            x, y = get_batch(data, step, micro, args, world, rank, config.vocab_size)
+        for x, y in batches:
             with torch.profiler.record_function("forward"):
-                loss = model(x.to(device), y.to(device)) / args.grad_accum
+                loss = model(x.to(device), y.to(device), reduction="sum")  # this micro-batch's sum
             with torch.profiler.record_function("backward"):
-                loss.backward()
+                # x world: the reduce-scatter averages over ranks, so the adapters' gradient is
+                # that of (sum over the global batch) / count
+                (loss * (world / count)).backward()
                 fsdp.finish_backward()
             loss_sum += loss.detach()
-        if dist.is_initialized():  # mean over the global batch
-            dist.all_reduce(loss_sum, op=dist.ReduceOp.AVG)
-        loss_value = loss_sum.item()  # also synchronizes the device
+        if dist.is_initialized():
+            dist.all_reduce(loss_sum)
+        loss_value = (loss_sum / count).item()  # also synchronizes the device
         if not math.isfinite(loss_value):  # stop before the update: the last checkpoint stays good
             kept = f"; the last checkpoint in {args.out} is intact" if args.out else ""
             raise UserError(f"loss is {loss_value} at step {step + 1}; stopped before updating{kept}")
@@ -2135,6 +2313,13 @@ def _train(args):
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
+    if args.sample:  # after the saves: what was trained is on disk whatever happens here
+        window = min(args.seq_len, config.max_position_embeddings)
+        ids = generate(model, prompt, args.sample, window, device, args.temperature, args.seed)
+        fsdp.reshard()
+        sample = decode_sample(ids, config.vocab_size)
+        print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
+               + (decode_sample(prompt, 256) + sample if config.vocab_size == 256 else str(sample)))
 
     peak = max_over_ranks(peak_memory_gib(device), device)
     first = 1 if len(times) > 1 else 0  # the first step includes compilation
@@ -2154,6 +2339,8 @@ def _train(args):
                    comm_wait_ms=round(wait_ms, 2), optimizer_ms=round(optim_ms, 2))
     if device.type == "cuda":  # what the caching allocator holds: allocated + its free blocks
         summary["peak_reserved_gib"] = round(max_over_ranks(torch.cuda.max_memory_reserved(device) / GiB, device), 4)
+    if args.sample:
+        summary["sample"] = sample
     return summary, losses, fsdp
 
 

@@ -3,6 +3,7 @@ against a reference: a dense F.linear, torch.optim.AdamW, a plain Llama written 
 unsharded single-process run. Run: python -m pytest -q test_qlora_fsdp.py"""
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -425,6 +427,30 @@ def test_chunked_loss_equals_plain(dtype):
     torch.testing.assert_close(h.grad, h_ref.grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_loss_ignores_targets(reduction):
+    """With some targets IGNORE_INDEX (-100), the chunked cross entropy and its gradient equal
+    F.cross_entropy(ignore_index=-100) for reduction mean and sum; ignored rows get no gradient,
+    and when every target is ignored the loss is 0 and the gradient zero (not 0/0)."""
+    torch.manual_seed(0)
+    w = qf.to_nf4(torch.randn(256, 64) / 8)
+    t = torch.randint(256, (23,))
+    t[torch.tensor([0, 4, 5, 6, 17, 22])] = -100  # both ends, either side of a border of chunks of 5
+    for targets in (t, torch.full((23,), -100)):
+        h = torch.randn(23, 64, requires_grad=True)
+        loss = qf.chunked_cross_entropy(h, w, targets, chunk=5, reduction=reduction)
+        (2 * loss).backward()
+        h_ref = h.detach().clone().requires_grad_()
+        ref = F.cross_entropy(h_ref @ w.dequantize().T, targets, ignore_index=-100, reduction=reduction)
+        if (targets == -100).all():
+            assert loss.item() == 0 and torch.equal(h.grad, torch.zeros_like(h))
+            continue
+        (2 * ref).backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
+        assert torch.equal(h.grad[targets == -100], torch.zeros(6, 64))
+
+
 def test_loss_equals_logits_cross_entropy():
     """forward(tokens, targets) equals cross entropy of forward(tokens), with checkpointing on."""
     model = make_model()
@@ -488,9 +514,9 @@ def _worker(rank, world, port, argv, out_path):
                    for u in fsdp.units for s in u.frozen + u.adapters}
     padding = [u.master.data[s.start + s.master.numel():s.start + s.shard_numel].abs().sum()
                for u in fsdp.units for s in u.adapters]  # flat master's padding: must stay 0
-    result = dict(losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(), shard_sizes=shard_sizes,
-                  padding_sum=float(sum(padding)), padding_numel=sum(s.shard_numel - s.master.numel()
-                                                                     for u in fsdp.units for s in u.adapters))
+    result = dict(summary=summary, losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(),
+                  shard_sizes=shard_sizes, padding_sum=float(sum(padding)),
+                  padding_numel=sum(s.shard_numel - s.master.numel() for u in fsdp.units for s in u.adapters))
     torch.save(result, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
@@ -1095,6 +1121,28 @@ def _bad(tmp_path, hf_dir, case):
         f = tmp_path / "tokens.bin"
         f.write_bytes(torch.full((500,), 300, dtype=torch.int16).numpy().tobytes())
         return ["--data", str(f)], "token id 300 >= vocab_size 256"
+    if case == "bin for a big vocabulary":
+        f = tmp_path / "tokens.bin"
+        f.write_bytes(b"\0" * 1000)
+        return ["--data", str(f), "--model", "llama3-8b"], "save the tokens as .npy (uint32)"
+    if case == "unknown format":
+        f = tmp_path / "tokens.csv"
+        f.write_text("1,2,3")
+        return ["--data", str(f)], "unknown format .csv; use .npy, .npz, .bin, .txt or dummy"
+    if case == "float tokens":
+        np.save(tmp_path / "tokens.npy", np.zeros(500))
+        return ["--data", str(tmp_path / "tokens.npy")], "must be a 1-D integer array"
+    if case == "not an array":
+        (tmp_path / "tokens.npy").write_bytes(b"\x93NUMPY garbage" * 100)
+        return ["--data", str(tmp_path / "tokens.npy")], "cannot be read as .npy"
+    if case == "mask counts nothing":
+        np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.zeros(500, np.uint8))
+        return ["--data", str(tmp_path / "sft.npz")], "loss_mask counts no target"
+    if case == "mask length":
+        np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.ones(499, np.uint8))
+        return ["--data", str(tmp_path / "sft.npz")], "loss_mask has shape (499,), tokens (500,)"
+    if case == "prompt not ids":
+        return ["--model", "llama3-8b", "--sample", "5", "--prompt", "Hello"], "comma-separated token ids"
     if case == "resume other rank":
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
@@ -1107,7 +1155,8 @@ def _bad(tmp_path, hf_dir, case):
 
 BAD_CASES = ["missing dir", "missing config", "not a llama", "wrong shape", "unexpected name", "missing tensor",
              "unknown dtype", "header beyond file", "truncated", "overlapping", "short data", "token id",
-             "resume other rank", "non-finite loss"]
+             "bin for a big vocabulary", "unknown format", "float tokens", "not an array", "mask counts nothing",
+             "mask length", "prompt not ids", "resume other rank", "non-finite loss"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -1145,6 +1194,167 @@ def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
     for r in results:
         assert_same_run(r, single)
         assert r["local_bytes"] <= single["local_bytes"] / 2 + 4096
+
+
+# ---- 9. data, sampling, output paths, several nodes ------------------------------------------
+
+def random_ids(n=4000, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n)
+
+
+def test_data_formats_read_the_same_ids(tmp_path):
+    """The same ids come back from .npy (any integer dtype), .npz, .bin (uint16) and .txt (raw
+    bytes); a uint32 .npy of Llama 3 ids up to 128,255 loads memory-mapped for its 128,256 vocabulary."""
+    ids = random_ids(1000)
+    writers = {"a.npy": lambda f: np.save(f, ids.astype(np.int64)), "b.npy": lambda f: np.save(f, ids.astype(np.uint8)),
+               "c.npz": lambda f: np.savez(f, tokens=ids.astype(np.uint16), loss_mask=np.ones(1000, np.uint8)),
+               "d.bin": lambda f: ids.astype(np.uint16).tofile(f), "e.txt": lambda f: ids.astype(np.uint8).tofile(f)}
+    for name, write in writers.items():
+        write(str(tmp_path / name))
+        tokens, mask = qf.load_tokens(str(tmp_path / name), 256, 32)
+        assert np.array_equal(tokens, ids), name
+        assert (mask is not None) == name.endswith(".npz"), name
+    llama3 = np.array([0, 128000, 128255] * 20, dtype=np.uint32)
+    np.save(tmp_path / "llama3.npy", llama3)
+    tokens, _ = qf.load_tokens(str(tmp_path / "llama3.npy"), 128256, 32)
+    assert isinstance(tokens, np.memmap) and np.array_equal(tokens, llama3)
+
+
+def test_all_ones_mask_trains_as_bare_tokens(tmp_path):
+    """An .npz whose loss_mask is all ones trains bitwise like the same tokens as a bare .npy."""
+    ids = random_ids()
+    np.save(tmp_path / "bare.npy", ids.astype(np.uint16))
+    np.savez(tmp_path / "ones.npz", tokens=ids.astype(np.uint32), loss_mask=np.ones(len(ids), bool))
+    argv = BASE + ["--batch_size", "2", "--steps", "3", "--grad_accum", "2"]
+    bare = run_single(argv + ["--data", str(tmp_path / "bare.npy")])
+    ones = run_single(argv + ["--data", str(tmp_path / "ones.npz")])
+    assert ones["losses"] == bare["losses"]
+    for k, v in bare["adapters"].items():
+        assert torch.equal(ones["adapters"][k], v), k
+
+
+def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
+    """With a loss mask the loss is the mean cross entropy over the counted targets of the WHOLE
+    global batch (all ranks, all micro-batches): step 1's loss is F.cross_entropy over the counted
+    targets of the model's logits for that batch, and 1 process and 3 ranks, with 2 micro-batches
+    whose counts differ, train alike (the same losses and adapters)."""
+    ids = random_ids()
+    np.save(tmp_path / "bare.npy", ids)
+    # a target counts where its id is a multiple of 3: the mask of any batch follows from its targets
+    np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
+    argv = BASE + ["--data", str(tmp_path / "masked.npz"), "--grad_accum", "2"]
+    single = run_single(argv + ["--batch_size", "6"])
+    args = qf.parse_args(BASE + ["--batch_size", "6", "--grad_accum", "2"])
+    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the untrained model
+    bare = (np.load(tmp_path / "bare.npy"), None)
+    x, y = map(torch.cat, zip(*[qf.get_batch(bare, 0, micro, args, 1, 0, 256) for micro in range(2)]))
+    counted = y % 3 == 0  # (12, 32): rows 0-5 the first micro-batch, 6-11 the second
+    assert len(set(counted.sum(1).tolist())) > 1  # ranks and micro-batches count differently
+    with torch.no_grad():
+        logits = model(x)
+    ref = F.cross_entropy(logits[counted], y[counted])
+    torch.testing.assert_close(torch.tensor(single["losses"][0]), ref, rtol=1e-5, atol=1e-5)
+    for r in run_sharded(3, argv + ["--batch_size", "2"], tmp_path):
+        assert_same_run(r, single)
+
+
+def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
+    """Steps whose global batch counts no target log loss 0 and leave the adapters exactly at
+    their initial values: zero gradients, no 0/0."""
+    mask = np.zeros(4000, np.uint8)
+    mask[1] = 1  # the only counted target: in a window only if it starts at token 0
+    path = str(tmp_path / "rare.npz")
+    np.savez(path, tokens=random_ids(), loss_mask=mask)
+    args = qf.parse_args(BASE + ["--data", path, "--batch_size", "2", "--steps", "3"])
+    data = qf.load_tokens(path, 256, 32)
+    assert all((qf.get_batch(data, step, 0, args, 1, 0, 256)[1] == -100).all() for step in range(3))
+    _, losses, fsdp = qf.train(args)
+    assert losses == [0.0, 0.0, 0.0]
+    initial = qf.init_adapters({s.name: s.shape for s in fsdp.adapter_slots()}, args.seed)
+    for k, v in fsdp.full_adapters().items():
+        assert torch.equal(v, initial[k].float()), k
+
+
+@pytest.mark.parametrize("flag", ["--out", "--merge_to", "--profile"])
+def test_unwritable_output_refused_before_the_first_step(flag, tmp_path, capsys):
+    """An output path that cannot be written (here one under a regular file, which fails even as
+    root) stops the run at startup with one line naming the flag: no model built, no step taken."""
+    (tmp_path / "file").write_text("x")
+    path = str(tmp_path / "file" / "sub")
+    with pytest.raises(SystemExit) as exc:
+        qf.main(BASE + ["--batch_size", "2", flag, path])
+    out, err = capsys.readouterr()
+    assert exc.value.code == 2
+    assert err.strip() == f"error: {flag} {path}: cannot be written (Not a directory)"
+    assert "model tiny" not in out and "step 1/" not in out
+
+
+def test_output_paths_created_and_left_clean(tmp_path):
+    """The startup check creates missing output directories and leaves no file behind in them."""
+    dirs = [str(tmp_path / name / "deeper") for name in ("out", "merged", "prof")]
+    qf.check_writable(qf.parse_args(["--out", dirs[0], "--merge_to", dirs[1], "--profile", dirs[2]]), rank=0)
+    assert all(os.listdir(d) == [] for d in dirs)
+
+
+def test_greedy_sample_equals_stepwise_argmax(monkeypatch):
+    """--sample N at temperature 0 continues --prompt (comma-separated ids for a model that is not
+    byte-level) by the argmax of forward's last logits, one token at a time over the last
+    seq_len tokens: as computed here from the trained adapters."""
+    monkeypatch.setitem(qf.CONFIGS, "micro-ids", dataclasses.replace(qf.CONFIGS["micro"], vocab_size=320))
+    argv = BASE + ["--model", "micro-ids", "--data", "dummy", "--batch_size", "2", "--steps", "2", "--seq_len", "8"]
+    summary, _, fsdp = qf.train(qf.parse_args(argv + ["--sample", "12", "--prompt", "5, 17,300"]))
+    model, ref = qf.build(qf.parse_args(argv), qf.CONFIGS["micro-ids"], torch.device("cpu"))
+    ref.load_full_state(fsdp.full_adapters())
+    ids = [5, 17, 300]
+    with torch.no_grad():
+        for _ in range(12):  # 3 + 12 tokens: the window of 8 slides
+            ids.append(int(model(torch.tensor([ids[-8:]]))[0, -1].argmax()))
+    assert summary["sample"] == ids[3:]
+
+
+def test_sample_same_on_two_ranks(tmp_path):
+    """Sharded over 2 ranks, --sample (here drawn at temperature 0.8 from the --seed generator)
+    gives the single process's text on every rank."""
+    argv = BASE + ["--steps", "2", "--sample", "24", "--prompt", "def ", "--temperature", "0.8"]
+    single, _, _ = qf.train(qf.parse_args(argv + ["--batch_size", "4"]))
+    assert isinstance(single["sample"], str) and single["sample"]
+    for r in run_sharded(2, argv + ["--batch_size", "2"], tmp_path):
+        assert r["summary"]["sample"] == single["sample"]
+
+
+def test_compile_notice_before_the_first_step(monkeypatch, capsys):
+    """With --compile (the default) one line before the first step says it compiles and how to
+    skip that; with --no-compile there is no such line."""
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the notice is tested, not the compiler
+    monkeypatch.setattr(qf, "COMPILE", qf.COMPILE)  # train sets it; restored after the test
+    notice = "compiling the first step (about a minute on a CPU); --no-compile skips it"
+    for flag in ("--compile", "--no-compile"):
+        qf.main([a for a in BASE if a != "--no-compile"] + ["--batch_size", "1", "--steps", "1", flag])
+        out = capsys.readouterr().out
+        assert (notice in out) == (flag == "--compile")
+        if flag == "--compile":
+            assert out.index(notice) < out.index("step 1/1")
+
+
+def test_two_nodes_equal_one_process(single_run_tiny):
+    """Two torchrun "nodes" of one process each (--nnodes 2, --node_rank 0 and 1, meeting at
+    --master_addr 127.0.0.1) end with the single process's final loss on the same global batch."""
+    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+              "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    script = [os.path.join(HERE, "qlora_fsdp.py")] + BASE + ["--batch_size", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [subprocess.Popen(launch + ["--node_rank", str(r)] + script, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=240) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    s = last_json(outs[0][0])
+    assert s["world_size"] == 2 and s["steps"] == len(single_run_tiny["losses"])
+    assert s["final_loss"] == pytest.approx(single_run_tiny["losses"][-1], abs=1e-5)
 
 
 # ---- CUDA: the same code with only the device changed (skipped without a GPU) -------------------
