@@ -65,8 +65,11 @@ class Run:
         """Why it failed, in a few lines: the workers' own traceback rather than torchrun's."""
         if self.ok:
             return ""
-        head = (f"timed out after {self.seconds:.0f} s" if self.timed_out
-                else f"exit code {self.rc}" + ("" if self.rc else ", no JSON summary on stdout"))
+        if self.timed_out:  # no traceback to show: how far it got, from both streams' last lines
+            tail = [line for line in self.stdout.splitlines() if line.strip()][-lines // 2:]
+            tail += [line for line in self.stderr.splitlines() if line.strip()][-lines // 2:]
+            return f"timed out after {self.seconds:.0f} s:\n" + "\n".join("    " + line for line in tail)
+        head = f"exit code {self.rc}" + ("" if self.rc else ", no JSON summary on stdout")
         return head + ":\n" + "\n".join("    " + line for line in error_lines(self.stderr or self.stdout, lines))
 
 

@@ -201,7 +201,7 @@ def main():
             print(line(run.json), flush=True)
         else:
             failed += 1
-            print(f"{shape:<12} FAILED, {run.error()}", flush=True)
+            print(f"{shape:<12} FAILED, {run.error() or 'no floor in its output'}", flush=True)
     for r in results:
         if not r["has_shapes"]:
             print(f"  ({r['shape']}: the trace has no operand shapes, so LoRA's matmuls count as matmul)")

@@ -1,6 +1,6 @@
 """Where a training step's time goes, from a `qlora_fsdp.py --profile DIR` chrome trace.
 
-  python benchmarks/profile_breakdown.py DIR/trace_rank0.json [--lora_rank 8]
+  python benchmarks/profile_breakdown.py DIR/trace_rank0.json [--lora_rank 8] [--top 5]
 
 Every microsecond of each profiled step (the profiler's ProfilerStep#N spans, on the thread that
 ran them) goes to exactly one category, by the op or label it was spent in:
@@ -104,7 +104,7 @@ def breakdown(trace, lora_rank=None):
     if not steps:
         raise ValueError("no ProfilerStep# spans in the trace (was it written by --profile?)")
     tid = steps[0]["tid"]
-    totals = defaultdict(float)
+    totals, names = defaultdict(float), defaultdict(float)
     has_shapes = False
     for step in steps:
         lo, hi = step["ts"], step["ts"] + step["dur"]
@@ -112,9 +112,10 @@ def breakdown(trace, lora_rank=None):
                         key=lambda e: (e["ts"], -e["dur"]))
         stack = [dict(step, end=hi, child=0.0)]
 
-        def close(top):  # its own time, less its children's, goes to its category
-            chain = stack if top is stack[-1] else stack + [top]
-            totals[classify(chain, lora_rank)] += max(0.0, top["end"] - top["ts"] - top["child"])
+        def close(top):  # the top of the stack: its own time (less its children's) to its category
+            cat, own = classify(stack, lora_rank), max(0.0, top["end"] - top["ts"] - top["child"])
+            totals[cat] += own
+            names[cat, "(between ops)" if top is stack[0] else top["name"]] += own
 
         for e in inside:
             has_shapes = has_shapes or "Input Dims" in e.get("args", {})
@@ -129,14 +130,17 @@ def breakdown(trace, lora_rank=None):
             close(stack[-1])
             stack.pop()
     n = len(steps)
+    top = sorted(names.items(), key=lambda kv: -kv[1])
     return {"steps": n, "step_ms": sum(s["dur"] for s in steps) / n / 1000, "has_shapes": has_shapes,
-            "ms": {c: totals[c] / n / 1000 for c in CATEGORIES}}
+            "ms": {c: totals[c] / n / 1000 for c in CATEGORIES},
+            "by_name_ms": {c: {name: ms / n / 1000 for (cat, name), ms in top if cat == c} for c in CATEGORIES}}
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("trace")
     p.add_argument("--lora_rank", type=int, default=8)
+    p.add_argument("--top", type=int, default=0, help="also list each category's N biggest ops or labels")
     args = p.parse_args()
     with open(args.trace) as f:
         b = breakdown(json.load(f), args.lora_rank)
@@ -144,7 +148,9 @@ def main():
           + ("" if b["has_shapes"] else " (no operand shapes in the trace: LoRA's matmuls count as matmul)"))
     for c, ms in b["ms"].items():
         print(f"  {c:<24} {ms:8.1f} ms  {100 * ms / b['step_ms']:5.1f}%")
-    print(json.dumps(b))
+        for name, own in list(b["by_name_ms"][c].items())[:args.top]:
+            print(f"      {own:8.2f} ms  {name[:100]}")
+    print(json.dumps({k: v for k, v in b.items() if k != "by_name_ms"}))
 
 
 if __name__ == "__main__":
