@@ -80,17 +80,20 @@ def bench_adamw(device):
     shapes = adapter_shapes(c)
     blocks = c.num_hidden_layers
 
-    def with_grad(p):
-        p.grad = torch.randn_like(p)
+    def param(shape, dtensor=False):  # with a gradient, drawn as a plain tensor and then sharded
+        t, g = torch.randn(shape, device=device), torch.randn(shape, device=device)
+        if dtensor:
+            t, g = (distribute_tensor(x, mesh, [Shard(0)]) for x in (t, g))
+        p = nn.Parameter(t)
+        p.grad = g
         return p
 
     def tensors(dtensor):
-        return [with_grad(nn.Parameter(distribute_tensor(t, mesh, [Shard(0)]) if dtensor else t))
-                for t in (torch.randn(s, device=device) for s in shapes)]
+        return [param(s, dtensor) for s in shapes]
 
     def flat_shards():  # what qlora_fsdp's FSDP hands its optimizer: one flat fp32 shard per block
         per_block = sum(math.prod(s) for s in shapes) // blocks // world
-        return [with_grad(nn.Parameter(torch.randn(per_block, device=device))) for _ in range(blocks)]
+        return [param((per_block,)) for _ in range(blocks)]
 
     rows = {"ours, a flat shard per block": qf.AdamW(flat_shards(), lr=1e-4),
             f"ours, over the {len(shapes)} tensors": qf.AdamW(tensors(False), lr=1e-4),

@@ -119,7 +119,9 @@ def worker(args):
         qf.CONFIGS[name] = config
     train_argv = ["--model", name, "--batch_size", str(batch), "--seq_len", str(seq), "--steps", str(args.steps),
                   "--lora_rank", str(args.lora_rank), "--dtype", "bf16", "--data", "dummy", "--device", "cpu",
-                  "--log_every", "1000", "--profile", args.profile]
+                  "--log_every", "1000", "--profile", args.profile,
+                  "--checkpointing" if args.checkpointing else "--no-checkpointing",
+                  "--compile" if args.compile else "--no-compile"]
     train_args = qf.parse_args(train_argv)
     ops = floor_ops(qf.CONFIGS[name], batch, seq, train_args.checkpointing, torch.bfloat16)
     dist.init_process_group("gloo")  # main() takes it over, and destroys it at the end
@@ -167,7 +169,7 @@ def overheads(r):
     """Time above the floor by category, largest first: matmul and attention less their floors."""
     b = dict(r["breakdown_ms"])
     for cat, ms in r["floor_parts_ms"].items():
-        b[cat] -= ms
+        b[f"{cat} beyond its floor"] = b.pop(cat) - ms
     return sorted(b.items(), key=lambda kv: -kv[1])
 
 
@@ -177,6 +179,8 @@ def main():
     p.add_argument("--steps", type=int, default=12, help="training steps per shape (steps 3-5 are profiled)")
     p.add_argument("--reps", type=int, default=5, help="floor repetitions before and again after training")
     p.add_argument("--lora_rank", type=int, default=8)
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--timeout", type=float, default=900, help="seconds per shape")
     p.add_argument("--worker", choices=list(SHAPES), help=argparse.SUPPRESS)  # one shape, under torchrun
     p.add_argument("--profile", help=argparse.SUPPRESS)
@@ -186,15 +190,18 @@ def main():
     if args.steps < 5:
         p.error("--steps must be >= 5: steps 3-5 are the profiled ones")
     print(f"floor of a training step: {RANKS} gloo ranks x 1 thread, bf16, LoRA rank {args.lora_rank} on all 7 "
-          f"projections, activation checkpointing, dummy data; step = median of {args.steps - 1} steps; "
+          f"projections, checkpointing {'on' if args.checkpointing else 'off'}, "
+          f"{'compiled' if args.compile else 'eager'}, dummy data; step = median of {args.steps - 1} steps; "
           f"floor = median of {2 * args.reps} timings; breakdown from rank 0's --profile trace, ms per step")
     results, failed = [], 0
     for shape in args.shapes:
         print("  " + describe(shape), flush=True)
     for shape in args.shapes:
         with tempfile.TemporaryDirectory() as prof:
-            run = torchrun(BENCH / "bench_step.py", ["--worker", shape, "--profile", prof, "--steps", args.steps,
-                                                     "--reps", args.reps, "--lora_rank", args.lora_rank],
+            flags = ["--worker", shape, "--profile", prof, "--steps", args.steps, "--reps", args.reps,
+                     "--lora_rank", args.lora_rank, "--checkpointing" if args.checkpointing else "--no-checkpointing",
+                     "--compile" if args.compile else "--no-compile"]
+            run = torchrun(BENCH / "bench_step.py", flags,
                            RANKS, env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
         if run.ok and "floor_ms" in run.json:
             results.append(run.json)
@@ -206,7 +213,7 @@ def main():
         if not r["has_shapes"]:
             print(f"  ({r['shape']}: the trace has no operand shapes, so LoRA's matmuls count as matmul)")
         print(f"  {r['shape']}: above the floor, largest first: "
-              + ", ".join(f"{c} {ms:.1f} ms" for c, ms in overheads(r)[:5]))
+              + ", ".join(f"{c} {ms:.1f} ms" for c, ms in overheads(r)[:6] if ms > 0))
     print(json.dumps([{k: v for k, v in r.items() if k != "summary"} for r in results]))
     sys.exit(1 if failed else 0)
 
