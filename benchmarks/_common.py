@@ -67,17 +67,23 @@ class Run:
             return ""
         if self.timed_out:  # no traceback to show: how far it got, from both streams' last lines
             tail = [line for line in self.stdout.splitlines() if line.strip()][-lines // 2:]
-            tail += [line for line in self.stderr.splitlines() if line.strip()][-lines // 2:]
+            err = re.split(r".*Received \S+ death signal.*", self.stderr)[0]  # not the kill
+            tail += [line for line in err.splitlines() if line.strip() and not _banner(line)][-lines // 2:]
             return f"timed out after {self.seconds:.0f} s:\n" + "\n".join("    " + line for line in tail)
         head = f"exit code {self.rc}" + ("" if self.rc else ", no JSON summary on stdout")
         return head + ":\n" + "\n".join("    " + line for line in error_lines(self.stderr or self.stdout, lines))
 
 
+def _banner(line):  # torchrun's note that it set OMP_NUM_THREADS, in a box of asterisks
+    return line.startswith("*****") or line.startswith("Setting OMP_NUM_THREADS")
+
+
 def error_lines(text, n=12):
     """The lines of a failed run's stderr that say why. torchrun ends it with its own report and
     traceback (ChildFailedError), after the worker's: show the last traceback that is not
-    torchrun's, and any 'error:' line (qlora_fsdp's one-line refusal of bad input)."""
-    lines = [re.sub(r"^\[rank\d+\]: ?", "", line.rstrip()) for line in text.splitlines() if line.strip()]
+    torchrun's, and any 'error:' line (qlora_fsdp's and argparse's one-line refusals)."""
+    lines = [re.sub(r"^\[rank\d+\]: ?", "", line.rstrip()) for line in text.splitlines()
+             if line.strip() and not _banner(line)]
     blocks, i = [], 0
     while i < len(lines):
         if lines[i].startswith("Traceback (most recent call last)"):
@@ -89,11 +95,31 @@ def error_lines(text, n=12):
         else:
             i += 1
     worker = [b for b in blocks if "ChildFailedError" not in b[-1]]
-    errors = list(dict.fromkeys(line for line in lines if line.startswith("error:")))  # once, not per rank
+    errors = list(dict.fromkeys(line for line in lines  # once, not once per rank
+                                if line.startswith("error:") or re.match(r"^\S+: error: ", line)))  # argparse's
     if worker:
         block = worker[-1]
         return (block[:1] + ["    ..."] if len(block) > n else []) + block[-(n - 1):] + errors[-2:]
     return errors[-n:] or lines[-n:]
+
+
+def _descendants(pid):
+    """Every process below pid (Linux /proc): torchrun starts its workers in sessions of their own."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        found += kids
+        todo += kids
+    return found
 
 
 def launch(cmd, env=None, timeout=None):
@@ -105,11 +131,18 @@ def launch(cmd, env=None, timeout=None):
         out, err = proc.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGTERM)  # torchrun and its workers: one process group
+        started = _descendants(proc.pid)
+        os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to its workers and waits for them
         try:
-            out, err = proc.communicate(timeout=10)
+            out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = "", ""
+        for pid in [proc.pid] + started:  # whatever is left of what this call started
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        if proc.poll() is None:
             out, err = proc.communicate()
         timed_out = True
     return Run(cmd, proc.returncode, out, err, time.perf_counter() - t0, timed_out)

@@ -90,7 +90,7 @@ def main():
     print(f"\ntraining runs: world {world}, batch {args.batch_size} x {args.seq_len} per rank, dummy data, "
           f"checkpointing, compiled, {args.steps} steps")
     header = ("check", "result", "peak alloc GiB", "peak reserved GiB", "predicted GiB", "s/step", "tokens/s")
-    widths = (34, 18, 15, 18, 14, 8, 10)
+    widths = (34, 18, 16, 19, 15, 9, 11)
 
     def table_row(cells):
         return "".join(c.ljust(w) if i < 2 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
