@@ -103,22 +103,29 @@ def error_lines(text, n=12):
     return errors[-n:] or lines[-n:]
 
 
+def _stat(pid):
+    """(parent pid, start time) of a live process, from /proc (Linux); None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return int(fields[1]), int(fields[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
 def _descendants(pid):
-    """Every process below pid (Linux /proc): torchrun starts its workers in sessions of their own."""
+    """{pid: start time} of every process below pid: torchrun starts its workers in sessions of
+    their own, so they are not in its process group."""
     children = {}
     for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            children.setdefault(ppid, []).append(int(entry))
-    found, todo = [], [pid]
+        st = _stat(entry) if entry.isdigit() else None
+        if st:
+            children.setdefault(st[0], []).append((int(entry), st[1]))
+    found, todo = {}, [pid]
     while todo:
-        kids = children.get(todo.pop(), [])
-        found += kids
-        todo += kids
+        for child, start in children.get(todo.pop(), []):
+            found[child] = start
+            todo.append(child)
     return found
 
 
@@ -126,25 +133,26 @@ def launch(cmd, env=None, timeout=None):
     """Run cmd (a list) to the end, or to `timeout` s, then end it and everything it started."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, **(env or {})}, start_new_session=True)
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
     try:
         out, err = proc.communicate(timeout=timeout)
         timed_out = False
     except subprocess.TimeoutExpired:
+        timed_out = True
         started = _descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to its workers and waits for them
         try:
             out, err = proc.communicate(timeout=30)
         except subprocess.TimeoutExpired:
-            out, err = "", ""
-        for pid in [proc.pid] + started:  # whatever is left of what this call started
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        if proc.poll() is None:
+            proc.kill()
             out, err = proc.communicate()
-        timed_out = True
+        for pid, start in started.items():  # a worker left behind: the same process, not a reused id
+            st = _stat(pid)
+            if st and st[1] == start:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
     return Run(cmd, proc.returncode, out, err, time.perf_counter() - t0, timed_out)
 
 
