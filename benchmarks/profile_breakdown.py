@@ -33,8 +33,7 @@ CATEGORIES = ["matmul", "LoRA", "attention", "dequantize", "norm/rope/elementwis
 
 MATMUL = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::matmul", "aten::linear",
           "aten::mv", "aten::addmv", "aten::_addmm_activation"}
-COMPILED = re.compile(r"^(## Call CompiledFxGraph|Torch-Compiled Region|CompiledFunction|"
-                      r"## Call CompiledFxGraph)")
+COMPILED = re.compile(r"^(## Call CompiledFxGraph|Torch-Compiled Region|CompiledFunction)")
 
 
 def owning_label(name):
@@ -92,13 +91,15 @@ def classify(chain, lora_rank):
             return cat
     if any(is_loss(e["name"]) for e in chain):
         return "loss"
-    if any(is_elementwise(e["name"]) for e in reversed(chain)):
+    if any(is_elementwise(e["name"]) for e in chain):
         return "norm/rope/elementwise"
     return "other"
 
 
 def breakdown(trace, lora_rank=None):
-    """{"steps": n, "step_ms": mean profiled step, "ms": {category: ms per step}, "has_shapes": bool}."""
+    """{"steps": n, "step_ms": mean profiled step, "ms": {category: ms per step},
+    "by_name_ms": {category: {op or label: ms per step}}, "has_shapes": bool, "gpu": bool}. Host
+    time only: on a GPU trace (gpu True) an op's time is its launch, not its kernel's."""
     events = [e for e in trace["traceEvents"] if e.get("ph") == "X" and "dur" in e]
     steps = [e for e in events if e["name"].startswith("ProfilerStep#")]
     if not steps:
@@ -131,7 +132,8 @@ def breakdown(trace, lora_rank=None):
             stack.pop()
     n = len(steps)
     top = sorted(names.items(), key=lambda kv: -kv[1])
-    return {"steps": n, "step_ms": sum(s["dur"] for s in steps) / n / 1000, "has_shapes": has_shapes,
+    gpu = any(e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") for e in events)
+    return {"steps": n, "step_ms": sum(s["dur"] for s in steps) / n / 1000, "has_shapes": has_shapes, "gpu": gpu,
             "ms": {c: totals[c] / n / 1000 for c in CATEGORIES},
             "by_name_ms": {c: {name: ms / n / 1000 for (cat, name), ms in top if cat == c} for c in CATEGORIES}}
 
@@ -145,7 +147,8 @@ def main():
     with open(args.trace) as f:
         b = breakdown(json.load(f), args.lora_rank)
     print(f"{b['steps']} profiled steps, {b['step_ms']:.1f} ms each"
-          + ("" if b["has_shapes"] else " (no operand shapes in the trace: LoRA's matmuls count as matmul)"))
+          + ("" if b["has_shapes"] else " (no operand shapes in the trace: LoRA's matmuls count as matmul)")
+          + (" (a GPU trace: these are host times, kernels run asynchronously)" if b["gpu"] else ""))
     for c, ms in b["ms"].items():
         print(f"  {c:<24} {ms:8.1f} ms  {100 * ms / b['step_ms']:5.1f}%")
         for name, own in list(b["by_name_ms"][c].items())[:args.top]:
