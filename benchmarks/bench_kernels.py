@@ -1,6 +1,6 @@
 """Speed of qlora_fsdp's pieces against their references, every ratio from this one run.
 
-  python benchmarks/bench_kernels.py        # on the GPU if there is one, else every CPU thread
+  python benchmarks/bench_kernels.py [--threads N]    # on the GPU if there is one, else on the CPU
 
 1. NF4 dequantization of a 4096 x 11008 weight (Llama-2-7B's MLP) to bf16: eager and compiled,
    against a plain copy of the output bytes (the practical roofline) and bitsandbytes'
@@ -10,6 +10,7 @@
    against torch.optim.AdamW over the DTensors FSDP2 would hand it, and over plain tensors.
 """
 
+import argparse
 import json
 import math
 
@@ -113,6 +114,12 @@ def bench_adamw(device):
 
 
 def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads (default: torch's); 1 is steadier on a machine shared with other jobs")
+    args = p.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
