@@ -104,99 +104,6 @@ def format_budget(name, budget):
     return "\n".join(rows)
 
 
-def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
-                    checkpointing=True, offload=False, loss_chunk=1024, offload_activations=False):
-    """Predicted bytes per rank of a QLoRA training step as this file runs it: {row: bytes}.
-
-    Sharded state is 1/world of the whole. Activations are per token, for one rank's
-    batch_size x seq_len tokens, counted from what autograd saves in each op of a block."""
-    c, e, N = config, dtype_bytes, batch_size * seq_len
-    d, f, V, L = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    linear, head, dense, lora = count_params(config, lora_rank)
-    nf4 = lambda n: n * NF4_BITS_PER_PARAM / 8  # noqa: E731
-    block_linear = linear / L
-    state = {  # sharded, resident between steps (on the host with offload)
-        "NF4 weights (shard)": nf4(linear + head) / world,
-        "frozen dense weights (shard)": dense * e / world,
-        "adapters fp32 + wire copy (shard)": lora * (4 + e) / world,
-        "adapter gradients fp32 (shard)": 4 * lora / world,
-        # m and v, plus AdamW's sqrt(v) scratch: all of it on a GPU (one chunk), ~1 MiB on the host
-        "AdamW state fp32 + scratch (shard)": (8 if offload else 12) * lora / world,
-    }
-    # All-gathers: the block being computed, fully gathered, plus the next one's receive buffer
-    # (prefetch), plus the copy-out of the current one from its own receive buffer.
-    block_unit = nf4(block_linear) + 2 * d * e + (lora / L) * e
-    gathers = 3 * block_unit
-    # Saved by one block's forward for backward, per token (bytes), op by op: each RMSNorm its
-    # fp32 input, and its output once (the LoRA A of the projections it feeds); attention its
-    # RoPE'd q, k, its v, its output and the fp32 log-sum-exp per head; o_proj's LoRA its input
-    # (a copy: transpose + reshape); silu its input (gate), the product both factors, down_proj's
-    # LoRA the product; LoRA's (rank,) intermediates in the 7 projections. (The NF4 linears save
-    # only their 4-bit weight; RoPE only cos and sin.)
-    norms = 2 * (4 * d + e * d)
-    attn = e * (3 * q + 2 * kv) + 4 * c.num_attention_heads
-    mlp = e * 4 * f
-    block_saved = norms + attn + mlp + 7 * e * lora_rank
-    # Backward of a block also holds gradients of its activations: at most ~3 of ffn width.
-    block_backward = e * 3 * f + 2 * e * d
-    act = {}
-    if checkpointing:
-        if offload_activations:  # kept on the host; one at a time back on the GPU
-            act["checkpointed block inputs (host)"] = L * N * e * d
-            act["checkpointed block input back on the GPU"] = kept = N * e * d
-        else:
-            act["checkpointed block inputs"] = kept = L * N * e * d
-        act["recomputed block (forward + backward)"] = block = N * (block_saved + block_backward)
-    else:
-        act["saved activations, all blocks"] = kept = L * N * block_saved
-        act["block backward gradients"] = block = N * block_backward
-    # Loss: the final norm's saved tensors, lm_head dequantized, one chunk of fp32 logits and
-    # its low-precision copy, and the gradient wrt the hidden states computed in forward.
-    act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
-        N * (4 * d + e * d) + V * d * e + min(loss_chunk, N) * V * (4 + e) + N * d * e)
-    # Peak: during the last block's backward every kept input is alive, with the gradient
-    # flowing in (N x C); the loss buffers are gone by then (they are not alive together).
-    act_peak = kept + max(block + N * d * e, loss)
-    gpu_state = 0 if offload else sum(state.values())
-    peak = gpu_state + gathers + act_peak
-    # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
-    largest = max(V * d, d * f, d * q)
-    load_peak = gpu_state + largest * (e + NF4_BITS_PER_PARAM / 8)
-    # Host memory. Pinned allocations (what the GPU copies from and to without blocking) are
-    # rounded up to a power of two by CUDA's host allocator: each unit's shard bytes, its fp32
-    # master adapters and their gradient, each offloaded block input. AdamW's moments are pageable.
-    pinned = lambda n: 2 ** math.ceil(math.log2(n)) if n >= 1 else 0  # noqa: E731
-    host = 0
-    if offload:
-        block_master = 4 * lora / L / world
-        unit_shards = [dense * e / world - (2 * L + 1) * d * e / world,  # embeddings
-                       (nf4(block_linear) + 2 * d * e + (lora / L) * e) / world,  # a block
-                       (nf4(head) + d * e) / world]  # final norm + lm_head
-        host = (pinned(unit_shards[0]) + L * (pinned(unit_shards[1]) + 2 * pinned(block_master))
-                + pinned(unit_shards[2]) + 8 * lora / world + 2**20)
-    if checkpointing and offload_activations:
-        host += L * pinned(N * e * d)
-    return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak,
-                gpu_state=gpu_state, host_state=host, gpu_peak=peak, load_peak=load_peak)
-
-
-def format_estimate(name, est, world, offload):
-    rows = [f"predicted memory per rank, {name}, world {world}"
-            + (", state offloaded to the host" if offload else "") + ":"]
-    where = "host" if offload else "GPU"
-    for k, v in est["state"].items():
-        rows.append(f"  {k:<48} {v / GiB:8.3f} GiB  ({where})")
-    rows.append(f"  {'all-gather buffers (2 block units + 1 in flight)':<48} {est['gathers'] / GiB:8.3f} GiB")
-    for k, v in est["activations"].items():
-        rows.append(f"  {k:<48} {v / GiB:8.3f} GiB")
-    rows.append(f"  {'predicted peak per GPU':<48} {est['gpu_peak'] / GiB:8.3f} GiB")
-    rows.append(f"  {'while loading (one weight at a time), per GPU':<48} {est['load_peak'] / GiB:8.3f} GiB")
-    if est["host_state"]:
-        rows.append(f"  {'predicted host memory for offloaded tensors':<48} {est['host_state'] / GiB:8.3f} GiB")
-    return "\n".join(rows)
-
-
 # -----------------------------------------------------------------------------
 # 2. NF4 quantization with double-quantized scales (QLoRA, Dettmers et al. 2023)
 # -----------------------------------------------------------------------------
@@ -1478,7 +1385,100 @@ class Llama(nn.Module):
 
 
 # -----------------------------------------------------------------------------
-# 8. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
+# 8. Predicting the peak: every buffer of a training step, counted from the pieces above
+# -----------------------------------------------------------------------------
+# Section 1 counted the state that lives between steps. A step adds the all-gather buffers of
+# section 5 and the activations autograd keeps for backward, whose peak comes during the last
+# block's backward: every checkpointed block input is alive, plus one recomputed block.
+
+
+def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
+                    checkpointing=True, offload=False, loss_chunk=LOSS_CHUNK, offload_activations=False):
+    """Predicted bytes per rank of a QLoRA training step as this file runs it. Sharded state is
+    1/world of the whole; activations are for one rank's batch_size x seq_len tokens, counted
+    from what each op of a block saves for backward (as eager autograd does)."""
+    c, elt, tokens = config, dtype_bytes, batch_size * seq_len
+    d, ffn, vocab, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
+    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    linear, head, dense, lora = count_params(config, lora_rank)
+    nf4 = lambda n: n * NF4_BITS_PER_PARAM / 8  # noqa: E731  (bytes of n NF4 weights)
+    state = {  # sharded, resident between steps (on the host with offload)
+        "NF4 weights (shard)": nf4(linear + head) / world,
+        "frozen dense weights (shard)": dense * elt / world,
+        "adapters fp32 + wire copy (shard)": lora * (4 + elt) / world,
+        "adapter gradients fp32 (shard)": 4 * lora / world,
+        # m and v, plus AdamW's sqrt(v) scratch: all of it on a GPU (one chunk), ~1 MiB on the host
+        "AdamW state fp32 + scratch (shard)": (8 if offload else 12) * lora / world,
+    }
+    # All-gathers: the block being computed, the next one's receive buffer (prefetch), and the
+    # current one's receive buffer while it is copied out.
+    block_unit = nf4(linear / layers) + 2 * d * elt + (lora / layers) * elt
+    gathers = 3 * block_unit
+    # Saved by one block for backward, bytes per token, op by op: each RMSNorm its fp32 input and
+    # its output (the LoRA A of the projections it feeds); attention its RoPE'd q and k, v, its
+    # output and an fp32 log-sum-exp per head; o_proj's LoRA its input (a reshaped copy); SwiGLU
+    # the gate, both factors of the product and the product (down_proj's LoRA); each projection's
+    # (rank,) LoRA intermediate. The NF4 linears save only their 4-bit weight; RoPE cos and sin.
+    norms = 2 * (4 * d + elt * d)
+    attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * c.num_attention_heads
+    mlp = elt * 4 * ffn
+    block_saved = norms + attention + mlp + 7 * elt * lora_rank
+    block_backward = elt * (3 * ffn + 2 * d)  # gradients of a block's activations alive at once
+    act = {}
+    if checkpointing:
+        if offload_activations:  # kept on the host; one at a time back on the GPU
+            act["checkpointed block inputs (host)"] = layers * tokens * elt * d
+            act["checkpointed block input back on the GPU"] = kept = tokens * elt * d
+        else:
+            act["checkpointed block inputs"] = kept = layers * tokens * elt * d
+        act["recomputed block (forward + backward)"] = block = tokens * (block_saved + block_backward)
+    else:
+        act["saved activations, all blocks"] = kept = layers * tokens * block_saved
+        act["block backward gradients"] = block = tokens * block_backward
+    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of fp32 logits and
+    # its low-precision copy, and the gradient wrt the hidden states it computes in forward.
+    act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
+        tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * (4 + elt)
+        + tokens * d * elt)
+    # The loss's buffers are gone before the blocks' backward, where the incoming gradient
+    # (tokens x d) joins the recomputed block.
+    act_peak = kept + max(block + tokens * d * elt, loss)
+    gpu_state = 0 if offload else sum(state.values())
+    # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
+    largest = max(vocab * d, d * ffn, d * q_dim)
+    load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
+    # Host memory. CUDA's pinned allocator (what the GPU copies from and to without blocking)
+    # rounds each allocation up to a power of two: each unit's shard, its fp32 master adapters
+    # and their gradient, each offloaded block input. AdamW's moments are pageable.
+    pinned = lambda n: 2 ** math.ceil(math.log2(n)) if n >= 1 else 0  # noqa: E731
+    host = 0
+    if offload:
+        embed_shard, head_shard = vocab * d * elt / world, (nf4(head) + d * elt) / world
+        host = (pinned(embed_shard) + pinned(head_shard) + 8 * lora / world + 2**20
+                + layers * (pinned(block_unit / world) + 2 * pinned(4 * lora / layers / world)))
+    if checkpointing and offload_activations:
+        host += layers * pinned(tokens * elt * d)
+    return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak,
+                gpu_state=gpu_state, host_state=host, gpu_peak=gpu_state + gathers + act_peak,
+                load_peak=load_peak)
+
+
+def format_estimate(name, est, world, offload):
+    rows = [f"predicted memory per rank, {name}, world {world}"
+            + (", state offloaded to the host" if offload else "") + ":"]
+    for k, v in est["state"].items():
+        rows.append(f"  {k:<48} {v / GiB:8.3f} GiB  ({'host' if offload else 'GPU'})")
+    rows.append(f"  {'all-gather buffers (2 block units + 1 in flight)':<48} {est['gathers'] / GiB:8.3f} GiB")
+    rows += [f"  {k:<48} {v / GiB:8.3f} GiB" for k, v in est["activations"].items()]
+    rows.append(f"  {'predicted peak per GPU':<48} {est['gpu_peak'] / GiB:8.3f} GiB")
+    rows.append(f"  {'while loading (one weight at a time), per GPU':<48} {est['load_peak'] / GiB:8.3f} GiB")
+    if est["host_state"]:
+        rows.append(f"  {'predicted host memory for offloaded tensors':<48} {est['host_state'] / GiB:8.3f} GiB")
+    return "\n".join(rows)
+
+
+# -----------------------------------------------------------------------------
+# 9. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
 # -----------------------------------------------------------------------------
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
@@ -1844,7 +1844,7 @@ def save_merged(out_dir, fsdp, model):
 
 
 # -----------------------------------------------------------------------------
-# 9. Data, training loop, command line
+# 10. Data, training loop, command line
 # -----------------------------------------------------------------------------
 
 
@@ -2120,38 +2120,33 @@ def setup_distributed(device="auto"):
     return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
 
 
-def make_profiler(args, device, rank):
-    """--profile DIR: a torch.profiler trace of steps 3-5 (after compilation and warm-up)."""
-    if not args.profile:
-        return None
-    os.makedirs(args.profile, exist_ok=True)
-    activities = [torch.profiler.ProfilerActivity.CPU]
-    if device.type == "cuda":
-        activities.append(torch.profiler.ProfilerActivity.CUDA)
-    prof = torch.profiler.profile(activities=activities, record_shapes=False, profile_memory=True,
-                                  schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
-    prof.start()
-    return prof
+class Profiler:
+    """--profile DIR: a torch.profiler trace of steps 3-5 (after compilation and warm-up), and on
+    CUDA a memory snapshot: the allocator's history over those steps, with Python stacks only
+    (C++ stacks would be unwound on every allocation)."""
 
+    def __init__(self, out, device):
+        self.out, self.cuda = out, device.type == "cuda"
+        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
+        self.prof = torch.profiler.profile(activities=activities, profile_memory=True,
+                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+        self.prof.start()
 
-def profiler_step(prof, steps_done, device):
-    prof.step()
-    if steps_done == 2 and device.type == "cuda":  # the next step is the first one traced
-        # the allocator's history for the memory snapshot, with Python stacks only (C++ stacks
-        # would be unwound on every allocation)
-        torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+    def step(self, steps_done):
+        self.prof.step()
+        if steps_done == 2 and self.cuda:  # the next step is the first one traced
+            torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
 
-
-def finish_profiler(prof, args, device, rank):
-    prof.stop()
-    trace = os.path.join(args.profile, f"trace_rank{rank}.json")
-    prof.export_chrome_trace(trace)
-    print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-    if device.type == "cuda":
-        snap = os.path.join(args.profile, f"memory_rank{rank}.pickle")
-        torch.cuda.memory._dump_snapshot(snap)
-        torch.cuda.memory._record_memory_history(enabled=None)
-        print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
+    def finish(self, rank):
+        self.prof.stop()
+        trace = os.path.join(self.out, f"trace_rank{rank}.json")
+        self.prof.export_chrome_trace(trace)
+        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+        if self.cuda:
+            snap = os.path.join(self.out, f"memory_rank{rank}.pickle")
+            torch.cuda.memory._dump_snapshot(snap)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
 
 
 def predicted_memory(args, world, config=None):
@@ -2204,6 +2199,41 @@ def build(args, config, device):
     return model, fsdp
 
 
+def train_step(model, fsdp, optimizer, batches, grad_clip, device):
+    """One optimizer step over this rank's micro-batches [(inputs, targets)]: forward and backward
+    of each (each unit's gradients are reduce-scattered as its backward ends), clipping, AdamW.
+    The loss is the mean over the counted targets of the global batch (all ranks, all micro-
+    batches), so any split of the batch gives the same loss and gradients. Returns (loss,
+    seconds in the optimizer); a non-finite loss returns before the update."""
+    count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)  # counted targets
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    count = count.clamp(min=1)  # a batch that counts nothing: loss 0 and zero gradients
+    loss_sum = torch.zeros((), device=device)
+    for x, y in batches:
+        with torch.profiler.record_function("forward"):
+            loss = model(x.to(device), y.to(device), reduction="sum")
+        with torch.profiler.record_function("backward"):
+            # x world: the reduce-scatter averages over ranks, so each adapter's gradient is
+            # that of (the sum over the global batch) / count
+            (loss * (fsdp.world / count)).backward()
+            fsdp.finish_backward()
+        loss_sum += loss.detach()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    loss = (loss_sum / count).item()  # also waits for the device
+    t0 = time.perf_counter()
+    if math.isfinite(loss):
+        with torch.profiler.record_function("optimizer"):
+            if grad_clip > 0:
+                fsdp.clip_grad_norm_(grad_clip)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    return loss, time.perf_counter() - t0
+
+
 def train(args):
     """Train; returns (summary dict, per-step losses, the FSDP object). The NF4 kernels follow
     --compile for this run only: the module's COMPILE is restored when it ends."""
@@ -2244,8 +2274,7 @@ def _train(args):
 
     losses, times, waits, optim_times = [], [], [], []
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    profiler = make_profiler(args, device, rank)
+    profiler = Profiler(args.profile, device) if args.profile else None
     last_step = min(args.steps, args.stop_at or args.steps)
     if args.compile and start < last_step:
         print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
@@ -2254,44 +2283,19 @@ def _train(args):
         lr = lr_at(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
-        # The loss is the mean over the counted targets of the global batch (all ranks, all
-        # micro-batches), so any split of it gives the same loss and gradients: count them first.
         batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
                    for micro in range(args.grad_accum)]
-        count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
-        if dist.is_initialized():
-            dist.all_reduce(count)
-        count = count.clamp(min=1)  # a batch that counts nothing: loss 0 and zero gradients
-        loss_sum = torch.zeros((), device=device)
-        for x, y in batches:
-            with torch.profiler.record_function("forward"):
-                loss = model(x.to(device), y.to(device), reduction="sum")  # this micro-batch's sum
-            with torch.profiler.record_function("backward"):
-                # x world: the reduce-scatter averages over ranks, so the adapters' gradient is
-                # that of (sum over the global batch) / count
-                (loss * (world / count)).backward()
-                fsdp.finish_backward()
-            loss_sum += loss.detach()
-        if dist.is_initialized():
-            dist.all_reduce(loss_sum)
-        loss_value = (loss_sum / count).item()  # also synchronizes the device
-        if not math.isfinite(loss_value):  # stop before the update: the last checkpoint stays good
+        loss_value, optim_s = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
+        if not math.isfinite(loss_value):  # stopped before the update: the last checkpoint stays good
             kept = f"; the last checkpoint in {args.out} is intact" if args.out else ""
             raise UserError(f"loss is {loss_value} at step {step + 1}; stopped before updating{kept}")
-        t_opt = time.perf_counter()
-        with torch.profiler.record_function("optimizer"):
-            if args.grad_clip > 0:
-                fsdp.clip_grad_norm_(args.grad_clip)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            sync()
-        optim_times.append(time.perf_counter() - t_opt)
+        optim_times.append(optim_s)
         dt = time.perf_counter() - t0
         losses.append(loss_value)
         times.append(dt)
-        waits.append(fsdp.take_comm_wait_s())  # after sync(): the events have completed
+        waits.append(fsdp.take_comm_wait_s())  # the device has finished the step: events are done
         if profiler is not None:
-            profiler_step(profiler, step + 1 - start, device)
+            profiler.step(step + 1 - start)
         if step % args.log_every == 0 or step == last_step - 1:
             mem = max_over_ranks(peak_memory_gib(device), device)
             print0(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
@@ -2299,7 +2303,7 @@ def _train(args):
         if args.out and args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
-        finish_profiler(profiler, args, device, rank)
+        profiler.finish(rank)
     if not losses:
         raise UserError(f"nothing to do: --resume is at step {start}, --steps is {args.steps}")
     if args.out:
