@@ -1016,6 +1016,45 @@ class FSDP:
         return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.units)
 
 
+class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
+    """While active, the tensor autograd saves that is `self.input` -- a checkpointed block's
+    input, the one thing checkpointing keeps of a block -- is packed into host memory (pinned,
+    copied on `stream`) and brought back to its device when backward recomputes the block. Only
+    what autograd saves is touched: the gradient that flows through the block stays on the device.
+    On the CPU (stream None) the same copies run in order."""
+
+    def __init__(self, stream=None):
+        self.stream, self.input, self.nbytes = stream, None, 0
+        super().__init__(self._pack, self._unpack)
+
+    def _pack(self, t):
+        x = self.input
+        if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
+            return t  # not a block input (RoPE's cos and sin): kept as is
+        if self.stream is not None:  # the copy starts once the block input has been computed
+            self.stream.wait_stream(torch.cuda.current_stream(t.device))
+        with torch.cuda.stream(self.stream):
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            host.copy_(t, non_blocking=True)
+            if t.is_cuda:
+                t.record_stream(self.stream)  # not reused before the copy has read it
+        self.nbytes += t.nbytes
+        return t.device, host
+
+    def _unpack(self, packed):
+        if isinstance(packed, torch.Tensor):
+            return packed
+        device, host = packed
+        t = torch.empty(host.shape, dtype=host.dtype, device=device)
+        if self.stream is not None:
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(self.stream):
+            t.copy_(host, non_blocking=True)
+        if self.stream is not None:
+            torch.cuda.current_stream(device).wait_stream(self.stream)
+        return t
+
+
 # -----------------------------------------------------------------------------
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
@@ -1299,45 +1338,6 @@ class LlamaModel(nn.Module):
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
-
-
-class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
-    """While active, the tensor autograd saves that is `self.input` -- a checkpointed block's
-    input, the one thing checkpointing keeps of a block -- is packed into host memory (pinned,
-    copied on `stream`) and brought back to its device when backward recomputes the block. Only
-    what autograd saves is touched: the gradient that flows through the block stays on the device.
-    On the CPU (stream None) the same copies run in order."""
-
-    def __init__(self, stream=None):
-        self.stream, self.input, self.nbytes = stream, None, 0
-        super().__init__(self._pack, self._unpack)
-
-    def _pack(self, t):
-        x = self.input
-        if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
-            return t  # not a block input (RoPE's cos and sin): kept as is
-        if self.stream is not None:  # the copy starts once the block input has been computed
-            self.stream.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(self.stream):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            host.copy_(t, non_blocking=True)
-            if t.is_cuda:
-                t.record_stream(self.stream)  # not reused before the copy has read it
-        self.nbytes += t.nbytes
-        return t.device, host
-
-    def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        device, host = packed
-        t = torch.empty(host.shape, dtype=host.dtype, device=device)
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self.stream):
-            t.copy_(host, non_blocking=True)
-        if self.stream is not None:
-            torch.cuda.current_stream(device).wait_stream(self.stream)
-        return t
 
 
 class Llama(nn.Module):
@@ -1714,27 +1714,25 @@ def as_parameter(model, name, tensor, device):
 
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
-                    device=None):
-    """One process: a Llama with the Hugging Face weights of `path` quantized on the way in.
-    Built on the meta device, then filled one tensor at a time: host memory stays near the
-    final (NF4) footprint, never a full bf16 copy of the model."""
+                    device=None, seed=0):
+    """One process: a Llama with the Hugging Face weights of `path` quantized on the way in and
+    fresh adapters. Built on the meta device, then filled one tensor at a time, as the trainer
+    fills its shards: host memory stays near the final (NF4) footprint, never a bf16 model."""
     config = read_config(path)
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters() if not p.requires_grad}
+    params = dict(model.named_parameters())
 
     def put(name, tensor):
         mod_name, attr = name.rsplit(".", 1)
-        value = as_parameter(model, name, tensor, device)
-        model.get_submodule(mod_name)._parameters[attr] = nn.Parameter(value, requires_grad=False)
+        frozen = not params[name].requires_grad
+        value = as_parameter(model, name, tensor, device) if frozen else tensor.to(device)
+        model.get_submodule(mod_name)._parameters[attr] = nn.Parameter(value, requires_grad=not frozen)
 
-    load_checkpoint(path, config, shapes, put)
-    for m in model.modules():
-        if isinstance(m, LoRALinear):
-            m.lora_A = nn.Parameter(torch.empty(m.lora_A.shape, device=device))
-            m.lora_B = nn.Parameter(torch.zeros(m.lora_B.shape, device=device))
-            nn.init.kaiming_uniform_(m.lora_A, a=math.sqrt(5))
+    load_checkpoint(path, config, {n: tuple(p.shape) for n, p in params.items() if not p.requires_grad}, put)
+    for name, tensor in init_adapters({n: p.shape for n, p in params.items() if p.requires_grad}, seed).items():
+        put(name, tensor)
     return model
 
 

@@ -21,8 +21,14 @@ import qlora_fsdp as qf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A model small enough that a world of 4 is larger than some tensors (4 scale groups, 1 mean).
-qf.CONFIGS["micro"] = qf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                     num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+MICRO = qf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+
+
+@pytest.fixture(autouse=True)
+def micro_config(monkeypatch):
+    """--model micro, for every test; qlora_fsdp's CONFIGS is as it was after each."""
+    monkeypatch.setitem(qf.CONFIGS, "micro", MICRO)
 
 
 def unpack_codes(packed):
@@ -371,131 +377,6 @@ def test_only_adapters_require_grad():
     assert sd["model.layers.0.self_attn.q_proj.lora_A"].dtype == torch.float32
 
 
-# ---- 6. AdamW ---------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-@pytest.mark.parametrize("chunk_bytes", [None, 50])
-def test_adamw_equals_torch(weight_decay, chunk_bytes, monkeypatch):
-    """Our foreach AdamW equals torch.optim.AdamW over 50 steps, with and without weight decay,
-    with all tensors in one chunk and in cache-sized chunks (here 50 bytes: 3 chunks, one with an
-    empty tensor)."""
-    monkeypatch.setattr(qf, "ADAM_CHUNK_BYTES", {"cpu": chunk_bytes} if chunk_bytes else {})
-    torch.manual_seed(0)
-    params = [torch.randn(s, requires_grad=True) for s in [(7, 3), (64,), (0,), (5, 5, 2)]]
-    ref = [p.detach().clone().requires_grad_() for p in params]
-    ours = qf.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-    theirs = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-    for step in range(50):
-        for p, r in zip(params, ref):
-            g = torch.randn_like(p) * (step + 1)
-            p.grad, r.grad = g.clone(), g.clone()
-        ours.step()
-        theirs.step()
-    for p, r in zip(params, ref):
-        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
-
-
-# ---- 7. Llama ---------------------------------------------------------------------------------
-
-def test_causal():
-    """Changing future tokens does not change the logits of earlier positions."""
-    model = make_model()
-    tokens = torch.randint(256, (1, 16))
-    other = tokens.clone()
-    other[0, 10:] = (other[0, 10:] + 1) % 256
-    with torch.no_grad():
-        a, b = model(tokens), model(other)
-    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
-    assert not torch.allclose(a[:, 10:], b[:, 10:])
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_loss_equals_plain(dtype):
-    """The chunked cross entropy (5 rows at a time) and its gradient equal F.cross_entropy on
-    the full logits."""
-    torch.manual_seed(0)
-    w = qf.to_nf4(torch.randn(256, 64, dtype=dtype) / 8)
-    h = torch.randn(23, 64, dtype=dtype, requires_grad=True)
-    t = torch.randint(256, (23,))
-    loss = qf.chunked_cross_entropy(h, w, t, chunk=5)
-    (2 * loss).backward()
-    h_ref = h.detach().clone().requires_grad_()
-    ref = F.cross_entropy((h_ref @ w.dequantize().T).float(), t)
-    (2 * ref).backward()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(loss, ref, rtol=tol, atol=tol)
-    torch.testing.assert_close(h.grad, h_ref.grad, rtol=tol, atol=tol)
-
-
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_chunked_loss_ignores_targets(reduction):
-    """With some targets IGNORE_INDEX (-100), the chunked cross entropy and its gradient equal
-    F.cross_entropy(ignore_index=-100) for reduction mean and sum; ignored rows get no gradient,
-    and when every target is ignored the loss is 0 and the gradient zero (not 0/0)."""
-    torch.manual_seed(0)
-    w = qf.to_nf4(torch.randn(256, 64) / 8)
-    t = torch.randint(256, (23,))
-    t[torch.tensor([0, 4, 5, 6, 17, 22])] = -100  # both ends, either side of a border of chunks of 5
-    for targets in (t, torch.full((23,), -100)):
-        h = torch.randn(23, 64, requires_grad=True)
-        loss = qf.chunked_cross_entropy(h, w, targets, chunk=5, reduction=reduction)
-        (2 * loss).backward()
-        h_ref = h.detach().clone().requires_grad_()
-        ref = F.cross_entropy(h_ref @ w.dequantize().T, targets, ignore_index=-100, reduction=reduction)
-        if (targets == -100).all():
-            assert loss.item() == 0 and torch.equal(h.grad, torch.zeros_like(h))
-            continue
-        (2 * ref).backward()
-        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
-        assert torch.equal(h.grad[targets == -100], torch.zeros(6, 64))
-
-
-def test_loss_equals_logits_cross_entropy():
-    """forward(tokens, targets) equals cross entropy of forward(tokens), with checkpointing on."""
-    model = make_model()
-    x, y = torch.randint(256, (2, 12)), torch.randint(256, (2, 12))
-    loss = model(x, y)
-    with torch.no_grad():
-        ref = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
-
-
-def test_tiny_model_overfits_a_batch():
-    """QLoRA on the tiny model drives the loss on one fixed batch far down (5.5 -> < 1.5)."""
-    model = make_model(dtype=torch.float32, lora_rank=16)
-    opt = qf.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
-    x = torch.randint(256, (2, 32))
-    y = torch.roll(x, -1, 1)
-    first = None
-    for _ in range(80):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        first = first or loss.item()
-    assert first > 5.0 and loss.item() < 1.5
-
-
-# ---- 8. command line --------------------------------------------------------------------------
-
-def last_json(out):
-    return json.loads(out.strip().splitlines()[-1])
-
-
-def test_cli_loss_falls_on_default_data(capsys):
-    """`python qlora_fsdp.py` trains the tiny model on its own bytes and the loss falls; the
-    last line is the JSON summary."""
-    qf.main(["--device", "cpu", "--steps", "60", "--seq_len", "64", "--log_every", "10", "--warmup_steps", "5"])
-    out = capsys.readouterr().out
-    assert "step 60/60 | loss" in out and " tok/s | mem " in out
-    s = last_json(out)
-    for key in ("model", "world_size", "steps", "final_loss", "step_ms", "tokens_per_s", "peak_mem_gib"):
-        assert key in s
-    assert s["world_size"] == 1 and s["steps"] == 60
-    assert s["final_loss"] < s["first_loss"] - 1.0
-
-
 # ---- 5. sharding (spawned gloo processes) -----------------------------------------------------
 
 def free_port():
@@ -508,6 +389,7 @@ def _worker(rank, world, port, argv, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    qf.CONFIGS["micro"] = MICRO  # a spawned process of its own: no fixture runs here
     summary, losses, fsdp = qf.train(qf.parse_args(argv))
     adapters = fsdp.full_adapters()
     shard_sizes = {s.name: max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
@@ -750,12 +632,25 @@ def test_torchrun_cli_two_processes():
     assert s["world_size"] == 2 and s["steps"] == 3 and math.isfinite(s["final_loss"])
 
 
-def test_offloaded_activations_change_nothing():
-    """--offload_activations (each checkpointed block input kept on the host) gives bitwise the
-    same losses and adapters as keeping it on the device."""
+def test_offloaded_activations_change_nothing(monkeypatch):
+    """--offload_activations moves every checkpointed block input (and nothing else) through a
+    separate host buffer and back -- 4 blocks x 3 steps of (2, 32, 128) fp32 -- and trains bitwise
+    like the run that keeps them on the device."""
+    packed, real = [], qf.OffloadedInputs._pack
+
+    def counting(self, t):
+        out = real(self, t)
+        if out is not t:
+            packed.append(tuple(t.shape))
+            assert out[1] is not t and torch.equal(out[1], t)  # a copy, not the tensor itself
+        return out
+
+    monkeypatch.setattr(qf.OffloadedInputs, "_pack", counting)
     argv = BASE + ["--batch_size", "2", "--steps", "3"]
     plain = run_single(argv)
+    assert packed == []
     offloaded = run_single(argv + ["--offload_activations"])
+    assert packed == [(2, 32, 128)] * 4 * 3
     assert plain["losses"] == offloaded["losses"]
     for k, v in plain["adapters"].items():
         assert torch.equal(offloaded["adapters"][k], v), k
@@ -771,6 +666,114 @@ def test_compiled_blocks_equal_eager():
     for k, v in eager["adapters"].items():
         torch.testing.assert_close(compiled["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
+
+# ---- 6. AdamW ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_bytes", [None, 50])
+def test_adamw_equals_torch(weight_decay, chunk_bytes, monkeypatch):
+    """Our foreach AdamW equals torch.optim.AdamW over 50 steps, with and without weight decay,
+    with all tensors in one chunk and in cache-sized chunks (here 50 bytes: 3 chunks, one with an
+    empty tensor)."""
+    monkeypatch.setattr(qf, "ADAM_CHUNK_BYTES", {"cpu": chunk_bytes} if chunk_bytes else {})
+    torch.manual_seed(0)
+    params = [torch.randn(s, requires_grad=True) for s in [(7, 3), (64,), (0,), (5, 5, 2)]]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    ours = qf.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    theirs = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    for step in range(50):
+        for p, r in zip(params, ref):
+            g = torch.randn_like(p) * (step + 1)
+            p.grad, r.grad = g.clone(), g.clone()
+        ours.step()
+        theirs.step()
+    for p, r in zip(params, ref):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+
+
+# ---- 7. Llama ---------------------------------------------------------------------------------
+
+def test_causal():
+    """Changing future tokens does not change the logits of earlier positions."""
+    model = make_model()
+    tokens = torch.randint(256, (1, 16))
+    other = tokens.clone()
+    other[0, 10:] = (other[0, 10:] + 1) % 256
+    with torch.no_grad():
+        a, b = model(tokens), model(other)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_equals_plain(dtype):
+    """The chunked cross entropy (5 rows at a time) and its gradient equal F.cross_entropy on
+    the full logits."""
+    torch.manual_seed(0)
+    w = qf.to_nf4(torch.randn(256, 64, dtype=dtype) / 8)
+    h = torch.randn(23, 64, dtype=dtype, requires_grad=True)
+    t = torch.randint(256, (23,))
+    loss = qf.chunked_cross_entropy(h, w, t, chunk=5)
+    (2 * loss).backward()
+    h_ref = h.detach().clone().requires_grad_()
+    ref = F.cross_entropy((h_ref @ w.dequantize().T).float(), t)
+    (2 * ref).backward()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(loss, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(h.grad, h_ref.grad, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_loss_ignores_targets(reduction):
+    """With some targets IGNORE_INDEX (-100), the chunked cross entropy and its gradient equal
+    F.cross_entropy(ignore_index=-100) for reduction mean and sum; ignored rows get no gradient,
+    and when every target is ignored the loss is 0 and the gradient zero (not 0/0)."""
+    torch.manual_seed(0)
+    w = qf.to_nf4(torch.randn(256, 64) / 8)
+    t = torch.randint(256, (23,))
+    t[torch.tensor([0, 4, 5, 6, 17, 22])] = -100  # both ends, either side of a border of chunks of 5
+    for targets in (t, torch.full((23,), -100)):
+        h = torch.randn(23, 64, requires_grad=True)
+        loss = qf.chunked_cross_entropy(h, w, targets, chunk=5, reduction=reduction)
+        (2 * loss).backward()
+        h_ref = h.detach().clone().requires_grad_()
+        ref = F.cross_entropy(h_ref @ w.dequantize().T, targets, ignore_index=-100, reduction=reduction)
+        if (targets == -100).all():
+            assert loss.item() == 0 and torch.equal(h.grad, torch.zeros_like(h))
+            continue
+        (2 * ref).backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
+        assert torch.equal(h.grad[targets == -100], torch.zeros(6, 64))
+
+
+def test_loss_equals_logits_cross_entropy():
+    """forward(tokens, targets) equals cross entropy of forward(tokens), with checkpointing on."""
+    model = make_model()
+    x, y = torch.randint(256, (2, 12)), torch.randint(256, (2, 12))
+    loss = model(x, y)
+    with torch.no_grad():
+        ref = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_tiny_model_overfits_a_batch():
+    """QLoRA on the tiny model drives the loss on one fixed batch far down (5.5 -> < 1.5)."""
+    model = make_model(dtype=torch.float32, lora_rank=16)
+    opt = qf.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
+    x = torch.randint(256, (2, 32))
+    y = torch.roll(x, -1, 1)
+    first = None
+    for _ in range(80):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        first = first or loss.item()
+    assert first > 5.0 and loss.item() < 1.5
+
+
+# ---- 8. predicting the peak, and what a step keeps for backward ----------------------------
 
 # A 512-wide model whose activations (4 x 512 tokens: 2048 rows) outweigh its weights, and
 # whose activation shapes cannot be mistaken for a weight's (512, 256, 1536, 8192).
@@ -872,7 +875,7 @@ def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
     assert abs(weights - run["local_bytes"]) < 0.05 * run["local_bytes"]
 
 
-# ---- 8. Hugging Face checkpoints ----------------------------------------------------------------
+# ---- 9. Hugging Face checkpoints ----------------------------------------------------------------
 
 def write_st(path, tensors, header_patch=None):
     """An independent safetensors writer (length, JSON header, raw bytes) for the reader to face."""
@@ -1196,7 +1199,25 @@ def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
         assert r["local_bytes"] <= single["local_bytes"] / 2 + 4096
 
 
-# ---- 9. data, sampling, output paths, several nodes ------------------------------------------
+# ---- 10. data, training loop, command line, sampling, several nodes ---------------------------
+
+def last_json(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def test_cli_loss_falls_on_default_data(capsys):
+    """`python qlora_fsdp.py` trains the tiny model on its own bytes and the loss falls; the
+    last line is the JSON summary."""
+    qf.main(["--device", "cpu", "--steps", "60", "--seq_len", "64", "--log_every", "10", "--warmup_steps", "5"])
+    out = capsys.readouterr().out
+    assert "step 60/60 | loss" in out and " tok/s | mem " in out
+    s = last_json(out)
+    for key in ("model", "world_size", "steps", "final_loss", "step_ms", "tokens_per_s", "peak_mem_gib"):
+        assert key in s
+    assert s["world_size"] == 1 and s["steps"] == 60
+    assert s["final_loss"] < s["first_loss"] - 1.0
+
+
 
 def random_ids(n=4000, seed=0):
     return np.random.default_rng(seed).integers(0, 256, n)
