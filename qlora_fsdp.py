@@ -723,7 +723,7 @@ class ShardedUnit:
                 value = slots.full
             del mod._parameters[attr]
             setattr(mod, attr, value)
-        self.gathered, self.in_backward, self.pending, self.inflight = False, False, 0, None
+        self.gathered, self.in_backward, self.pending, self.inflight, self.reduction = False, False, 0, None, None
         hook_module.register_forward_pre_hook(self._pre_forward)
         hook_module.register_forward_hook(self._post_forward)
 
@@ -831,20 +831,30 @@ class ShardedUnit:
             out = torch.empty(send.numel() // fsdp.world, dtype=torch.float32, device=fsdp.device)
             with torch.profiler.record_function("fsdp::reduce_scatter"):
                 work = _reduce_scatter_avg(out, send, fsdp.group, async_op=True)
-            fsdp.reductions.append((self, work, out, send))
+            self.reduction = (work, out, send)  # send stays alive until the collective is done
         self.in_backward = False
         self.free()
 
 
 class FSDP:
-    """Shards a model's units over the ranks of `group`; owns the fp32 master adapters."""
+    """Shards a model's units over the ranks of `group`: units = [(name, module whose hooks run
+    it, [(prefix, module), ...])] in execution order. Its public surface, all a trainer or a
+    checkpoint needs:
+      parameters()                 each unit's flat fp32 master adapter shard, for the optimizer
+      finish_backward()            after loss.backward(): gradient shards into the masters' .grad
+      clip_grad_norm_(max_norm)    global-norm clipping over the shards of every rank
+      load_full(name, tensor)      keep this rank's pieces of one full parameter (a checkpoint's)
+      full_base()                  collective: (name, full tensor) of every frozen parameter
+      full_adapters(), full_optimizer_state(opt), load_full_state(...): the trainable state in
+                                   full, as any world size can save and resume it
+      base_shapes(), adapter_shapes(), local_bytes(), reshard(), take_comm_wait_s()"""
 
     def __init__(self, units, device, compute_dtype, offload=False, group=None):
         self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.store_device = torch.device("cpu") if offload else device
-        self.reductions, self.comm_wait_s, self.wait_events = [], 0.0, []
+        self.comm_wait_s, self.wait_events = 0.0, []
         # CUDA: collectives and host copies are issued on a side stream so they overlap the
         # compute stream; on the CPU there are no streams (None) and the same code runs in order.
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -862,11 +872,6 @@ class FSDP:
     def parameters(self):
         """What the optimizer steps: each unit's flat fp32 master shard."""
         return [u.master for u in self.units if u.master is not None]
-
-    def shard_grads(self):
-        """{adapter name: this rank's unpadded gradient piece} (views into the units' gradients)."""
-        return {s.name: u.master.grad[s.start:s.start + s.master.numel()]
-                for u in self.units if u.master is not None and u.master.grad is not None for s in u.adapters}
 
     def side_wait_compute(self):
         if self.side_stream is not None:
@@ -902,7 +907,10 @@ class FSDP:
         With offload the shards go to pinned host memory on the side stream, all queued before
         one wait for the lot."""
         arrived = []
-        for unit, work, out, _ in self.reductions:
+        for unit in self.units:
+            if unit.reduction is None:
+                continue
+            (work, out, _), unit.reduction = unit.reduction, None
             with torch.profiler.record_function("fsdp::wait_reduce_scatter"):
                 self.wait(work)
             if self.store_device != out.device:
@@ -919,7 +927,6 @@ class FSDP:
         for unit, out in arrived:
             g = unit.master.grad
             unit.master.grad = out if g is None else g.add_(out)  # gradient accumulation
-        self.reductions = []
         for u in self.units:  # every unit that joined this backward has finished it
             if u.in_backward or u.pending > 0:
                 raise RuntimeError(f"unit {u.name} did not finish its backward")
@@ -953,12 +960,12 @@ class FSDP:
         _all_gather(full, piece, self.group, async_op=False)
         return full[:s.numel].view(s.shape).cpu()
 
-    def adapter_slots(self):
-        return [s for u in self.units for s in u.adapters]
+    def adapter_shapes(self):
+        return {s.name: s.shape for u in self.units for s in u.adapters}
 
     def full_adapters(self):
         """{name: full fp32 adapter} on every rank, gathered from the unpadded shards."""
-        return {s.name: self._gather_full(s, s.master.detach()) for s in self.adapter_slots()}
+        return {s.name: self._gather_full(s, s.master.detach()) for u in self.units for s in u.adapters}
 
     def full_optimizer_state(self, optimizer):
         """{name: {exp_avg, exp_avg_sq}} gathered in full, and AdamW's step count: a checkpoint
@@ -2192,7 +2199,7 @@ def build(args, config, device):
     else:
         for name, tensor in random_base(shapes, args.seed, device):
             put(name, tensor)
-    adapters = init_adapters({s.name: s.shape for s in fsdp.adapter_slots()}, args.seed)
+    adapters = init_adapters(fsdp.adapter_shapes(), args.seed)
     fsdp.load_full_state(adapters)
     return model, fsdp
 
@@ -2265,7 +2272,7 @@ def _train(args):
             torch.cuda.set_rng_state(state["cuda_rng"])
         start = state["step"]
         print0(f"resumed from {args.out} at step {start} (saved by world size {state['world_size']})")
-    print0(f"model {name}: {sum(s.numel for s in fsdp.adapter_slots()) / 1e6:.2f} M adapter "
+    print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter "
            f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
            f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
            f"{args.checkpointing}, offload {args.cpu_offload}")
