@@ -13,8 +13,9 @@ one lesson per section, each section depending only on torch and the sections ab
   5. sharding and offload       per-parameter shards, one all-gather per unit, reduce-scatter
   6. foreach AdamW              one kernel launch per op for all shards
   7. Llama                      Hugging Face names, RoPE, GQA, SwiGLU, chunked cross entropy
-  8. Hugging Face checkpoints   safetensors in and out, streamed loading, PEFT adapters, resume
-  9. data, training loop, CLI   one log line per step, a JSON summary, --estimate, --profile
+  8. predicting the peak        every buffer of a training step, before allocating one
+  9. Hugging Face checkpoints   safetensors in and out, streamed loading, PEFT adapters, resume
+ 10. data, training loop, CLI   one log line per step, a JSON summary, --estimate, --profile
 
 Run it:
   python qlora_fsdp.py                                   # tiny model on this file's bytes, CPU
@@ -64,14 +65,14 @@ NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
 def count_params(config, lora_rank=8):
     """Parameter counts of a Llama config: (linear weights of the blocks, lm_head,
     embeddings + norms, LoRA adapters on the 7 projections of every block)."""
-    d, f, L = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    d, ffn, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
     # (in, out) of q, k, v, o, gate, up, down
-    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, f), (d, f), (f, d)]
-    linear = L * sum(i * o for i, o in shapes)
-    lora = L * sum(lora_rank * (i + o) for i, o in shapes)
+    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, ffn), (d, ffn), (ffn, d)]
+    linear = layers * sum(i * o for i, o in shapes)
+    lora = layers * sum(lora_rank * (i + o) for i, o in shapes)
     head = config.vocab_size * d
-    dense = config.vocab_size * d + (2 * L + 1) * d  # embed_tokens + RMSNorm weights
+    dense = config.vocab_size * d + (2 * layers + 1) * d  # embed_tokens + RMSNorm weights
     return linear, head, dense, lora
 
 
@@ -579,14 +580,6 @@ class LoRALinear(NF4Linear):
 ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
 
 
-def _contiguous_strides(shape):
-    strides, s = [], 1
-    for n in reversed(shape):
-        strides.append(s)
-        s *= n
-    return tuple(reversed(strides))
-
-
 class _ParamMeta:
     """What is kept of an unsharded parameter: its shape and, for a wrapper tensor subclass
     (an NF4 weight, say), how to rebuild it from its inner tensors."""
@@ -706,8 +699,7 @@ class ShardedUnit:
         dev = fsdp.device
         for s in self.frozen + self.adapters:
             storage = torch.empty(world * s.shard_numel, dtype=s.dtype, device=dev).untyped_storage()
-            s.full = torch.empty(0, dtype=s.dtype, device=dev).set_(
-                storage, 0, s.shape, _contiguous_strides(s.shape))
+            s.full = torch.empty(0, dtype=s.dtype, device=dev).set_(storage, 0, s.shape)  # contiguous
             s.padded = torch.empty(0, dtype=s.dtype, device=dev).set_(storage, 0, (world, s.shard_numel))
             storage.resize_(0)
             s.source = None  # the unsharded original is dropped
