@@ -1034,18 +1034,18 @@ def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
     # a target counts where its id is a multiple of 3: the mask of any batch follows from its targets
     np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
     argv = BASE + ["--data", str(tmp_path / "masked.npz"), "--grad_accum", "2", "--steps", "2"]
-    single = run_single(argv + ["--batch_size", "6"])
-    args = qf.parse_args(BASE + ["--batch_size", "6", "--grad_accum", "2"])
+    single = run_single(argv + ["--batch_size", "3"])
+    args = qf.parse_args(BASE + ["--batch_size", "3", "--grad_accum", "2"])
     model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the untrained model
     bare = (np.load(tmp_path / "bare.npy"), None)
     x, y = map(torch.cat, zip(*[qf.get_batch(bare, 0, micro, args, 1, 0, 256) for micro in range(2)]))
-    counted = y % 3 == 0  # (12, 32): rows 0-5 the first micro-batch, 6-11 the second
+    counted = y % 3 == 0  # (6, 32): rows 0-2 the first micro-batch, 3-5 the second; one row per rank
     assert len(set(counted.sum(1).tolist())) > 1  # ranks and micro-batches count differently
     with torch.no_grad():
         logits = model(x)
     ref = F.cross_entropy(logits[counted], y[counted])
     torch.testing.assert_close(torch.tensor(single["losses"][0]), ref, rtol=1e-5, atol=1e-5)
-    for r in run_sharded(3, argv + ["--batch_size", "2"], tmp_path):
+    for r in run_sharded(3, argv + ["--batch_size", "1"], tmp_path):
         assert_same_run(r, single)
 
 
