@@ -37,5 +37,5 @@ fi
 args=(--model "$MODEL" --batch_size "$BATCH" --seq_len "$SEQ" --steps "$STEPS")
 [ -n "$DATA" ] && args+=(--data "$DATA")
 [ "$STEPS" -gt 50 ] && args+=(--log_every 10)
-[ "$gpus" -eq 0 ] && [ "$MODEL" = tiny ] && args+=(--sample 160 --prompt "def ")  # what it learned
+[ "$gpus" -eq 0 ] && [ "$MODEL" = tiny ] && args+=(--sample 160 --prompt "def " --temperature 0.8)  # what it learned
 exec python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" qlora_fsdp.py "${args[@]}" ${EXTRA:-}
