@@ -1546,13 +1546,11 @@ class SafetensorsFile:
     def get(self, name):
         """One tensor, read from the file into memory of its own."""
         dtype, shape, begin, end = self.entries[name]
-        if end == begin:
-            return torch.empty(shape, dtype=dtype)
         raw = bytearray(end - begin)
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
             f.readinto(raw)
-        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
+        return (torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)).view(dtype).view(shape)
 
 
 def atomic_write(path, write, mode="wb"):
@@ -2075,10 +2073,7 @@ def setup_distributed(device="auto"):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if "RANK" in os.environ and not dist.is_initialized():
-        if use_cuda:
-            dist.init_process_group("nccl", device_id=device)
-        else:
-            dist.init_process_group("gloo")
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
     return device
 
 
