@@ -1475,14 +1475,13 @@ def format_estimate(name, est, world, offload):
         rows.append(f"  {'predicted host memory for offloaded tensors':<48} {est['host_state'] / GiB:8.3f} GiB")
     return "\n".join(rows)
 
-
 # -----------------------------------------------------------------------------
 # 9. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
 # -----------------------------------------------------------------------------
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
-# then the raw little-endian bytes, offsets relative to the end of the header. Read here with
-# mmap, one tensor at a time, every offset checked before a byte is used.
+# then the raw little-endian bytes, offsets relative to the end of the header. Read here one
+# tensor at a time, every offset checked before a byte is used.
 
 
 class UserError(Exception):
@@ -1496,67 +1495,68 @@ DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 class SafetensorsFile:
+    """The checked header of one .safetensors file: entries {name: (dtype, shape, begin, end)}."""
+
     def __init__(self, path):
-        self.path = path
         if not os.path.isfile(path):
             raise UserError(f"{path}: no such file")
-        size = os.path.getsize(path)
+        self.path, size = path, os.path.getsize(path)
         with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
             if size < 8:
                 raise UserError(f"{path}: truncated safetensors file ({size} bytes)")
-            n = int.from_bytes(f.read(8), "little")
             if 8 + n > size:
                 raise UserError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
             try:
                 header = json.loads(f.read(n))
             except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UserError(f"{path}: header is not valid JSON ({e.msg if hasattr(e, 'msg') else e})")
+                raise UserError(f"{path}: header is not valid JSON ({getattr(e, 'msg', e)})")
         if not isinstance(header, dict):
             raise UserError(f"{path}: header is not a JSON object")
         self.metadata = header.pop("__metadata__", {})
         self.data_start, data_size = 8 + n, size - 8 - n
-        self.entries, spans = {}, []
+        self.entries = {}
         for name, e in header.items():
+            where = f"{path}: tensor {name}"
             try:
                 dtype_name, shape, (begin, end) = e["dtype"], [int(d) for d in e["shape"]], e["data_offsets"]
             except (KeyError, TypeError, ValueError):
-                raise UserError(f"{path}: tensor {name}: malformed header entry")
+                raise UserError(f"{where}: malformed header entry")
             if dtype_name not in SAFETENSORS_DTYPES:
-                raise UserError(f"{path}: tensor {name}: unsupported dtype {dtype_name}")
-            dtype = SAFETENSORS_DTYPES[dtype_name]
+                raise UserError(f"{where}: unsupported dtype {dtype_name}")
             if not (0 <= begin <= end <= data_size):
-                raise UserError(f"{path}: tensor {name}: offsets [{begin}, {end}] run past the end of the data "
+                raise UserError(f"{where}: offsets [{begin}, {end}] run past the end of the data "
                                 f"({data_size} bytes): truncated file?")
-            if end - begin != math.prod(shape) * dtype.itemsize:
-                raise UserError(f"{path}: tensor {name}: {end - begin} bytes for shape {shape} {dtype_name}")
-            self.entries[name] = (dtype, shape, begin, end)
-            spans.append((begin, end, name))
-        spans.sort()
-        for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+            if end - begin != math.prod(shape) * SAFETENSORS_DTYPES[dtype_name].itemsize:
+                raise UserError(f"{where}: {end - begin} bytes for shape {shape} {dtype_name}")
+            self.entries[name] = (SAFETENSORS_DTYPES[dtype_name], shape, begin, end)
+        spans = sorted((begin, end, name) for name, (_, _, begin, end) in self.entries.items())
+        for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
             if b1 < e0:
                 raise UserError(f"{path}: tensors {n0} and {n1} overlap in the file")
 
     def get(self, name):
-        """One tensor, copied out of the memory-mapped file."""
-        import mmap
+        """One tensor, read from the file into memory of its own."""
         dtype, shape, begin, end = self.entries[name]
+        raw = bytearray(end - begin)
         with open(self.path, "rb") as f:
-            if end == begin:
-                return torch.empty(shape, dtype=dtype)
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                raw = bytearray(mm[self.data_start + begin:self.data_start + end])
-        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).view(shape)
+            f.seek(self.data_start + begin)
+            f.readinto(raw)
+        return (torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)).view(dtype).view(shape)
 
 
-def _fsync_replace(tmp, path):
-    with open(tmp, "rb+") as f:
+def atomic_write(path, write, mode="wb"):
+    """write(f) into path.tmp, then rename: readers see the old file or the new one, never half of one."""
+    tmp = f"{path}.tmp"
+    with open(tmp, mode) as f:
+        write(f)
+        f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, path)  # atomic: readers see the old file or the new one, never half of one
+    os.replace(tmp, path)
 
 
 def save_safetensors(path, specs, get, metadata=None):
-    """Write tensors to `path` one at a time: specs [(name, dtype, shape)], get(name) -> tensor.
-    Written to path.tmp and renamed, so a crash never leaves a half-written file at `path`."""
+    """Write tensors to `path` one at a time (atomically): specs [(name, dtype, shape)], get(name) -> tensor."""
     header, offset = {}, 0
     for name, dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -1566,31 +1566,25 @@ def save_safetensors(path, specs, get, metadata=None):
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+
+    def write(f):
+        f.write(len(blob).to_bytes(8, "little") + blob)
         for name, dtype, shape in specs:
             t = get(name).detach().to("cpu", dtype, copy=True).contiguous()  # never export our storage
             assert tuple(t.shape) == tuple(shape), name
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    _fsync_replace(tmp, path)
+    atomic_write(path, write)
 
 
 def write_json(path, obj):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=2)
-    _fsync_replace(tmp, path)
+    atomic_write(path, lambda f: json.dump(obj, f, indent=2), "w")
 
 
 def config_from_hf(d, where="config.json"):
     """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
-    archs = d.get("architectures") or []
-    if d.get("model_type") != "llama" and not any("Llama" in a for a in archs):
+    if d.get("model_type") != "llama" and not any("Llama" in a for a in d.get("architectures") or []):
         raise UserError(f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
-    names = {f.name for f in fields(LlamaConfig)}
-    kwargs = {k: v for k, v in d.items() if k in names}
+    kwargs = {f.name: d[f.name] for f in fields(LlamaConfig) if f.name in d}
     rope = d.get("rope_parameters")  # transformers 5: RoPE settings moved under one key
     if isinstance(rope, dict):
         kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10000.0))
@@ -1602,68 +1596,64 @@ def config_from_hf(d, where="config.json"):
     config = LlamaConfig(**kwargs)
     if config.hidden_size % config.num_attention_heads or d.get("head_dim", config.head_dim) != config.head_dim:
         raise UserError(f"{where}: head_dim must be hidden_size / num_attention_heads")
-    rs = config.rope_scaling
-    if rs and rs.get("rope_type", rs.get("type")) not in ("llama3", "default"):
-        raise UserError(f"{where}: rope_scaling type {rs.get('rope_type', rs.get('type'))!r} is not supported")
+    rope_type = (config.rope_scaling or {}).get("rope_type", (config.rope_scaling or {}).get("type"))
+    if config.rope_scaling and rope_type not in ("llama3", "default"):
+        raise UserError(f"{where}: rope_scaling type {rope_type!r} is not supported")
     return config
 
 
 def config_to_hf(config, dtype):
-    d = {k: getattr(config, k) for k in (f.name for f in fields(LlamaConfig))}
+    d = {f.name: getattr(config, f.name) for f in fields(LlamaConfig)}
     d.update(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=str(dtype).split(".")[-1],
              hidden_act="silu", attention_bias=False, mlp_bias=False, head_dim=config.head_dim)
     return {k: v for k, v in d.items() if v is not None}
 
 
+def read_json(path):
+    if not os.path.isfile(path):
+        raise UserError(f"{path}: no such file")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})")
+    if not isinstance(d, dict):
+        raise UserError(f"{path}: not a JSON object")
+    return d
+
+
 def read_config(path):
     if not os.path.isdir(path):
         raise UserError(f"--checkpoint {path}: no such directory")
-    cfg = os.path.join(path, "config.json")
-    if not os.path.isfile(cfg):
-        raise UserError(f"{cfg}: no such file")
-    try:
-        with open(cfg) as f:
-            d = json.load(f)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{cfg}: not valid JSON ({e.msg}, line {e.lineno})")
-    if not isinstance(d, dict):
-        raise UserError(f"{cfg}: not a JSON object")
-    return config_from_hf(d, cfg)
-
-
-def checkpoint_files(path):
-    """model.safetensors, or the shards listed in model.safetensors.index.json."""
-    single = os.path.join(path, "model.safetensors")
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise UserError(f"{index}: not a safetensors index (no weight_map)")
-        return [os.path.join(path, name) for name in dict.fromkeys(weight_map.values())]
-    if os.path.isfile(single):
-        return [single]
-    raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    return config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
 
 
 def load_checkpoint(path, config, shapes, put):
-    """Stream every weight of a Hugging Face Llama directory into put(name, tensor), one at a
-    time, after checking names and shapes against `shapes` ({name: shape} the config expects)."""
-    files = [SafetensorsFile(p) for p in checkpoint_files(path)]  # every header checked first
+    """Stream every weight of a Hugging Face Llama directory (model.safetensors, or the shards of
+    model.safetensors.index.json) into put(name, tensor), one at a time, after checking names,
+    shapes ({name: shape} the config implies) and dtypes."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.isfile(index):
+        weight_map = read_json(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise UserError(f"{index}: not a safetensors index (no weight_map)")
+        names = dict.fromkeys(weight_map.values())
+    elif os.path.isfile(os.path.join(path, "model.safetensors")):
+        names = ["model.safetensors"]
+    else:
+        raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    files = [SafetensorsFile(os.path.join(path, n)) for n in names]  # every header checked first
     seen = set()
     for sf in files:
-        for name in sf.entries:
+        for name, (dtype, shape, _, _) in sf.entries.items():
             if name.endswith("rotary_emb.inv_freq"):  # old checkpoints store RoPE's constants
                 continue
             if name not in shapes:
                 raise UserError(f"{sf.path}: unexpected tensor {name} for a Llama of this config.json")
-            if tuple(sf.entries[name][1]) != shapes[name]:
-                raise UserError(f"{sf.path}: tensor {name} has shape {list(sf.entries[name][1])}, "
-                                f"config.json implies {list(shapes[name])}")
-            if not sf.entries[name][0].is_floating_point:
-                raise UserError(f"{sf.path}: tensor {name} has dtype {DTYPE_NAMES[sf.entries[name][0]]}, "
-                                "not a floating point type")
+            if tuple(shape) != shapes[name]:
+                raise UserError(f"{sf.path}: tensor {name} has shape {shape}, config.json implies {list(shapes[name])}")
+            if not dtype.is_floating_point:
+                raise UserError(f"{sf.path}: tensor {name} has dtype {DTYPE_NAMES[dtype]}, not a floating point type")
             put(name, sf.get(name))
             seen.add(name)
     if "lm_head.weight" not in seen and config.tie_word_embeddings and "model.embed_tokens.weight" in seen:
@@ -1675,39 +1665,19 @@ def load_checkpoint(path, config, shapes, put):
         raise UserError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[0]}")
 
 
-def random_base(shapes, seed, device):
-    """put-able random weights for a model with no checkpoint: embeddings N(0, 1), norms 1,
-    linear weights N(0, 1/fan_in); each from its own seeded CPU generator, then moved: every
-    rank, every world size and every device builds the same model (a CUDA generator would draw
-    other numbers from the same seed)."""
-    for i, (name, shape) in enumerate(shapes.items()):
-        g = torch.Generator().manual_seed(seed * 1000 + i)
-        if "norm" in name:
-            w = torch.ones(shape)
-        elif "embed_tokens" in name:
-            w = torch.randn(shape, generator=g)
-        else:
-            w = torch.randn(shape, generator=g) * shape[1] ** -0.5
-        yield name, w.to(device)
-
-
 def init_adapters(shapes, seed):
-    """LoRA init (A: kaiming-uniform(a=sqrt(5)) as nn.Linear and PEFT, B: 0), full tensors on
-    the CPU from seeded generators, the same on every rank."""
+    """LoRA init as nn.Linear and PEFT: A kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
+    B zero; full tensors on the CPU from seeded generators, the same on every rank."""
     out = {}
     for i, (name, shape) in enumerate(shapes.items()):
-        if name.endswith("lora_A"):
-            bound = 1 / math.sqrt(shape[1])  # kaiming_uniform_(a=sqrt(5)) = U(-1/sqrt(fan_in), ..)
-            g = torch.Generator().manual_seed(seed * 1000 + 500 + i)
-            out[name] = (torch.rand(shape, generator=g) * 2 - 1) * bound
-        else:
-            out[name] = torch.zeros(shape)
+        g, bound = torch.Generator().manual_seed(seed * 1000 + 500 + i), 1 / math.sqrt(shape[1])
+        out[name] = (torch.rand(shape, generator=g) * 2 - 1) * bound if name.endswith("lora_A") else torch.zeros(shape)
     return out
 
 
 def as_parameter(model, name, tensor, device):
-    """A full dense tensor (from a checkpoint, or drawn at random) in the form `model` keeps
-    parameter `name`: quantized to NF4 on `device` for an NF4Linear's weight, else in the model's dtype."""
+    """A full dense base tensor in the form `model` keeps parameter `name`: NF4 on `device` for an
+    NF4Linear's weight, else the model's dtype."""
     t = tensor.to(device, model.dtype)
     return to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t
 
@@ -1724,9 +1694,9 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
     params = dict(model.named_parameters())
 
     def put(name, tensor):
-        mod_name, attr = name.rsplit(".", 1)
         frozen = not params[name].requires_grad
         value = as_parameter(model, name, tensor, device) if frozen else tensor.to(device)
+        mod_name, attr = name.rsplit(".", 1)
         model.get_submodule(mod_name)._parameters[attr] = nn.Parameter(value, requires_grad=not frozen)
 
     load_checkpoint(path, config, {n: tuple(p.shape) for n, p in params.items() if not p.requires_grad}, put)
@@ -1742,7 +1712,7 @@ PEFT_PREFIX, TARGET_MODULES = "base_model.model.", ["q_proj", "k_proj", "v_proj"
                                                      "up_proj", "down_proj"]
 
 
-def save_adapters(out_dir, adapters, rank, alpha, dropout, base_model=""):
+def save_adapters(out_dir, adapters, args):
     """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight) + adapter_config.json."""
     os.makedirs(out_dir, exist_ok=True)
     tensors = {PEFT_PREFIX + name + ".weight": t.float() for name, t in adapters.items()}
@@ -1750,15 +1720,18 @@ def save_adapters(out_dir, adapters, rank, alpha, dropout, base_model=""):
                      [(k, torch.float32, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__,
                      metadata={"format": "pt"})
     write_json(os.path.join(out_dir, "adapter_config.json"), {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
-        "target_modules": TARGET_MODULES, "bias": "none", "fan_in_fan_out": False, "inference_mode": True,
-        "base_model_name_or_path": base_model})
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
+        "lora_dropout": args.lora_dropout, "target_modules": TARGET_MODULES, "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""})
 
 
 def load_adapters(path):
     """{name: tensor} from a PEFT adapter directory (the inverse of save_adapters)."""
     sf = SafetensorsFile(os.path.join(path, "adapter_model.safetensors"))
     return {k[len(PEFT_PREFIX):-len(".weight")]: sf.get(k) for k in sf.entries}
+
+
+RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha")
 
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
@@ -1772,18 +1745,15 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         name = f"checkpoint-{step}"
         final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_adapters(tmp, adapters, args.lora_rank, args.lora_alpha, args.lora_dropout, args.checkpoint or "")
+        save_adapters(tmp, adapters, args)
         state = dict(step=step, adam_step=adam_step, moments=moments, rng=torch.get_rng_state(),
                      cuda_rng=torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                     model=args.model, checkpoint=args.checkpoint, lora_rank=args.lora_rank,
-                     lora_alpha=args.lora_alpha, dtype=args.dtype, world_size=fsdp.world, seed=args.seed)
-        torch.save(state, os.path.join(tmp, "training_state.pt.tmp"))
-        _fsync_replace(os.path.join(tmp, "training_state.pt.tmp"), os.path.join(tmp, "training_state.pt"))
+                     dtype=args.dtype, world_size=fsdp.world, seed=args.seed,
+                     **{k: getattr(args, k) for k in RESUME_MUST_MATCH})
+        atomic_write(os.path.join(tmp, "training_state.pt"), lambda f: torch.save(state, f))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        with open(os.path.join(out_dir, "latest.tmp"), "w") as f:
-            f.write(name)
-        _fsync_replace(os.path.join(out_dir, "latest.tmp"), os.path.join(out_dir, "latest"))
+        atomic_write(os.path.join(out_dir, "latest"), lambda f: f.write(name), "w")
         for old in os.listdir(out_dir):  # keep only the newest checkpoint
             if old.startswith("checkpoint-") and old != name:
                 shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
@@ -1791,38 +1761,43 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         dist.barrier()
 
 
-def load_resume_state(out_dir, args):
-    """The training state `out_dir/latest` points to, checked against this run's model."""
-    latest = os.path.join(out_dir or "", "latest")
-    if not out_dir or not os.path.isfile(latest):
-        raise UserError(f"--resume: no checkpoint to resume from in --out {out_dir}")
+def resume(args, fsdp, optimizer, device):
+    """Load the checkpoint `--out DIR/latest` names (checked against this run's model) into the
+    shards and the optimizer, restore the RNG; returns the step it was saved at."""
+    latest = os.path.join(args.out or "", "latest")
+    if not args.out or not os.path.isfile(latest):
+        raise UserError(f"--resume: no checkpoint to resume from in --out {args.out}")
     with open(latest) as f:
-        ckpt = os.path.join(out_dir, f.read().strip())
+        ckpt = os.path.join(args.out, f.read().strip())
     path = os.path.join(ckpt, "training_state.pt")
     try:
         state = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- any unreadable file is the same user error
         raise UserError(f"{path}: cannot be read ({type(e).__name__})")
-    for key in ("model", "checkpoint", "lora_rank", "lora_alpha"):
+    for key in RESUME_MUST_MATCH:
         if state.get(key) != getattr(args, key):
             raise UserError(f"--resume {ckpt}: saved with --{key} {state.get(key)}, this run has "
                             f"--{key} {getattr(args, key)}")
-    return state, load_adapters(ckpt)
+    fsdp.load_full_state(load_adapters(ckpt), optimizer, state["moments"], state["adam_step"])
+    torch.set_rng_state(state["rng"])
+    if state.get("cuda_rng") is not None and device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng"])
+    print0(f"resumed from {args.out} at step {state['step']} (saved by world size {state['world_size']})")
+    return state["step"]
 
 
 def save_merged(out_dir, fsdp, model):
     """Collective. A Hugging Face checkpoint of the base with the adapters merged in,
     W' = W + (alpha/rank) B A, written unit by unit by rank 0 (config.json + model.safetensors)."""
     adapters = fsdp.full_adapters()
-    specs = [(name, model.dtype, shape) for name, shape in fsdp.base_shapes().items()]
-    base = fsdp.full_base()  # in the order of specs
+    base = fsdp.full_base()  # (name, full tensor), unit by unit, in the order of base_shapes()
 
     def get(name):
         got, w = next(base)
         assert got == name, (got, name)
+        prefix = name[:-len(".weight")]
         if isinstance(w, NF4Tensor):
             w = w.dequantize(torch.float32)
-            prefix = name[:-len(".weight")]
             if prefix + ".lora_A" in adapters:
                 scaling = model.get_submodule(prefix).scaling
                 w = w + scaling * (adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]).to(w.device)
@@ -1830,10 +1805,10 @@ def save_merged(out_dir, fsdp, model):
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        hf = config_to_hf(model.config, model.dtype)
-        hf["tie_word_embeddings"] = False  # the head is written out on its own
-        write_json(os.path.join(out_dir, "config.json"), hf)
-        save_safetensors(os.path.join(out_dir, "model.safetensors"), specs, get, metadata={"format": "pt"})
+        write_json(os.path.join(out_dir, "config.json"), {**config_to_hf(model.config, model.dtype),
+                                                          "tie_word_embeddings": False})  # the head is written out
+        save_safetensors(os.path.join(out_dir, "model.safetensors"),
+                         [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get, metadata={"format": "pt"})
     for _ in base:  # the other ranks join the same all-gathers
         pass
     if dist.is_initialized():
@@ -1850,21 +1825,6 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
-DATA_FORMATS = ".npy, .npz, .bin, .txt or dummy"
-
-
-def _check_ids(path, tokens, vocab_size, seq_len):
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise UserError(f"--data {path}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}")
-    if len(tokens) < seq_len + 1:
-        raise UserError(f"--data {path}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
-    top = int(tokens.max())
-    if top >= vocab_size:
-        raise UserError(f"--data {path}: token id {top} >= vocab_size {vocab_size} of this model")
-    if np.issubdtype(tokens.dtype, np.signedinteger) and tokens.min() < 0:
-        raise UserError(f"--data {path}: negative token id {int(tokens.min())}")
-
-
 def load_tokens(path, vocab_size, seq_len):
     """(tokens, loss_mask) from --data, checked: at least seq_len + 1 tokens, every id < vocab_size.
       .npy   a 1-D array of any integer dtype (uint32 for Llama 3's 128,256 ids), memory-mapped
@@ -1875,33 +1835,36 @@ def load_tokens(path, vocab_size, seq_len):
     loss_mask is None where every target counts."""
     if not os.path.isfile(path):
         raise UserError(f"--data {path}: no such file")
-    ext = os.path.splitext(path)[1].lower()
-    if os.path.samefile(path, __file__):  # the default: this file's own bytes
-        ext = ".txt"
+    ext = ".txt" if os.path.samefile(path, __file__) else os.path.splitext(path)[1].lower()  # default: our bytes
     if ext not in (".npy", ".npz", ".bin", ".txt"):
-        raise UserError(f"--data {path}: unknown format {ext or '(no extension)'}; use {DATA_FORMATS}")
+        raise UserError(f"--data {path}: unknown format {ext or '(no extension)'}; use .npy, .npz, .bin, .txt or dummy")
     if ext == ".bin" and vocab_size > 65536:
         raise UserError(f"--data {path}: a .bin holds uint16 ids, too few for this model's {vocab_size:,}-token "
                         f"vocabulary; save the tokens as .npy (uint32)")
-    arrays = {}
+    tokens = mask = None
     try:
-        if ext == ".npy":
-            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        elif ext == ".npz":
+        if ext == ".npz":
             with np.load(path, allow_pickle=False) as z:
-                arrays = {k: z[k] for k in ("tokens", "loss_mask") if k in z.files}
                 names = z.files
+                if "tokens" in names and "loss_mask" in names:
+                    tokens, mask = z["tokens"], z["loss_mask"]
+        elif ext == ".npy":
+            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         else:
             tokens = np.memmap(path, dtype=np.uint16 if ext == ".bin" else np.uint8, mode="r")
     except Exception as e:  # noqa: BLE001 -- not an array file, truncated, pickled, odd size: one user error
         why = " ".join(str(e).split()).split(". ")[0]  # numpy's messages run to several sentences
         raise UserError(f"--data {path}: cannot be read as {ext} ({type(e).__name__}: {why})")
-    mask = None
-    if ext == ".npz":
-        if len(arrays) < 2:
-            raise UserError(f"--data {path}: needs arrays `tokens` and `loss_mask`, has {names}")
-        tokens, mask = arrays["tokens"], arrays["loss_mask"]
-    _check_ids(path, tokens, vocab_size, seq_len)
+    if tokens is None:
+        raise UserError(f"--data {path}: needs arrays `tokens` and `loss_mask`, has {names}")
+    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
+        raise UserError(f"--data {path}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}")
+    if len(tokens) < seq_len + 1:
+        raise UserError(f"--data {path}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
+    if int(tokens.max()) >= vocab_size:
+        raise UserError(f"--data {path}: token id {int(tokens.max())} >= vocab_size {vocab_size} of this model")
+    if np.issubdtype(tokens.dtype, np.signedinteger) and tokens.min() < 0:
+        raise UserError(f"--data {path}: negative token id {int(tokens.min())}")
     if mask is not None:
         if mask.shape != tokens.shape:
             raise UserError(f"--data {path}: loss_mask has shape {mask.shape}, tokens {tokens.shape}")
@@ -1921,7 +1884,7 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro)
     n, T = args.batch_size * world, args.seq_len
     rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
-    if data is None:  # dummy: random tokens, as in the talk's benchmark
+    if data is None:
         tokens = torch.randint(vocab_size, (n, T + 1), generator=g)[rows]
         return tokens[:, :-1], tokens[:, 1:]
     ids, mask = data
@@ -1939,23 +1902,18 @@ def encode_prompt(text, vocab_size):
     else comma-separated ids."""
     if vocab_size == 256:
         ids = list(("\n" if text is None else text).encode("utf-8"))
-    else:
-        try:
-            ids = [int(t) for t in (text or "").split(",") if t.strip()]
-        except ValueError:
-            ids = []
         if not ids:
-            raise UserError(f"--prompt {text!r}: this model's prompt is comma-separated token ids, e.g. 128000,791")
-        if not all(0 <= i < vocab_size for i in ids):
-            raise UserError(f"--prompt {text}: token ids must be below this model's vocab_size {vocab_size}")
+            raise UserError("--prompt is empty: --sample continues a prompt of at least one token")
+        return ids
+    try:
+        ids = [int(t) for t in (text or "").split(",") if t.strip()]
+    except ValueError:
+        ids = []
     if not ids:
-        raise UserError("--prompt is empty: --sample continues a prompt of at least one token")
+        raise UserError(f"--prompt {text!r}: this model's prompt is comma-separated token ids, e.g. 128000,791")
+    if not all(0 <= i < vocab_size for i in ids):
+        raise UserError(f"--prompt {text}: token ids must be below this model's vocab_size {vocab_size}")
     return ids
-
-
-def decode_sample(ids, vocab_size):
-    """Text for a byte-level model (invalid UTF-8 shown as U+FFFD), the ids otherwise."""
-    return bytes(ids).decode("utf-8", errors="replace") if vocab_size == 256 else list(ids)
 
 
 @torch.no_grad()
@@ -1966,7 +1924,7 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
     unit hooks gather the weights) and takes rank 0's token, so all ranks stay in step."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
-    out, was_training = [], model.training
+    was_training = model.training
     model.eval()  # no LoRA dropout
     # Compiled blocks would compile again for every new length: run those eagerly; what is
     # already compiled for these shapes (the NF4 kernels) is still used.
@@ -1974,16 +1932,14 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
         for _ in range(n):
             logits = model(ids[:, -window:])[0, -1].float()  # (V,): the last position's
             if temperature > 0:
-                probs = torch.softmax(logits / temperature, dim=-1).cpu()
-                nxt = torch.multinomial(probs, 1, generator=g).to(device)
+                nxt = torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=g).to(device)
             else:
                 nxt = logits.argmax().view(1)
             if dist.is_initialized():
                 dist.broadcast(nxt, src=0)
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-            out.append(int(nxt))
     model.train(was_training)
-    return out
+    return ids[0, len(prompt):].tolist()
 
 
 def check_writable(args, rank):
@@ -2018,18 +1974,16 @@ def lr_at(step, args):
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
-def peak_memory_gib(device):
-    """This process's peak: GPU memory allocated on CUDA, the resident set on the CPU."""
+def peak_memory_gib(device, reserved=False):
+    """The peak over all ranks: GPU memory allocated (or reserved, by the caching allocator) on
+    CUDA, the resident set on the CPU."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / GiB
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / GiB  # Linux: KiB
-
-
-def max_over_ranks(value, device):
-    if not dist.is_initialized():
-        return value
-    t = torch.tensor(float(value), device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        peak = (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device)
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    t = torch.tensor(peak / GiB, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
 
 
@@ -2109,12 +2063,10 @@ def setup_distributed(device="auto"):
         raise UserError("--device cuda: no CUDA GPU is available")
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
     if "RANK" in os.environ and not dist.is_initialized():
-        if use_cuda:
-            dist.init_process_group("nccl", device_id=torch.device("cuda", torch.cuda.current_device()))
-        else:
-            dist.init_process_group("gloo")
-    return torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
+        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+    return device
 
 
 class Profiler:
@@ -2146,25 +2098,29 @@ class Profiler:
             print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
 
 
+def model_config(args):
+    """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
+    if args.checkpoint:
+        return os.path.basename(os.path.normpath(args.checkpoint)), read_config(args.checkpoint)
+    return args.model, CONFIGS[args.model]
+
+
 def predicted_memory(args, world, config=None):
-    config = config or (read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model])
-    return estimate_memory(config, world, args.batch_size, args.seq_len, 2 if args.dtype == "bf16" else 4,
-                           args.lora_rank, args.checkpointing, args.cpu_offload, LOSS_CHUNK,
-                           args.offload_activations)
+    return estimate_memory(config or model_config(args)[1], world, args.batch_size, args.seq_len,
+                           2 if args.dtype == "bf16" else 4, args.lora_rank, args.checkpointing,
+                           args.cpu_offload, LOSS_CHUNK, args.offload_activations)
 
 
 def estimate_only(args):
     """--estimate: the memory table from the config alone; nothing is allocated."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    config = read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model]
+    name, config = model_config(args)
     est = predicted_memory(args, world, config)
-    print0(format_budget(args.model, memory_budget(config, args.lora_rank)))
-    print0(format_estimate(args.model, est, world, args.cpu_offload))
-    summary = dict(model=args.model, world_size=world, batch_size=args.batch_size, seq_len=args.seq_len,
-                   dtype=args.dtype, lora_rank=args.lora_rank, checkpointing=args.checkpointing,
-                   cpu_offload=args.cpu_offload, offload_activations=args.offload_activations,
-                   predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
-                   predicted_host_gib=round(est["host_state"] / GiB, 3))
+    print0(format_budget(name, memory_budget(config, args.lora_rank)))
+    print0(format_estimate(name, est, world, args.cpu_offload))
+    summary = dict(model=name, world_size=world, **{k: getattr(args, k) for k in (
+        "batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload", "offload_activations")},
+                   predicted_peak_gib=round(est["gpu_peak"] / GiB, 3), predicted_host_gib=round(est["host_state"] / GiB, 3))
     print0(json.dumps(summary))
     return summary
 
@@ -2182,17 +2138,21 @@ def build(args, config, device):
             layer.forward = torch.compile(layer.forward)
     fsdp = FSDP(model.units(), device, dtype, offload=args.cpu_offload)
     model.offload_activations = OffloadedInputs(fsdp.side_stream) if args.offload_activations else None
-    shapes = fsdp.base_shapes()
+
     def put(name, tensor):
         fsdp.load_full(name, as_parameter(model, name, tensor, device))
 
     if args.checkpoint:
-        load_checkpoint(args.checkpoint, config, shapes, put)
+        load_checkpoint(args.checkpoint, config, fsdp.base_shapes(), put)
     else:
-        for name, tensor in random_base(shapes, args.seed, device):
-            put(name, tensor)
-    adapters = init_adapters(fsdp.adapter_shapes(), args.seed)
-    fsdp.load_full_state(adapters)
+        # Random weights: embeddings N(0, 1), norms 1, linear N(0, 1/fan_in), each from its own
+        # seeded CPU generator (a CUDA one would draw other numbers): the same model on every
+        # rank, world size and device.
+        for i, (name, shape) in enumerate(fsdp.base_shapes().items()):
+            g = torch.Generator().manual_seed(args.seed * 1000 + i)
+            w = torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
+            put(name, w if "norm" in name or "embed_tokens" in name else w * shape[1] ** -0.5)
+    fsdp.load_full_state(init_adapters(fsdp.adapter_shapes(), args.seed))
     return model, fsdp
 
 
@@ -2244,10 +2204,8 @@ def train(args):
 
 def _train(args):
     device = setup_distributed(args.device)
-    world = dist.get_world_size() if dist.is_initialized() else 1
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    name = os.path.basename(os.path.normpath(args.checkpoint)) if args.checkpoint else args.model
-    config = read_config(args.checkpoint) if args.checkpoint else CONFIGS[args.model]
+    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+    name, config = model_config(args)
     check_writable(args, rank)
     data = None if args.data == "dummy" else load_tokens(args.data or os.path.abspath(__file__),
                                                          config.vocab_size, args.seq_len)
@@ -2255,21 +2213,13 @@ def _train(args):
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
     model, fsdp = build(args, config, device)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    start = 0
-    if args.resume:
-        state, adapters = load_resume_state(args.out, args)
-        fsdp.load_full_state(adapters, optimizer, state["moments"], state["adam_step"])
-        torch.set_rng_state(state["rng"])
-        if state.get("cuda_rng") is not None and device.type == "cuda":
-            torch.cuda.set_rng_state(state["cuda_rng"])
-        start = state["step"]
-        print0(f"resumed from {args.out} at step {start} (saved by world size {state['world_size']})")
+    start = resume(args, fsdp, optimizer, device) if args.resume else 0
     print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter "
            f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
            f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
            f"{args.checkpointing}, offload {args.cpu_offload}")
 
-    losses, times, waits, optim_times = [], [], [], []
+    losses, timings = [], []  # timings: per step (seconds, comm wait, optimizer seconds)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     profiler = Profiler(args.profile, device) if args.profile else None
     last_step = min(args.steps, args.stop_at or args.steps)
@@ -2282,22 +2232,19 @@ def _train(args):
             group["lr"] = lr
         batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
                    for micro in range(args.grad_accum)]
-        loss_value, optim_s = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
-        if not math.isfinite(loss_value):  # stopped before the update: the last checkpoint stays good
+        loss, optim_s = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
+        if not math.isfinite(loss):  # stopped before the update: the last checkpoint stays good
             kept = f"; the last checkpoint in {args.out} is intact" if args.out else ""
-            raise UserError(f"loss is {loss_value} at step {step + 1}; stopped before updating{kept}")
-        optim_times.append(optim_s)
+            raise UserError(f"loss is {loss} at step {step + 1}; stopped before updating{kept}")
         dt = time.perf_counter() - t0
-        losses.append(loss_value)
-        times.append(dt)
-        waits.append(fsdp.take_comm_wait_s())  # the device has finished the step: events are done
+        losses.append(loss)
+        timings.append((dt, fsdp.take_comm_wait_s(), optim_s))  # the step is done: so are its events
         if profiler is not None:
             profiler.step(step + 1 - start)
         if step % args.log_every == 0 or step == last_step - 1:
-            mem = max_over_ranks(peak_memory_gib(device), device)
-            print0(f"step {step + 1}/{args.steps} | loss {loss_value:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
-                   f"{tokens_per_step / dt:,.0f} tok/s | mem {mem:.2f} GiB")
-        if args.out and args.save_every and (step + 1) % args.save_every == 0:
+            print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
+                   f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
+        if args.save_every and (step + 1) % args.save_every == 0:
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
         profiler.finish(rank)
@@ -2308,37 +2255,32 @@ def _train(args):
             save_checkpoint(args.out, last_step, fsdp, optimizer, args)
         adapters = fsdp.full_adapters()
         if rank == 0:  # the final adapters, where PEFT expects them
-            save_adapters(args.out, adapters, args.lora_rank, args.lora_alpha, args.lora_dropout,
-                          args.checkpoint or "")
+            save_adapters(args.out, adapters, args)
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
     if args.sample:  # after the saves: what was trained is on disk whatever happens here
-        window = min(args.seq_len, config.max_position_embeddings)
-        ids = generate(model, prompt, args.sample, window, device, args.temperature, args.seed)
+        ids = generate(model, prompt, args.sample, min(args.seq_len, config.max_position_embeddings), device,
+                       args.temperature, args.seed)
         fsdp.reshard()
-        sample = decode_sample(ids, config.vocab_size)
+        text = config.vocab_size == 256  # a byte-level model: show text (invalid UTF-8 as U+FFFD)
+        sample = bytes(ids).decode("utf-8", errors="replace") if text else ids
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
-               + (decode_sample(prompt, 256) + sample if config.vocab_size == 256 else str(sample)))
+               + (bytes(prompt).decode("utf-8", errors="replace") + sample if text else str(sample)))
 
-    peak = max_over_ranks(peak_memory_gib(device), device)
-    first = 1 if len(times) > 1 else 0  # the first step includes compilation
-    step_ms = float(np.median(times[first:])) * 1000
-    # Step time split (medians): the time the compute stream (CUDA events; on the CPU the host)
-    # waited on all-gathers and reduce-scatters that had not finished when needed, the optimizer
-    # (clip + AdamW), and everything else (compute).
-    wait_ms = float(np.median(waits[first:])) * 1000
-    optim_ms = float(np.median(optim_times[first:])) * 1000
-    predicted = predicted_memory(args, world, config)
-    summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1],
-                   first_loss=losses[0], step_ms=round(step_ms, 2),
-                   tokens_per_s=round(tokens_per_step / (step_ms / 1000), 1),
-                   peak_mem_gib=round(peak, 4), predicted_peak_gib=round(predicted["gpu_peak"] / GiB, 4),
+    # Step time split (medians; the first step includes compilation): the time the compute stream
+    # (CUDA events; on the CPU the host) waited on all-gathers and reduce-scatters not finished
+    # when needed, the optimizer (clip + AdamW), and everything else (compute).
+    step_s, wait_s, optim_s = (np.median(np.array(timings[1:] or timings), axis=0) * 1000).tolist()
+    summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1], first_loss=losses[0],
+                   step_ms=round(step_s, 2), tokens_per_s=round(tokens_per_step / (step_s / 1000), 1),
+                   peak_mem_gib=round(peak_memory_gib(device), 4),
+                   predicted_peak_gib=round(predicted_memory(args, world, config)["gpu_peak"] / GiB, 4),
                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
-                   dtype=args.dtype, device=device.type, compute_ms=round(step_ms - wait_ms - optim_ms, 2),
-                   comm_wait_ms=round(wait_ms, 2), optimizer_ms=round(optim_ms, 2))
-    if device.type == "cuda":  # what the caching allocator holds: allocated + its free blocks
-        summary["peak_reserved_gib"] = round(max_over_ranks(torch.cuda.max_memory_reserved(device) / GiB, device), 4)
+                   dtype=args.dtype, device=device.type, compute_ms=round(step_s - wait_s - optim_s, 2),
+                   comm_wait_ms=round(wait_s, 2), optimizer_ms=round(optim_s, 2))
+    if device.type == "cuda":
+        summary["peak_reserved_gib"] = round(peak_memory_gib(device, reserved=True), 4)
     if args.sample:
         summary["sample"] = sample
     return summary, losses, fsdp
