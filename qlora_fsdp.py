@@ -503,14 +503,24 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # Adapters are fp32 "master" weights; they are cast to the compute dtype in forward.
 
 
+def random_weight(shape, generator=None):
+    """A random base for an (out, in) weight with no checkpoint: N(0, 1/in)."""
+    return torch.randn(shape, generator=generator) * shape[-1] ** -0.5
+
+
+def lora_A_init(shape, generator=None):
+    """LoRA's A (rank, in) as nn.Linear and PEFT initialize it: kaiming-uniform(a=sqrt(5)),
+    which is U(-1/sqrt(in), 1/sqrt(in)). (B starts at zero.)"""
+    return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
+
+
 class NF4Linear(nn.Module):
     """A frozen bias-free linear layer whose weight is an NF4Tensor (used for lm_head)."""
 
     def __init__(self, in_features, out_features, dtype=torch.bfloat16):
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        w = torch.empty(out_features, in_features, dtype=dtype)
-        nn.init.normal_(w, std=in_features**-0.5)  # a random base; real ones come from load_state_dict
+        w = random_weight((out_features, in_features)).to(dtype)  # real weights come from a checkpoint
         self.weight = nn.Parameter(to_nf4(w), requires_grad=False)
 
     def forward(self, x):
@@ -530,9 +540,8 @@ class LoRALinear(NF4Linear):
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
         self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
-        self.lora_A = nn.Parameter(torch.empty(rank, in_features, dtype=torch.float32))
+        self.lora_A = nn.Parameter(lora_A_init((rank, in_features)))  # fp32
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=torch.float32))
-        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))  # as nn.Linear, and PEFT
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x):  # x (..., in) -> (..., out)
@@ -1666,13 +1675,11 @@ def load_checkpoint(path, config, shapes, put):
 
 
 def init_adapters(shapes, seed):
-    """LoRA init as nn.Linear and PEFT: A kaiming-uniform(a=sqrt(5)) = U(-1/sqrt(fan_in), 1/sqrt(fan_in)),
-    B zero; full tensors on the CPU from seeded generators, the same on every rank."""
-    out = {}
-    for i, (name, shape) in enumerate(shapes.items()):
-        g, bound = torch.Generator().manual_seed(seed * 1000 + 500 + i), 1 / math.sqrt(shape[1])
-        out[name] = (torch.rand(shape, generator=g) * 2 - 1) * bound if name.endswith("lora_A") else torch.zeros(shape)
-    return out
+    """Fresh adapters as LoRALinear makes them (lora_A_init, B zero), full tensors on the CPU
+    from seeded generators: the same on every rank."""
+    gen = lambda i: torch.Generator().manual_seed(seed * 1000 + 500 + i)  # noqa: E731
+    return {name: lora_A_init(shape, gen(i)) if name.endswith("lora_A") else torch.zeros(shape)
+            for i, (name, shape) in enumerate(shapes.items())}
 
 
 def as_parameter(model, name, tensor, device):
@@ -2145,13 +2152,13 @@ def build(args, config, device):
     if args.checkpoint:
         load_checkpoint(args.checkpoint, config, fsdp.base_shapes(), put)
     else:
-        # Random weights: embeddings N(0, 1), norms 1, linear N(0, 1/fan_in), each from its own
-        # seeded CPU generator (a CUDA one would draw other numbers): the same model on every
-        # rank, world size and device.
+        # Random weights as the modules make them (embeddings N(0, 1), norms 1, linear layers
+        # random_weight), each from its own seeded CPU generator (a CUDA one would draw other
+        # numbers): the same model on every rank, world size and device.
         for i, (name, shape) in enumerate(fsdp.base_shapes().items()):
             g = torch.Generator().manual_seed(args.seed * 1000 + i)
-            w = torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
-            put(name, w if "norm" in name or "embed_tokens" in name else w * shape[1] ** -0.5)
+            put(name, torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
+                if "embed_tokens" in name else random_weight(shape, g))
     fsdp.load_full_state(init_adapters(fsdp.adapter_shapes(), args.seed))
     return model, fsdp
 
