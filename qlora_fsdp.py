@@ -1284,41 +1284,50 @@ class LlamaDecoderLayer(nn.Module):
 IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
 
 
+def _cross_entropy_rows(logits, targets, need_grad: bool):
+    """logits (n, V), targets (n,) -> (the sum of the counted rows' losses, fp32; and if need_grad
+    its gradient wrt the logits, softmax - onehot, zero on ignored rows, in logits' dtype). In
+    place on one fp32 copy of the logits: eager keeps one (n, V) fp32 buffer; compiled, the passes
+    fuse (max, sum of exp, gradient) and the fp32 copy is never made."""
+    keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
+    t = targets.clamp(min=0)[:, None]  # ignored rows look up class 0, then count 0
+    x = logits.float()
+    target_logit = x.gather(1, t)
+    m = x.amax(dim=-1, keepdim=True)
+    sumexp = x.sub_(m).exp_().sum(dim=-1, keepdim=True)  # x now holds exp(l - max)
+    loss = torch.where(keep, m + sumexp.log() - target_logit, 0.0).sum()
+    if not need_grad:
+        return loss, None
+    onehot = torch.arange(x.shape[1], device=x.device) == t  # (n, V)
+    return loss, x.div_(sumexp).add_(onehot, alpha=-1).mul_(keep).to(logits.dtype)
+
+
+_cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Cross entropy of h W^T against targets, LOSS_CHUNK rows at a time: the sum over the
     counted targets (those != IGNORE_INDEX), or their mean.
 
     Full logits for Llama-2-7B at T=2048 are 131 MB per sequence (bf16) plus an fp32 copy and a
     gradient of each. Here only one chunk's logits ever exist: forward computes each chunk's
-    loss AND its gradient wrt h at once (softmax - onehot) W, and backward just scales it.
-    Ignored rows add 0 to the loss and get a zero gradient."""
+    loss AND its gradient wrt h at once, (softmax - onehot) W, and backward just scales it."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, reduction):  # h (N, C), weight (V, C), targets (N,)
         W = weight.dequantize(h.dtype) if isinstance(weight, NF4Tensor) else weight.to(h.dtype)
-        N = h.shape[0]
         need_grad = ctx.needs_input_grad[0]
+        rows = _cross_entropy_rows_compiled if _use_compiled(None, h) else _cross_entropy_rows
         grad_h = torch.empty_like(h) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
-        counted = targets != IGNORE_INDEX  # (N,)
-        for s in range(0, N, chunk):
-            logits = (h[s:s + chunk] @ W.T).float()  # (n, V) fp32: the one big buffer
-            keep = counted[s:s + chunk]
-            t = targets[s:s + chunk].clamp(min=0)  # ignored rows look up class 0, then count 0
-            target_logit = logits.gather(1, t[:, None]).squeeze(1)  # (n,)
-            # log-sum-exp in place (torch.logsumexp would allocate a second (n, V) buffer)
-            m = logits.amax(dim=-1, keepdim=True)
-            sumexp = logits.sub_(m).exp_().sum(dim=-1)  # logits now holds exp(l - max)
-            total += torch.where(keep, m.squeeze(1) + sumexp.log() - target_logit, 0.0).sum()
-            probs = None
-            if need_grad:  # d(sum of losses)/d logits = softmax - onehot, still in place
-                probs = logits.div_(sumexp[:, None])
-                probs[torch.arange(t.numel(), device=h.device), t] -= 1
-                grad_h[s:s + chunk] = probs.to(h.dtype) @ W
-                grad_h[s:s + chunk].masked_fill_(~keep[:, None], 0)  # (n, C), not (n, V)
-            del logits, probs  # before the next chunk's are made: one chunk alive, not two
+        for s in range(0, h.shape[0], chunk):
+            loss, grad_logits = rows(h[s:s + chunk] @ W.T, targets[s:s + chunk], need_grad)  # (n, V)
+            total += loss
+            if need_grad:
+                torch.mm(grad_logits, W, out=grad_h[s:s + chunk])  # (n, C), not (n, V)
+            del grad_logits  # before the next chunk's logits are made: one chunk alive, not two
         # "mean": over the counted targets; none counted gives 0, not 0/0
-        ctx.denominator = counted.sum().clamp(min=1) if reduction == "mean" else 1
+        ctx.denominator = (targets != IGNORE_INDEX).sum().clamp(min=1) if reduction == "mean" else 1
         ctx.save_for_backward(grad_h)
         return total / ctx.denominator
 
@@ -1431,7 +1440,9 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * c.num_attention_heads
     mlp = elt * 4 * ffn
     block_saved = norms + attention + mlp + 7 * elt * lora_rank
-    block_backward = elt * (3 * ffn + 2 * d)  # gradients of a block's activations alive at once
+    # Backward frees each saved tensor once its op's backward is done, so beside them there is
+    # about one (tokens, ffn) gradient and one (tokens, d) at a time.
+    block_backward = elt * (ffn + d)
     act = {}
     if checkpointing:
         if offload_activations:  # kept on the host; one at a time back on the GPU
@@ -1443,10 +1454,10 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     else:
         act["saved activations, all blocks"] = kept = layers * tokens * block_saved
         act["block backward gradients"] = block = tokens * block_backward
-    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of fp32 logits and
-    # its low-precision copy, and the gradient wrt the hidden states it computes in forward.
+    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and their
+    # gradient (the compiled loss makes no fp32 copy), and the gradient wrt the hidden states.
     act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
-        tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * (4 + elt)
+        tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * 2 * elt
         + tokens * d * elt)
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient
     # (tokens x d) joins the recomputed block.
