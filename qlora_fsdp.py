@@ -544,9 +544,20 @@ class LoRALinear(NF4Linear):
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=torch.float32))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
-    def forward(self, x):  # x (..., in) -> (..., out)
-        lora = F.linear(F.linear(self.dropout(x), self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
-        return linear_nf4(x, self.weight) + self.scaling * lora
+    def forward(self, x, xA=None):  # x (..., in) -> (..., out); xA: dropout(x) A^T if already made
+        if xA is None:
+            xA = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # (..., rank)
+        return linear_nf4(x, self.weight) + self.scaling * F.linear(xA, self.lora_B.to(x.dtype))
+
+    @staticmethod
+    def shared_input(x, *layers):
+        """[m(x) for m in layers] for LoRALinears that read the same x (q, k, v; gate, up), with
+        one x [A_1; A_2; ...]^T matmul for all instead of one per layer: one pass over x, here and
+        for the gradients. Without the sharing when dropout draws each layer its own mask."""
+        if any(not isinstance(m.dropout, nn.Identity) for m in layers):
+            return [m(x) for m in layers]
+        xA = F.linear(x, torch.cat([m.lora_A for m in layers]).to(x.dtype))  # (..., sum of ranks)
+        return [m(x, a) for m, a in zip(layers, xA.split([m.rank for m in layers], dim=-1))]
 
     def merged_weight(self, dtype=torch.float32):
         """W + (alpha/rank) B A, dense: what to export for serving without adapters."""
@@ -1248,9 +1259,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x, cos, sin):  # x (B, T, C)
         B, T, C = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = LoRALinear.shared_input(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # grouped-query attention: each of the nkv heads serves nh / nkv query heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
@@ -1265,7 +1277,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = LoRALinear(c.intermediate_size, c.hidden_size, **lora)
 
     def forward(self, x):  # SwiGLU (Shazeer 2020)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = LoRALinear.shared_input(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
