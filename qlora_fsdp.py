@@ -582,9 +582,8 @@ class LoRALinear(NF4Linear):
 # Frozen tensors never get gradients; only adapters travel back. With CPU offload the shard
 # bytes, fp32 master adapters, their gradients and the optimizer live on the host: shards go to
 # the GPU just before the all-gather and gradient shards come back after the reduce-scatter.
-# FSDP1 instead flattened all of a unit's parameters into one FlatParameter (one dtype, no
-# per-parameter identity); FSDP2 keeps each parameter as a DTensor (dtype and metadata kept,
-# but every optimizer op pays DTensor dispatch). Here shards are plain tensors.
+# (FSDP1 flattened a unit into one FlatParameter of one dtype; FSDP2 keeps each parameter as a
+# DTensor, whose dispatch every optimizer op pays. Here shards are plain tensors.)
 
 ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
 
@@ -655,22 +654,21 @@ class _Boundary(torch.autograd.Function):
         return grad, None
 
 
-# torch >= 2.13 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
+# The two collectives, issued asynchronously: each returns its work to wait for. Without a
+# process group (world size 1) each is the copy it amounts to, so one code path serves every
+# world size. torch >= 2.13 names them *_single; older releases *_into_tensor and *_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_gather(out, inp, group):
-    """Start gathering every rank's `inp` into `out`, rank after rank; returns the work to wait
-    for. Without a process group (world size 1) it is the copy it amounts to: one code path."""
+def _all_gather(out, inp, group):  # out (world * n,): every rank's inp (n,), rank after rank
     if not dist.is_initialized():
         out.copy_(inp)
         return None
     return _all_gather_single(out, inp, group=group, async_op=True)
 
 
-def _reduce_scatter_avg(out, inp, group):
-    """Start averaging `inp` over the ranks, rank r keeping the r-th piece in `out`."""
+def _reduce_scatter_avg(out, inp, group):  # out (n,): rank r's piece of the mean over ranks of inp (world * n,)
     if not dist.is_initialized():
         out.copy_(inp)
         return None
@@ -716,14 +714,12 @@ class ShardedUnit:
         for s in self.frozen:
             s.local = self.shard_bytes[s.offset:s.offset + s.nbytes].view(s.dtype)
         # fp32 master adapters: this rank's pieces side by side in one flat tensor, which is what
-        # the optimizer steps: one tensor per unit, not one per adapter (per-tensor dispatch is
-        # what made the talk's optimizer slow). The reduce-scatter's output has the same layout,
-        # so it becomes the gradient as it arrives. Padding stays 0 under AdamW: zero gradient,
-        # zero moments, zero update, and decay keeps 0 at 0.
-        self.master = None
-        if self.adapters:
-            self.master = nn.Parameter(torch.zeros(sum(s.shard_numel for s in self.adapters),
-                                                   device=fsdp.store_device, pin_memory=pin))
+        # the optimizer steps: one tensor per unit, not one per adapter, as every optimizer op
+        # pays a dispatch per tensor. The reduce-scatter's output has the same layout, so it
+        # becomes the gradient as it arrives. Padding stays 0 under AdamW: zero gradient, zero
+        # moments, zero update, and decay keeps 0 at 0.
+        n = sum(s.shard_numel for s in self.adapters)
+        self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
         start = 0
         for s in self.adapters:
             s.start, start = start, start + s.shard_numel
@@ -764,8 +760,7 @@ class ShardedUnit:
             return
         self.gather_async()
         (work, out), self.inflight = self.inflight, None
-        with torch.profiler.record_function("fsdp::wait_all_gather"):
-            self.fsdp.wait(work)
+        self.fsdp.wait(work, "fsdp::wait_all_gather")
         if out.is_cuda:  # made on the side stream, read on this one: not reused before that
             out.record_stream(torch.cuda.current_stream(out.device))
         out = out.view(self.fsdp.world, self.unit_bytes)
@@ -863,29 +858,31 @@ class FSDP:
         # The last unit is needed again at once by backward: it stays gathered (as in torchtitan).
         self.units = [ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=i < len(units) - 1)
                       for i, (name, hook_module, modules) in enumerate(units)]
+        self.trained = [u for u in self.units if u.master is not None]  # the units with adapters
         self.param_of = {p.fqn: p for u in self.units for p in u.params}
 
     def parameters(self):
         """What the optimizer steps: each unit's flat fp32 master shard."""
-        return [u.master for u in self.units if u.master is not None]
+        return [u.master for u in self.trained]
 
-    def wait(self, work):
-        """Wait for a collective issued on the side stream. On CUDA this returns at once and makes
-        the compute stream wait (NCCL's wait() does not block the host): events on the compute
-        stream around it time that stall. On the CPU the host itself waits: its clock times it."""
-        if self.side_stream is None:
-            t0 = time.perf_counter()
+    def wait(self, work, label):
+        """Wait for a collective (on the side stream). On CUDA this returns at once and makes the
+        compute stream wait (NCCL's wait() does not block the host): events on the compute stream
+        around it time that stall. On the CPU the host itself waits: its clock times it."""
+        with torch.profiler.record_function(label):
+            if self.side_stream is None:
+                t0 = time.perf_counter()
+                if work is not None:
+                    work.wait()
+                self.comm_wait_s += time.perf_counter() - t0
+                return
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             if work is not None:
                 work.wait()
-            self.comm_wait_s += time.perf_counter() - t0
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        if work is not None:
-            work.wait()
-        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-        end.record()
-        self.wait_events.append((start, end))
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            end.record()
+            self.wait_events.append((start, end))
 
     def take_comm_wait_s(self):
         """Seconds the compute stream (or host) waited on collectives since the last call; call
@@ -902,8 +899,7 @@ class FSDP:
             if u.reduction is None:
                 continue
             (work, grad, _), u.reduction = u.reduction, None
-            with torch.profiler.record_function("fsdp::wait_reduce_scatter"):
-                self.wait(work)
+            self.wait(work, "fsdp::wait_reduce_scatter")
             arrived.append((u, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
@@ -916,16 +912,14 @@ class FSDP:
     def clip_grad_norm_(self, max_norm):
         """Clip by the global L2 norm: squared norms of the unpadded shards, summed over ranks."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=self.store_device)
-        if grads:
-            sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
+        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.store_device)]
+        sq = torch.stack(norms).square().sum()
         if dist.is_initialized():
             sq = sq.to(self.device)
             dist.all_reduce(sq, group=self.group)
         total = sq.sqrt().item()
-        coef = max_norm / (total + 1e-6)
-        if coef < 1 and grads:
-            torch._foreach_mul_(grads, coef)
+        if total + 1e-6 > max_norm:
+            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
         return total
 
     def reshard(self):
@@ -953,13 +947,13 @@ class FSDP:
 
     def full_adapters(self):
         """{name: full fp32 adapter} on every rank."""
-        return {k: v for u in self.units if u.master is not None for k, v in self._gather_full(u, u.master).items()}
+        return {k: v for u in self.trained for k, v in self._gather_full(u, u.master).items()}
 
     def full_optimizer_state(self, optimizer):
         """({name: {exp_avg, exp_avg_sq}} in full, AdamW's step count): a checkpoint that any
         world size can resume from."""
         moments, step = {}, 0
-        for u in (u for u in self.units if u.master is not None):
+        for u in self.trained:
             state = optimizer.state.get(u.master, {})
             step = state.get("step", step)
             for k in ("exp_avg", "exp_avg_sq"):
@@ -969,12 +963,13 @@ class FSDP:
 
     def load_full_state(self, adapters, optimizer=None, moments=None, step=0):
         """Inverse of the two above: keep this rank's pieces of full adapters (and moments)."""
-        for u in (u for u in self.units if u.master is not None):
+        for u in self.trained:
             u.master.data.copy_(self._local_flat(u, adapters))
             if optimizer is not None and step > 0:
-                optimizer.state[u.master] = dict(step=step, **{
-                    k: self._local_flat(u, {name: m[k] for name, m in moments.items()})
-                    for k in ("exp_avg", "exp_avg_sq")})
+                state = dict(step=step)
+                for k in ("exp_avg", "exp_avg_sq"):
+                    state[k] = self._local_flat(u, {name: m[k] for name, m in moments.items()})
+                optimizer.state[u.master] = state
 
     def load_full(self, fqn, tensor):
         """Keep this rank's pieces of one full frozen parameter, given in the form the model holds
@@ -1033,9 +1028,9 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
 # torch.optim.AdamW over FSDP2's DTensor parameters pays Python + DTensor dispatch per tensor
-# per op; the talk measured its step 3x slower. Shards here are plain tensors, and FSDP above
-# hands over one flat shard per unit (Llama-2-7B: 32 tensors instead of 448), so each update
-# below is one foreach call over a few tensors (Loshchilov & Hutter 2019, decoupled decay):
+# per op. Shards here are plain tensors, and FSDP above hands over one flat shard per unit
+# (Llama-2-7B: 32 tensors instead of 448), so each update below is one foreach call over a few
+# tensors (Loshchilov & Hutter 2019, decoupled weight decay):
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 # The update is 8 foreach passes over p, g, m, v. Over all tensors at once each pass streams every
@@ -1047,13 +1042,12 @@ ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: on
 
 def _chunks(params, chunk_bytes):
     """Split params into consecutive lists of about chunk_bytes each."""
-    chunk, size = [], 0
+    chunk = []
     for p in params:
         chunk.append(p)
-        size += p.numel() * p.element_size()
-        if size >= chunk_bytes:
+        if sum(q.nbytes for q in chunk) >= chunk_bytes:
             yield chunk
-            chunk, size = [], 0
+            chunk = []
     if chunk:
         yield chunk
 
@@ -1069,11 +1063,8 @@ class AdamW(torch.optim.Optimizer):
         n = sum(t.numel() for t in tensors)
         if self.scratch.numel() < n or self.scratch.device != tensors[0].device:
             self.scratch = torch.empty(n, dtype=tensors[0].dtype, device=tensors[0].device)
-        views, start = [], 0
-        for t in tensors:
-            views.append(self.scratch[start:start + t.numel()].view_as(t))
-            start += t.numel()
-        return views
+        views = self.scratch[:n].split([t.numel() for t in tensors])
+        return [v.view_as(t) for v, t in zip(views, tensors)]
 
     @torch.no_grad()
     def step(self, closure=None):
