@@ -910,7 +910,7 @@ class FSDP:
                 raise RuntimeError(f"unit {u.name} did not finish its backward")
 
     def clip_grad_norm_(self, max_norm):
-        """Clip by the global L2 norm: squared norms of the unpadded shards, summed over ranks."""
+        """Clip by the global L2 norm: the shards' squared norms (padding is 0), summed over ranks."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.store_device)]
         sq = torch.stack(norms).square().sum()
@@ -918,8 +918,9 @@ class FSDP:
             sq = sq.to(self.device)
             dist.all_reduce(sq, group=self.group)
         total = sq.sqrt().item()
-        if total + 1e-6 > max_norm:
-            torch._foreach_mul_(grads, max_norm / (total + 1e-6))
+        coef = max_norm / (total + 1e-6)
+        if coef < 1 and grads:
+            torch._foreach_mul_(grads, coef)
         return total
 
     def reshard(self):
