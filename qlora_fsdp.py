@@ -568,17 +568,17 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# The model is cut into *units* (the embeddings, each block, the final norm + lm_head).
-# Every tensor of a unit -- each inner tensor of an NF4 weight, each frozen bf16 weight, each
-# fp32 adapter -- is flattened and split into `world` equal pieces like torch.chunk, the last
-# zero-padded; rank r keeps piece r, in the tensor's own dtype (FSDP2 splits dim 0 of each
-# parameter; splitting the flat tensor is the same row-major order and works for any shape,
-# scalars and shards smaller than the world included). A unit's pieces sit side by side in one
-# byte buffer, so one collective moves the whole unit:
+# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every
+# tensor of a unit -- each inner tensor of an NF4 weight, each frozen bf16 weight, each fp32
+# adapter -- is flattened and split into `world` equal pieces like torch.chunk, the last zero
+# padded; rank r keeps piece r, in the tensor's own dtype (FSDP2 splits dim 0 of each parameter;
+# splitting the flat tensor is the same row-major order and works for any shape, scalars and
+# tensors smaller than the world included). A unit's pieces sit side by side in one byte buffer,
+# so one collective moves the whole unit:
 #
 #   rank 0 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]   (unit_bytes)
 #   rank 1 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]
-#        \__ all_gather_single __/
+#        \__ all-gather __/
 #   gathered (world, unit_bytes) -> column slice of one tensor viewed as its dtype:
 #        (world, shard_numel) -> copied into that tensor's padded full storage -> used by forward
 #
@@ -593,42 +593,61 @@ class LoRALinear(NF4Linear):
 # Frozen tensors never get gradients; only adapters travel back. With CPU offload the shard
 # bytes, fp32 master adapters, their gradients and the optimizer live on the host: shards go to
 # the GPU just before the all-gather and gradient shards come back after the reduce-scatter.
-# FSDP1 instead flattened all of a unit's parameters into one FlatParameter (one dtype, no
-# per-parameter identity); FSDP2 keeps each parameter as a DTensor (dtype and metadata kept,
-# but every optimizer op pays DTensor dispatch). Here shards are plain tensors.
+# (FSDP1 flattened a unit into one FlatParameter of one dtype; FSDP2 keeps each parameter as a
+# DTensor, whose dispatch every optimizer op pays. Here shards are plain tensors.)
 
 ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
 
 
-class _ParamMeta:
-    """What is kept of an unsharded parameter: its shape and, for a wrapper tensor subclass
-    (an NF4 weight, say), how to rebuild it from its inner tensors."""
-
-    def __init__(self, p):
-        self.shape = tuple(p.shape)
-        self.subclass = hasattr(p, "__tensor_flatten__")
-        if self.subclass:
-            self.cls, self.stride = type(p), p.stride()
-            self.inner, self.ctx = p.__tensor_flatten__()
-
-
 class _Slot:
-    """One tensor of a unit: its shard's place in the unit's byte buffer and its full tensor."""
+    """One tensor of a unit, sharded: pieces of shard_numel elements, this rank's kept between
+    steps (`local`), and the full tensor, whose storage exists only while the unit is gathered."""
 
-    def __init__(self, name, tensor, world, dtype=None):
-        self.name, self.shape, self.source = name, tuple(tensor.shape), tensor  # source: until sharded
-        self.dtype = dtype or tensor.dtype  # dtype on the wire (adapters: the compute dtype)
+    def __init__(self, name, tensor, dtype, fsdp):
+        world, dev = fsdp.world, fsdp.device
+        self.name, self.shape, self.dtype, self.rank = name, tuple(tensor.shape), dtype, fsdp.rank
         self.numel = tensor.numel()
         self.shard_numel = -(-self.numel // world)  # ceil
-        self.nbytes = self.shard_numel * self.dtype.itemsize
-        self.offset = 0  # set by the unit's layout
-        self.full = self.padded = None  # gathered tensor (shape) and its (world, shard_numel) view
+        self.nbytes = self.shard_numel * dtype.itemsize
+        # `full` (shape) and `padded` (world, shard_numel) on one storage, which the all-gather
+        # fills through `padded`. Two tensors, not views, so that writing one does not bump the
+        # version counter autograd checks on the other.
+        storage = torch.empty(world * self.shard_numel, dtype=dtype, device=dev).untyped_storage()
+        self.full = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, self.shape)
+        self.padded = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, (world, self.shard_numel))
+        storage.resize_(0)
+        self.offset = self.local = None  # set by the unit: place in its shard bytes, this rank's piece
+
+    def piece(self, full):
+        """This rank's piece of a full tensor of this shape (on any device): flat, zero padded."""
+        flat = full.detach().reshape(-1)[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
+        return F.pad(flat, (0, self.shard_numel - flat.numel()))
 
 
-def _local_piece(flat, rank, shard_numel):
-    """Rank's piece of a flat tensor, zero padded to shard_numel."""
-    piece = flat[rank * shard_numel:(rank + 1) * shard_numel]
-    return F.pad(piece, (0, shard_numel - piece.numel()))
+class _Param:
+    """A module's parameter, as slots: one for a plain tensor (an adapter's in the compute dtype),
+    one per inner tensor for a wrapper tensor subclass (an NF4 weight, say; always frozen), each
+    in its own dtype, taken apart by __tensor_flatten__ and rebuilt by __tensor_unflatten__."""
+
+    def __init__(self, fqn, module, attr, p, fsdp):
+        self.fqn, self.module, self.attr, self.shape = fqn, module, attr, tuple(p.shape)
+        subclass = hasattr(p, "__tensor_flatten__")
+        self.trainable = p.requires_grad and not subclass
+        if subclass:
+            inner, ctx = p.__tensor_flatten__()
+            cls, stride = type(p), p.stride()
+            names = [f"{fqn}.{n}" for n in inner]
+            self.flatten = lambda t: [getattr(t, n) for n in inner]
+            self.unflatten = lambda full: cls.__tensor_unflatten__(dict(zip(inner, full)), ctx, self.shape, stride)
+        else:
+            names, self.flatten, self.unflatten = [fqn], lambda t: [t], lambda full: full[0]
+        self.slots = [_Slot(n, t, fsdp.compute_dtype if self.trainable else t.dtype, fsdp)
+                      for n, t in zip(names, self.flatten(p))]
+
+    def keep(self, full):
+        """Keep this rank's pieces of a full tensor in this parameter's form (a subclass as such)."""
+        for s, t in zip(self.slots, self.flatten(full)):
+            s.local.copy_(s.piece(t))
 
 
 class _Boundary(torch.autograd.Function):
@@ -646,111 +665,90 @@ class _Boundary(torch.autograd.Function):
         return grad, None
 
 
-# torch >= 2.13 names the single-tensor collectives *_single; older releases *_into_tensor / *_tensor.
+# The two collectives, issued asynchronously: each returns its work to wait for. Without a
+# process group (world size 1) each is the copy it amounts to, so one code path serves every
+# world size. torch >= 2.13 names them *_single; older releases *_into_tensor and *_tensor.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
-def _all_gather(out, inp, group, async_op):
-    if not dist.is_initialized():  # world size 1 without a process group: the same code path
-        out.copy_(inp)
-        return None
-    return _all_gather_single(out, inp, group=group, async_op=async_op)
-
-
-def _reduce_scatter_avg(out, inp, group, async_op):
+def _all_gather(out, inp, group):  # out (world * n,): every rank's inp (n,), rank after rank
     if not dist.is_initialized():
         out.copy_(inp)
         return None
-    return _reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=async_op)
+    return _all_gather_single(out, inp, group=group, async_op=True)
+
+
+def _reduce_scatter_avg(out, inp, group):  # out (n,): rank r's piece of the mean over ranks of inp (world * n,)
+    if not dist.is_initialized():
+        out.copy_(inp)
+        return None
+    return _reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=True)
+
+
+@contextlib.contextmanager
+def _side(stream):
+    """Issue the block's work on the side `stream`, after all the compute stream has queued so
+    far, so that it overlaps what the compute stream does next. On the CPU (None): in order."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _to_host(t, stream):
+    """A copy of t in host memory, made on the side stream; pinned when t is on a GPU, so that the
+    copy is asynchronous, and t's memory is not reused before the copy has read it."""
+    with _side(stream):
+        if t.is_cuda:
+            t.record_stream(stream)
+        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
 
 
 class ShardedUnit:
     """The parameters of some modules, sharded; hooks on `hook_module` gather and free them."""
 
-    def __init__(self, fsdp, index, name, hook_module, modules, reshard_after_forward=True):
-        self.fsdp, self.index, self.name = fsdp, index, name
-        self.reshard_after_forward = reshard_after_forward
-        world, rank = fsdp.world, fsdp.rank
-        store = fsdp.store_device
-        self.frozen, self.adapters = [], []  # slots
-        self.owners = []  # (fqn, module, attr, kind, slot(s), meta): where full tensors are installed
-        for prefix, module in modules:
-            for mod_name, mod in module.named_modules(prefix=prefix):
-                for attr, p in list(mod._parameters.items()):
-                    fqn, meta = f"{mod_name}.{attr}", _ParamMeta(p)
-                    if meta.subclass:  # one slot per inner tensor, each in its own dtype
-                        kind, slots = "subclass", [_Slot(f"{fqn}.{n}", getattr(p, n), world) for n in meta.inner]
-                        self.frozen += slots
-                    elif p.requires_grad:  # travels in the compute dtype; fp32 master shard
-                        kind, slots = "adapter", _Slot(fqn, p.detach(), world, fsdp.compute_dtype)
-                        self.adapters.append(slots)
-                    else:
-                        kind, slots = "dense", _Slot(fqn, p.detach(), world)
-                        self.frozen.append(slots)
-                    self.owners.append((fqn, mod, attr, kind, slots, meta))
-        # Byte layout of this rank's shard: frozen tensors, then adapters (in the compute dtype).
-        offset = 0
+    def __init__(self, fsdp, index, name, hook_module, modules, reshard_after_forward):
+        self.fsdp, self.index, self.name, self.reshard_after_forward = fsdp, index, name, reshard_after_forward
+        self.params = [_Param(f"{mod_name}.{attr}", mod, attr, p, fsdp)
+                       for prefix, module in modules for mod_name, mod in module.named_modules(prefix=prefix)
+                       for attr, p in mod._parameters.items()]
+        self.frozen = [s for p in self.params if not p.trainable for s in p.slots]
+        self.adapters = [p.slots[0] for p in self.params if p.trainable]
+        # This rank's shard bytes: the frozen tensors' pieces, then room for the adapters' (cast
+        # from the fp32 master into the compute dtype before each all-gather), each aligned.
+        self.unit_bytes = 0
         for s in self.frozen + self.adapters:
-            s.offset = offset
-            offset += -(-s.nbytes // ALIGN) * ALIGN
-        self.unit_bytes = offset
-        pin = fsdp.offload and fsdp.device.type == "cuda"
-        self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=store)
-        if pin:
-            self.shard_bytes = self.shard_bytes.pin_memory()
-        # fp32 master adapters: this rank's pieces, zero padded, side by side in one flat buffer,
-        # which is what the optimizer steps: one tensor per unit, not one per adapter (per-tensor
-        # dispatch is what made the talk's optimizer slow). The reduce-scatter's output has the
-        # same layout, so it becomes the gradient as it arrives. Padding stays 0 under AdamW:
-        # zero gradient, zero moments, zero update, and decay keeps 0 at 0.
-        flat = torch.zeros(sum(s.shard_numel for s in self.adapters), dtype=torch.float32, device=store)
-        self.master = nn.Parameter(flat.pin_memory() if pin else flat) if self.adapters else None
+            s.offset, self.unit_bytes = self.unit_bytes, self.unit_bytes + -(-s.nbytes // ALIGN) * ALIGN
+        pin = fsdp.offload and fsdp.device.type == "cuda"  # host memory the GPU copies from asynchronously
+        self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin)
+        for s in self.frozen:
+            s.local = self.shard_bytes[s.offset:s.offset + s.nbytes].view(s.dtype)
+        # fp32 master adapters: this rank's pieces side by side in one flat tensor, which is what
+        # the optimizer steps: one tensor per unit, not one per adapter, as every optimizer op
+        # pays a dispatch per tensor. The reduce-scatter's output has the same layout, so it
+        # becomes the gradient as it arrives. Padding stays 0 under AdamW: zero gradient, zero
+        # moments, zero update, and decay keeps 0 at 0.
+        n = sum(s.shard_numel for s in self.adapters)
+        self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
         start = 0
         for s in self.adapters:
-            s.start = start
-            s.master_padded = self.master.data[start:start + s.shard_numel]
-            s.master = s.master_padded[:max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))]
-            start += s.shard_numel
-        for s in self.frozen + self.adapters:
-            if s.source.device.type != "meta":  # a model built on "meta" is loaded later (load_full)
-                self.write_piece(s, s.source)
-        # Full tensors: one padded storage each, allocated now and freed at once (resized to 0).
-        dev = fsdp.device
-        for s in self.frozen + self.adapters:
-            storage = torch.empty(world * s.shard_numel, dtype=s.dtype, device=dev).untyped_storage()
-            s.full = torch.empty(0, dtype=s.dtype, device=dev).set_(storage, 0, s.shape)  # contiguous
-            s.padded = torch.empty(0, dtype=s.dtype, device=dev).set_(storage, 0, (world, s.shard_numel))
-            storage.resize_(0)
-            s.source = None  # the unsharded original is dropped
-        for s in self.adapters:
+            s.start, start = start, start + s.shard_numel
+            s.local = self.master.data[s.start:start]
             s.full.requires_grad_(True)
-            s.full.register_post_accumulate_grad_hook(lambda t: self._arrive())
-        # Install the (for now empty) full tensors on the modules in place of the parameters.
-        for fqn, mod, attr, kind, slots, meta in self.owners:
-            if kind == "subclass":
-                value = meta.cls.__tensor_unflatten__({n: s.full for n, s in zip(meta.inner, slots)}, meta.ctx,
-                                                      meta.shape, meta.stride)
-            else:
-                value = slots.full
-            del mod._parameters[attr]
-            setattr(mod, attr, value)
+            s.full.register_post_accumulate_grad_hook(lambda _: self._arrive())
+        for p in self.params:  # the parameters give way to (for now empty) full tensors
+            original = p.module._parameters.pop(p.attr)
+            if original.device.type != "meta":  # a model built on "meta" is loaded later (load_full)
+                p.keep(original)
+            setattr(p.module, p.attr, p.unflatten([s.full for s in p.slots]))
         self.gathered, self.in_backward, self.pending, self.inflight, self.reduction = False, False, 0, None, None
         hook_module.register_forward_pre_hook(self._pre_forward)
         hook_module.register_forward_hook(self._post_forward)
 
-    @staticmethod
-    def _shard_view(buf, s):  # this slot's piece of a flat byte buffer, as its dtype
-        return buf[s.offset:s.offset + s.nbytes].view(s.dtype)
-
-    def write_piece(self, s, full):
-        """Keep this rank's piece of the full tensor `full` (any device) in slot s."""
-        with torch.no_grad():
-            piece = _local_piece(full.detach().reshape(-1), self.fsdp.rank, s.shard_numel)
-            if s in self.adapters:
-                s.master_padded.copy_(piece)
-            else:
-                self._shard_view(self.shard_bytes, s).copy_(piece)
+    def neighbor(self, step):  # the unit `step` places later in execution order, or None
+        i, units = self.index + step, self.fsdp.units
+        return units[i] if 0 <= i < len(units) else None
 
     # ---- gather / free ----------------------------------------------------------------------
     def gather_async(self):
@@ -758,34 +756,30 @@ class ShardedUnit:
         if self.gathered or self.inflight is not None:
             return
         fsdp = self.fsdp
-        # On the side stream (CUDA), after what the compute stream has queued so far (the
-        # optimizer's last update of the masters included): the shard's copy to the GPU (with
-        # offload) and the all-gather then overlap the compute of the unit before this one.
-        fsdp.side_wait_compute()
-        with torch.cuda.stream(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
+        # On the side stream (CUDA), after the optimizer's last update of the masters: the
+        # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
+        with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
             send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
-            for s in self.adapters:  # cast the fp32 masters into the wire dtype
-                self._shard_view(send, s).copy_(s.master_padded, non_blocking=True)
+            for s in self.adapters:  # the fp32 masters cast into the compute dtype
+                send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
             out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
-            work = _all_gather(out, send, fsdp.group, async_op=True)
-        self.inflight = (work, out)
+            self.inflight = (_all_gather(out, send, fsdp.group), out)
 
     def gather(self):
         """Make the full weights available: wait for the all-gather and copy each tensor out."""
         if self.gathered:
             return
         self.gather_async()
-        work, out = self.inflight
-        with torch.profiler.record_function("fsdp::wait_all_gather"):
-            self.fsdp.wait(work)
+        (work, out), self.inflight = self.inflight, None
+        self.fsdp.wait(work, "fsdp::wait_all_gather")
         if out.is_cuda:  # made on the side stream, read on this one: not reused before that
             out.record_stream(torch.cuda.current_stream(out.device))
         out = out.view(self.fsdp.world, self.unit_bytes)
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
             for s in self.frozen + self.adapters:
-                s.full.untyped_storage().resize_(self.fsdp.world * s.nbytes)
+                s.full.untyped_storage().resize_(s.padded.nbytes)
                 s.padded.copy_(out[:, s.offset:s.offset + s.nbytes].view(s.dtype))
-        self.inflight, self.gathered = None, True
+        self.gathered = True
 
     def free(self):
         for s in self.frozen + self.adapters:
@@ -797,7 +791,7 @@ class ShardedUnit:
         self.gather()
         if self.in_backward:  # activation checkpointing recomputes the forward inside backward
             return args
-        nxt = self.fsdp.next_unit(self, +1)
+        nxt = self.neighbor(+1)
         if nxt is not None:
             nxt.gather_async()  # prefetch: its all-gather overlaps this unit's compute
         x = args[0]
@@ -821,7 +815,7 @@ class ShardedUnit:
     def _pre_backward(self):
         self.in_backward = True
         self.gather()
-        prev = self.fsdp.next_unit(self, -1)
+        prev = self.neighbor(-1)
         if prev is not None and prev.pending > 0:
             prev.gather_async()  # prefetch the unit whose backward comes next
 
@@ -834,15 +828,17 @@ class ShardedUnit:
         """Reduce-scatter the adapter gradients (fp32, averaged over ranks), free the weights."""
         fsdp = self.fsdp
         if self.adapters:
-            pieces = []
-            for s in self.adapters:  # chunk-cat: (world, shard_numel) of each, side by side
+            # Each gradient zero padded and viewed (world, shard_numel), side by side: row r holds
+            # rank r's pieces in its master's layout.
+            rows = []
+            for s in self.adapters:
                 g = s.full.grad.reshape(-1).float()
-                pieces.append(F.pad(g, (0, fsdp.world * s.shard_numel - s.numel)).view(fsdp.world, -1))
+                rows.append(F.pad(g, (0, s.padded.numel() - s.numel)).view(fsdp.world, -1))
                 s.full.grad = None
-            send = torch.cat(pieces, dim=1).view(-1)  # (world * sum(shard_numel),)
-            out = torch.empty(send.numel() // fsdp.world, dtype=torch.float32, device=fsdp.device)
+            send = torch.cat(rows, dim=1)  # (world, master numel)
+            out = torch.empty(send.shape[1], dtype=torch.float32, device=fsdp.device)
             with torch.profiler.record_function("fsdp::reduce_scatter"):
-                work = _reduce_scatter_avg(out, send, fsdp.group, async_op=True)
+                work = _reduce_scatter_avg(out, send.view(-1), fsdp.group)
             self.reduction = (work, out, send)  # send stays alive until the collective is done
         self.in_backward = False
         self.free()
@@ -870,42 +866,34 @@ class FSDP:
         # CUDA: collectives and host copies are issued on a side stream so they overlap the
         # compute stream; on the CPU there are no streams (None) and the same code runs in order.
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.units = []
-        for i, (name, hook_module, modules) in enumerate(units):
-            # the last unit is needed again at once by backward: keep it (torchtitan does the same)
-            last = i == len(units) - 1
-            self.units.append(ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=not last))
-        self.owner_of = {fqn: (u, kind, slots, meta) for u in self.units for fqn, _, _, kind, slots, meta in u.owners}
-
-    def next_unit(self, unit, direction):
-        i = unit.index + direction
-        return self.units[i] if 0 <= i < len(self.units) else None
+        # The last unit is needed again at once by backward: it stays gathered (as in torchtitan).
+        self.units = [ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=i < len(units) - 1)
+                      for i, (name, hook_module, modules) in enumerate(units)]
+        self.trained = [u for u in self.units if u.master is not None]  # the units with adapters
+        self.param_of = {p.fqn: p for u in self.units for p in u.params}
 
     def parameters(self):
         """What the optimizer steps: each unit's flat fp32 master shard."""
-        return [u.master for u in self.units if u.master is not None]
+        return [u.master for u in self.trained]
 
-    def side_wait_compute(self):
-        if self.side_stream is not None:
-            self.side_stream.wait_stream(torch.cuda.current_stream(self.device))
-
-    def wait(self, work):
-        """Wait for a collective issued on the side stream. On CUDA this returns at once and makes
-        the compute stream wait (NCCL's wait() does not block the host): events on the compute
-        stream around it time that stall. On the CPU the host itself waits: its clock times it."""
-        if self.side_stream is None:
-            t0 = time.perf_counter()
+    def wait(self, work, label):
+        """Wait for a collective (on the side stream). On CUDA this returns at once and makes the
+        compute stream wait (NCCL's wait() does not block the host): events on the compute stream
+        around it time that stall. On the CPU the host itself waits: its clock times it."""
+        with torch.profiler.record_function(label):
+            if self.side_stream is None:
+                t0 = time.perf_counter()
+                if work is not None:
+                    work.wait()
+                self.comm_wait_s += time.perf_counter() - t0
+                return
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
             if work is not None:
                 work.wait()
-            self.comm_wait_s += time.perf_counter() - t0
-            return
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        if work is not None:
-            work.wait()
-        torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-        end.record()
-        self.wait_events.append((start, end))
+            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            end.record()
+            self.wait_events.append((start, end))
 
     def take_comm_wait_s(self):
         """Seconds the compute stream (or host) waited on collectives since the last call; call
@@ -915,40 +903,28 @@ class FSDP:
         return s
 
     def finish_backward(self):
-        """Wait for the reduce-scatters and accumulate gradient shards into the masters (fp32).
-        With offload the shards go to pinned host memory on the side stream, all queued before
-        one wait for the lot."""
+        """Wait for the reduce-scatters and accumulate the gradient shards into the masters' .grad
+        (fp32). With offload the shards go to pinned host memory, all queued before one wait."""
         arrived = []
-        for unit in self.units:
-            if unit.reduction is None:
+        for u in self.units:
+            if u.reduction is None:
                 continue
-            (work, out, _), unit.reduction = unit.reduction, None
-            with torch.profiler.record_function("fsdp::wait_reduce_scatter"):
-                self.wait(work)
-            if self.store_device != out.device:
-                self.side_wait_compute()
-                with torch.cuda.stream(self.side_stream):
-                    host = torch.empty(out.shape, dtype=out.dtype, pin_memory=out.is_cuda)
-                    host.copy_(out, non_blocking=True)
-                    if out.is_cuda:
-                        out.record_stream(self.side_stream)
-                out = host
-            arrived.append((unit, out))
-        if self.side_stream is not None and self.offload:
+            (work, grad, _), u.reduction = u.reduction, None
+            self.wait(work, "fsdp::wait_reduce_scatter")
+            arrived.append((u, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
+        if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
-        for unit, out in arrived:
-            g = unit.master.grad
-            unit.master.grad = out if g is None else g.add_(out)  # gradient accumulation
+        for u, grad in arrived:  # accumulated over the micro-batches of a step
+            u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
         for u in self.units:  # every unit that joined this backward has finished it
             if u.in_backward or u.pending > 0:
                 raise RuntimeError(f"unit {u.name} did not finish its backward")
 
     def clip_grad_norm_(self, max_norm):
-        """Clip by the global L2 norm: squared norms of the unpadded shards, summed over ranks."""
+        """Clip by the global L2 norm: the shards' squared norms (padding is 0), summed over ranks."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=self.store_device)
-        if grads:
-            sq = torch.stack(torch._foreach_norm(grads)).pow(2).sum()
+        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.store_device)]
+        sq = torch.stack(norms).square().sum()
         if dist.is_initialized():
             sq = sq.to(self.device)
             dist.all_reduce(sq, group=self.group)
@@ -965,70 +941,66 @@ class FSDP:
                 u.gather()
             u.free()
 
-    def _gather_full(self, s, piece):
-        """The full tensor of adapter slot s from every rank's (unpadded) fp32 piece."""
-        piece = F.pad(piece.to(self.device, torch.float32), (0, s.shard_numel - piece.numel()))
-        full = torch.empty(self.world * s.shard_numel, dtype=torch.float32, device=self.device)
-        _all_gather(full, piece, self.group, async_op=False)
-        return full[:s.numel].view(s.shape).cpu()
+    # ---- the state in full, for checkpoints: collectives, every rank gets (or gives) all of it --
+    def _gather_full(self, unit, flat):
+        """{name: full fp32 tensor, on the host} of a unit's adapters, from a tensor laid out
+        like its master on every rank (the master, its gradient, an AdamW moment)."""
+        out = torch.empty(self.world * flat.numel(), dtype=torch.float32, device=self.device)
+        work = _all_gather(out, flat.detach().to(self.device, torch.float32), self.group)
+        if work is not None:
+            work.wait()
+        out = out.view(self.world, -1)  # (world, master numel): an adapter's pieces in its columns
+        return {s.name: out[:, s.start:s.start + s.shard_numel].reshape(-1)[:s.numel].view(s.shape).cpu()
+                for s in unit.adapters}
 
-    def adapter_shapes(self):
-        return {s.name: s.shape for u in self.units for s in u.adapters}
+    def _local_flat(self, unit, full):
+        """Inverse: this rank's pieces of a unit's full adapters {name: tensor}, laid out like its master."""
+        return torch.cat([s.piece(full[s.name]) for s in unit.adapters]).to(unit.master.device, torch.float32)
 
     def full_adapters(self):
-        """{name: full fp32 adapter} on every rank, gathered from the unpadded shards."""
-        return {s.name: self._gather_full(s, s.master.detach()) for u in self.units for s in u.adapters}
+        """{name: full fp32 adapter} on every rank."""
+        return {k: v for u in self.trained for k, v in self._gather_full(u, u.master).items()}
 
     def full_optimizer_state(self, optimizer):
-        """{name: {exp_avg, exp_avg_sq}} gathered in full, and AdamW's step count: a checkpoint
-        that any world size can resume from."""
-        out, step = {}, 0
-        for u in self.units:
-            st = optimizer.state.get(u.master) or {}
-            step = st.get("step", step)
-            for s in u.adapters:
-                out[s.name] = {k: self._gather_full(s, st[k][s.start:s.start + s.master.numel()] if k in st
-                                                    else torch.zeros_like(s.master))
-                               for k in ("exp_avg", "exp_avg_sq")}
-        return out, step
+        """({name: {exp_avg, exp_avg_sq}} in full, AdamW's step count): a checkpoint that any
+        world size can resume from."""
+        moments, step = {}, 0
+        for u in self.trained:
+            state = optimizer.state.get(u.master, {})
+            step = state.get("step", step)
+            for k in ("exp_avg", "exp_avg_sq"):
+                for name, t in self._gather_full(u, state.get(k, torch.zeros_like(u.master))).items():
+                    moments.setdefault(name, {})[k] = t
+        return moments, step
 
     def load_full_state(self, adapters, optimizer=None, moments=None, step=0):
         """Inverse of the two above: keep this rank's pieces of full adapters (and moments)."""
-        for u in self.units:
-            for s in u.adapters:
-                u.write_piece(s, adapters[s.name])
-            if optimizer is not None and step > 0 and u.master is not None:
+        for u in self.trained:
+            u.master.data.copy_(self._local_flat(u, adapters))
+            if optimizer is not None and step > 0:
                 state = dict(step=step)
                 for k in ("exp_avg", "exp_avg_sq"):
-                    state[k] = torch.zeros_like(u.master)
-                    for s in u.adapters:  # the same layout as the master: pieces, zero padded
-                        state[k][s.start:s.start + s.shard_numel] = _local_piece(
-                            moments[s.name][k].reshape(-1).to(state[k].device), self.rank, s.shard_numel)
+                    state[k] = self._local_flat(u, {name: m[k] for name, m in moments.items()})
                 optimizer.state[u.master] = state
 
     def load_full(self, fqn, tensor):
-        """Keep this rank's pieces of one full parameter, given in the form the model holds it
-        (a tensor subclass as such: each inner tensor is split)."""
-        unit, kind, slots, meta = self.owner_of[fqn]
-        if kind == "subclass":
-            for s, n in zip(slots, meta.inner):
-                unit.write_piece(s, getattr(tensor, n))
-        else:
-            unit.write_piece(slots, tensor.to(self.device, slots.dtype if kind == "dense" else torch.float32))
+        """Keep this rank's pieces of one full frozen parameter, given in the form the model holds
+        it (a tensor subclass as such: each inner tensor is split)."""
+        self.param_of[fqn].keep(tensor)
 
     def full_base(self):
-        """Collective, consumed in full on every rank: (name, full tensor) of every frozen
-        parameter, in order, one unit gathered at a time."""
+        """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time."""
         for u in self.units:
             u.gather()
-            for fqn, mod, attr, kind, slots, meta in u.owners:
-                if kind != "adapter":
-                    yield fqn, getattr(mod, attr)
+            yield from ((p.fqn, getattr(p.module, p.attr)) for p in u.params if not p.trainable)
             u.free()
 
     def base_shapes(self):
         """{name: shape} of every frozen weight, as a Hugging Face checkpoint names them."""
-        return {fqn: meta.shape for fqn, (u, kind, slots, meta) in self.owner_of.items() if kind != "adapter"}
+        return {fqn: p.shape for fqn, p in self.param_of.items() if not p.trainable}
+
+    def adapter_shapes(self):
+        return {s.name: s.shape for u in self.units for s in u.adapters}
 
     def local_bytes(self):
         """Bytes this rank keeps between steps: shard bytes + fp32 master adapters."""
@@ -1037,37 +1009,27 @@ class FSDP:
 
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
     """While active, the tensor autograd saves that is `self.input` -- a checkpointed block's
-    input, the one thing checkpointing keeps of a block -- is packed into host memory (pinned,
-    copied on `stream`) and brought back to its device when backward recomputes the block. Only
-    what autograd saves is touched: the gradient that flows through the block stays on the device.
+    input, the one thing checkpointing keeps of a block -- is copied to host memory (pinned, on
+    `stream`) and brought back to its device when backward recomputes the block. Only what
+    autograd saves is touched: the gradient that flows through the block stays on the device.
     On the CPU (stream None) the same copies run in order."""
 
     def __init__(self, stream=None):
-        self.stream, self.input, self.nbytes = stream, None, 0
+        self.stream, self.input = stream, None
         super().__init__(self._pack, self._unpack)
 
     def _pack(self, t):
         x = self.input
         if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
             return t  # not a block input (RoPE's cos and sin): kept as is
-        if self.stream is not None:  # the copy starts once the block input has been computed
-            self.stream.wait_stream(torch.cuda.current_stream(t.device))
-        with torch.cuda.stream(self.stream):
-            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-            host.copy_(t, non_blocking=True)
-            if t.is_cuda:
-                t.record_stream(self.stream)  # not reused before the copy has read it
-        self.nbytes += t.nbytes
-        return t.device, host
+        return t.device, _to_host(t, self.stream)
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         device, host = packed
-        t = torch.empty(host.shape, dtype=host.dtype, device=device)
-        if self.stream is not None:
-            self.stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(self.stream):
+        t = torch.empty(host.shape, dtype=host.dtype, device=device)  # on the compute stream that reads it
+        with _side(self.stream):
             t.copy_(host, non_blocking=True)
         if self.stream is not None:
             torch.cuda.current_stream(device).wait_stream(self.stream)
@@ -1078,9 +1040,9 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
 # torch.optim.AdamW over FSDP2's DTensor parameters pays Python + DTensor dispatch per tensor
-# per op; the talk measured its step 3x slower. Shards here are plain tensors, and FSDP above
-# hands over one flat shard per unit (Llama-2-7B: 32 tensors instead of 448), so each update
-# below is one foreach call over a few tensors (Loshchilov & Hutter 2019, decoupled decay):
+# per op. Shards here are plain tensors, and FSDP above hands over one flat shard per unit
+# (Llama-2-7B: 32 tensors instead of 448), so each update below is one foreach call over a few
+# tensors (Loshchilov & Hutter 2019, decoupled weight decay):
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 # The update is 8 foreach passes over p, g, m, v. Over all tensors at once each pass streams every
@@ -1092,13 +1054,12 @@ ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: on
 
 def _chunks(params, chunk_bytes):
     """Split params into consecutive lists of about chunk_bytes each."""
-    chunk, size = [], 0
+    chunk = []
     for p in params:
         chunk.append(p)
-        size += p.numel() * p.element_size()
-        if size >= chunk_bytes:
+        if sum(q.nbytes for q in chunk) >= chunk_bytes:
             yield chunk
-            chunk, size = [], 0
+            chunk = []
     if chunk:
         yield chunk
 
@@ -1114,11 +1075,8 @@ class AdamW(torch.optim.Optimizer):
         n = sum(t.numel() for t in tensors)
         if self.scratch.numel() < n or self.scratch.device != tensors[0].device:
             self.scratch = torch.empty(n, dtype=tensors[0].dtype, device=tensors[0].device)
-        views, start = [], 0
-        for t in tensors:
-            views.append(self.scratch[start:start + t.numel()].view_as(t))
-            start += t.numel()
-        return views
+        views = self.scratch[:n].split([t.numel() for t in tensors])
+        return [v.view_as(t) for v, t in zip(views, tensors)]
 
     @torch.no_grad()
     def step(self, closure=None):

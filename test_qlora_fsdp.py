@@ -394,11 +394,11 @@ def _worker(rank, world, port, argv, out_path):
     adapters = fsdp.full_adapters()
     shard_sizes = {s.name: max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
                    for u in fsdp.units for s in u.frozen + u.adapters}
-    padding = [u.master.data[s.start + s.master.numel():s.start + s.shard_numel].abs().sum()
+    padding = [u.master.data[s.start + shard_sizes[s.name]:s.start + s.shard_numel].abs().sum()
                for u in fsdp.units for s in u.adapters]  # flat master's padding: must stay 0
     result = dict(summary=summary, losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(),
                   shard_sizes=shard_sizes, padding_sum=float(sum(padding)),
-                  padding_numel=sum(s.shard_numel - s.master.numel() for u in fsdp.units for s in u.adapters))
+                  padding_numel=sum(s.shard_numel - shard_sizes[s.name] for u in fsdp.units for s in u.adapters))
     torch.save(result, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
@@ -540,12 +540,7 @@ def int8_grads(rank, world):
     x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))[rank * 6 // world:(rank + 1) * 6 // world]
     model(x).square().sum().mul(world / 6).backward()  # mean over the global batch, as AVG reduces
     fsdp.finish_backward()
-    full = {}
-    for u in fsdp.units:
-        for s in u.adapters:
-            piece = u.master.grad[s.start:s.start + s.master.numel()]
-            full[s.name] = fsdp._gather_full(s, piece)
-    return full
+    return {k: v for u in fsdp.units for k, v in fsdp._gather_full(u, u.master.grad).items()}
 
 
 def _int8_worker(rank, world, port, out_path):
