@@ -1534,7 +1534,7 @@ class SafetensorsFile:
             # (a file shorter than 8 bytes fails here too)
             require(8 + n <= size, f"{path}: header length {n} runs past the end of the file ({size} bytes)")
             header = read_json(path, f.read(n), what="header")
-        self.metadata = header.pop("__metadata__", {})
+        header.pop("__metadata__", None)  # free-form strings, not a tensor
         self.data_start, data_size = 8 + n, size - 8 - n
         self.entries = {}
         for name, e in header.items():
@@ -1611,9 +1611,9 @@ def config_from_hf(d, where="config.json"):
     head_dim, rest = divmod(config.hidden_size, config.num_attention_heads)
     require(rest == 0 and d.get("head_dim", head_dim) == head_dim,
             f"{where}: head_dim must be hidden_size / num_attention_heads")
-    rope_type = (config.rope_scaling or {}).get("rope_type", (config.rope_scaling or {}).get("type"))
-    require(not config.rope_scaling or rope_type in ("llama3", "default"),
-            f"{where}: rope_scaling type {rope_type!r} is not supported")
+    scaling = config.rope_scaling or {"rope_type": "default"}
+    rope_type = scaling.get("rope_type", scaling.get("type"))  # "type": older transformers
+    require(rope_type in ("llama3", "default"), f"{where}: rope_scaling type {rope_type!r} is not supported")
     return config
 
 
@@ -2042,27 +2042,27 @@ def setup_distributed(device="auto"):
     return device
 
 
-class Profiler(torch.profiler.profile):
+class Profiler:
     """--profile DIR: a torch.profiler trace of steps 3-5 (after compilation and warm-up), and on
     CUDA a memory snapshot: the allocator's history over those steps, with Python stacks only
-    (C++ stacks would be unwound on every allocation). step() after each step, finish() at the end."""
+    (C++ stacks would be unwound on every allocation)."""
 
     def __init__(self, out, device, rank):
         self.out, self.cuda, self.rank = out, device.type == "cuda", rank
         activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
-        super().__init__(activities=activities, profile_memory=True,
-                         schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
-        self.start()
+        self.prof = torch.profiler.profile(activities=activities, profile_memory=True,
+                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+        self.prof.start()
 
     def step(self):
-        super().step()
-        if self.step_num == 2 and self.cuda:  # the next step is the first one traced
+        self.prof.step()
+        if self.prof.step_num == 2 and self.cuda:  # the next step is the first one traced
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
 
     def finish(self):
-        self.stop()
+        self.prof.stop()
         trace = os.path.join(self.out, f"trace_rank{self.rank}.json")
-        self.export_chrome_trace(trace)
+        self.prof.export_chrome_trace(trace)
         print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
         if self.cuda:
             snap = os.path.join(self.out, f"memory_rank{self.rank}.pickle")
