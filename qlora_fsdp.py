@@ -1573,6 +1573,10 @@ def atomic_write(path, write, mode="wb"):
     os.replace(tmp, path)
 
 
+def write_json(path, obj):
+    atomic_write(path, lambda f: json.dump(obj, f, indent=2), "w")
+
+
 def save_safetensors(path, specs, get, metadata=None):
     """Write tensors to `path` one at a time (atomically): specs [(name, dtype, shape)], get(name) -> tensor."""
     header, offset = {}, 0
@@ -1711,11 +1715,10 @@ def save_adapters(out_dir, adapters, args):
     save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"),
                      [(k, torch.float32, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__,
                      metadata={"format": "pt"})
-    config = {
+    write_json(os.path.join(out_dir, "adapter_config.json"), {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
         "lora_dropout": args.lora_dropout, "target_modules": TARGET_MODULES, "bias": "none",
-        "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""}
-    atomic_write(os.path.join(out_dir, "adapter_config.json"), lambda f: json.dump(config, f, indent=2), "w")
+        "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""})
 
 
 def load_adapters(path):
@@ -1798,8 +1801,8 @@ def save_merged(out_dir, fsdp, model):
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        config = {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # the head is written out
-        atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
+        write_json(os.path.join(out_dir, "config.json"),
+                   {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False})  # the head is written out
         save_safetensors(os.path.join(out_dir, "model.safetensors"),
                          [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get, metadata={"format": "pt"})
     for _ in base:  # the other ranks join the same all-gathers
