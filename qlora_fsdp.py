@@ -1479,52 +1479,61 @@ class UserError(Exception):
     """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
 
 
+def require(ok, message):
+    """Bad input is reported to the user (as a UserError), not asserted."""
+    if not ok:
+        raise UserError(message)
+
+
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
+def read_json(path, raw=None, what="file"):
+    """The JSON object in file `path`, or in `raw` (bytes read from it)."""
+    if raw is None:
+        require(os.path.isfile(path), f"{path}: no such file")
+        with open(path, "rb") as f:
+            raw = f.read()
+    try:
+        obj = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise UserError(f"{path}: {what} is not valid JSON ({getattr(e, 'msg', e)})")
+    require(isinstance(obj, dict), f"{path}: {what} is not a JSON object")
+    return obj
+
+
 class SafetensorsFile:
     """The checked header of one .safetensors file: entries {name: (dtype, shape, begin, end)}."""
 
     def __init__(self, path):
-        if not os.path.isfile(path):
-            raise UserError(f"{path}: no such file")
+        require(os.path.isfile(path), f"{path}: no such file")
         self.path, size = path, os.path.getsize(path)
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
-            if size < 8:
-                raise UserError(f"{path}: truncated safetensors file ({size} bytes)")
-            if 8 + n > size:
-                raise UserError(f"{path}: header length {n} runs past the end of the file ({size} bytes)")
-            try:
-                header = json.loads(f.read(n))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                raise UserError(f"{path}: header is not valid JSON ({getattr(e, 'msg', e)})")
-        if not isinstance(header, dict):
-            raise UserError(f"{path}: header is not a JSON object")
-        self.metadata = header.pop("__metadata__", {})
+            # (a file shorter than 8 bytes fails here too)
+            require(8 + n <= size, f"{path}: header length {n} runs past the end of the file ({size} bytes)")
+            header = read_json(path, f.read(n), what="header")
+        header.pop("__metadata__", None)  # free-form strings, not a tensor
         self.data_start, data_size = 8 + n, size - 8 - n
         self.entries = {}
         for name, e in header.items():
             where = f"{path}: tensor {name}"
             try:
-                dtype_name, shape, (begin, end) = e["dtype"], [int(d) for d in e["shape"]], e["data_offsets"]
+                dtype, shape, (begin, end) = e["dtype"], [int(d) for d in e["shape"]], map(int, e["data_offsets"])
             except (KeyError, TypeError, ValueError):
                 raise UserError(f"{where}: malformed header entry")
-            if dtype_name not in SAFETENSORS_DTYPES:
-                raise UserError(f"{where}: unsupported dtype {dtype_name}")
-            if not (0 <= begin <= end <= data_size):
-                raise UserError(f"{where}: offsets [{begin}, {end}] run past the end of the data "
-                                f"({data_size} bytes): truncated file?")
-            if end - begin != math.prod(shape) * SAFETENSORS_DTYPES[dtype_name].itemsize:
-                raise UserError(f"{where}: {end - begin} bytes for shape {shape} {dtype_name}")
-            self.entries[name] = (SAFETENSORS_DTYPES[dtype_name], shape, begin, end)
+            require(dtype in SAFETENSORS_DTYPES, f"{where}: unsupported dtype {dtype}")
+            require(0 <= begin <= end <= data_size, f"{where}: offsets [{begin}, {end}] run past the end of the "
+                                                    f"data ({data_size} bytes): truncated file?")
+            require(end - begin == math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize,
+                    f"{where}: {end - begin} bytes for shape {shape} {dtype}")
+            self.entries[name] = (SAFETENSORS_DTYPES[dtype], shape, begin, end)
         spans = sorted((begin, end, name) for name, (_, _, begin, end) in self.entries.items())
-        for (_, e0, n0), (b1, _, n1) in zip(spans, spans[1:]):
-            if b1 < e0:
-                raise UserError(f"{path}: tensors {n0} and {n1} overlap in the file")
+        for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
+            require(begin >= end, f"{path}: tensors {a} and {b} overlap in the file")
 
     def get(self, name):
         """One tensor, read from the file into memory of its own."""
@@ -1533,7 +1542,7 @@ class SafetensorsFile:
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
             f.readinto(raw)
-        return (torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)).view(dtype).view(shape)
+        return torch.frombuffer(raw, dtype=dtype).view(shape) if raw else torch.empty(shape, dtype=dtype)
 
 
 def atomic_write(path, write, mode="wb"):
@@ -1544,6 +1553,10 @@ def atomic_write(path, write, mode="wb"):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def write_json(path, obj):
+    atomic_write(path, lambda f: json.dump(obj, f, indent=2), "w")
 
 
 def save_safetensors(path, specs, get, metadata=None):
@@ -1567,14 +1580,10 @@ def save_safetensors(path, specs, get, metadata=None):
     atomic_write(path, write)
 
 
-def write_json(path, obj):
-    atomic_write(path, lambda f: json.dump(obj, f, indent=2), "w")
-
-
 def config_from_hf(d, where="config.json"):
     """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
-    if d.get("model_type") != "llama" and not any("Llama" in a for a in d.get("architectures") or []):
-        raise UserError(f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
+    require(d.get("model_type") == "llama" or any("Llama" in a for a in d.get("architectures") or []),
+            f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
     kwargs = {f.name: d[f.name] for f in fields(LlamaConfig) if f.name in d}
     rope = d.get("rope_parameters")  # transformers 5: RoPE settings moved under one key
     if isinstance(rope, dict):
@@ -1582,14 +1591,15 @@ def config_from_hf(d, where="config.json"):
         if rope.get("rope_type", "default") != "default":
             kwargs["rope_scaling"] = rope
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        if not isinstance(kwargs.get(key), int) or kwargs[key] < 1:
-            raise UserError(f"{where}: {key} is missing or not a positive integer")
+        require(isinstance(kwargs.get(key), int) and kwargs[key] >= 1,
+                f"{where}: {key} is missing or not a positive integer")
     config = LlamaConfig(**kwargs)
-    if config.hidden_size % config.num_attention_heads or d.get("head_dim", config.head_dim) != config.head_dim:
-        raise UserError(f"{where}: head_dim must be hidden_size / num_attention_heads")
-    rope_type = (config.rope_scaling or {}).get("rope_type", (config.rope_scaling or {}).get("type"))
-    if config.rope_scaling and rope_type not in ("llama3", "default"):
-        raise UserError(f"{where}: rope_scaling type {rope_type!r} is not supported")
+    head_dim, rest = divmod(config.hidden_size, config.num_attention_heads)
+    require(rest == 0 and d.get("head_dim", head_dim) == head_dim,
+            f"{where}: head_dim must be hidden_size / num_attention_heads")
+    scaling = config.rope_scaling or {"rope_type": "default"}
+    rope_type = scaling.get("rope_type", scaling.get("type"))  # "type": older transformers
+    require(rope_type in ("llama3", "default"), f"{where}: rope_scaling type {rope_type!r} is not supported")
     return config
 
 
@@ -1600,60 +1610,39 @@ def config_to_hf(config, dtype):
     return {k: v for k, v in d.items() if v is not None}
 
 
-def read_json(path):
-    if not os.path.isfile(path):
-        raise UserError(f"{path}: no such file")
-    try:
-        with open(path) as f:
-            d = json.load(f)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: not valid JSON ({getattr(e, 'msg', e)})")
-    if not isinstance(d, dict):
-        raise UserError(f"{path}: not a JSON object")
-    return d
-
-
 def read_config(path):
-    if not os.path.isdir(path):
-        raise UserError(f"--checkpoint {path}: no such directory")
-    return config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
+    """The LlamaConfig of the Hugging Face directory `path`."""
+    require(os.path.isdir(path), f"--checkpoint {path}: no such directory")
+    config_json = os.path.join(path, "config.json")
+    return config_from_hf(read_json(config_json), config_json)
 
 
 def load_checkpoint(path, config, shapes, put):
-    """Stream every weight of a Hugging Face Llama directory (model.safetensors, or the shards of
-    model.safetensors.index.json) into put(name, tensor), one at a time, after checking names,
-    shapes ({name: shape} the config implies) and dtypes."""
+    """Stream every weight of a Hugging Face Llama directory (model.safetensors, or the shards
+    model.safetensors.index.json names) into put(name, tensor), one at a time, once every
+    header is checked against `shapes` ({name: shape}, as the config implies)."""
+    names = ["model.safetensors"]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise UserError(f"{index}: not a safetensors index (no weight_map)")
-        names = dict.fromkeys(weight_map.values())
-    elif os.path.isfile(os.path.join(path, "model.safetensors")):
-        names = ["model.safetensors"]
-    else:
-        raise UserError(f"{path}: no model.safetensors or model.safetensors.index.json")
-    files = [SafetensorsFile(os.path.join(path, n)) for n in names]  # every header checked first
-    seen = set()
-    for sf in files:
-        for name, (dtype, shape, _, _) in sf.entries.items():
-            if name.endswith("rotary_emb.inv_freq"):  # old checkpoints store RoPE's constants
-                continue
-            if name not in shapes:
-                raise UserError(f"{sf.path}: unexpected tensor {name} for a Llama of this config.json")
-            if tuple(shape) != shapes[name]:
-                raise UserError(f"{sf.path}: tensor {name} has shape {shape}, config.json implies {list(shapes[name])}")
-            if not dtype.is_floating_point:
-                raise UserError(f"{sf.path}: tensor {name} has dtype {DTYPE_NAMES[dtype]}, not a floating point type")
-            put(name, sf.get(name))
-            seen.add(name)
-    if "lm_head.weight" not in seen and config.tie_word_embeddings and "model.embed_tokens.weight" in seen:
-        sf = next(f for f in files if "model.embed_tokens.weight" in f.entries)
-        put("lm_head.weight", sf.get("model.embed_tokens.weight"))  # tied: the head is the embedding
-        seen.add("lm_head.weight")
-    missing = sorted(set(shapes) - seen)
+        require(isinstance(weight_map, dict), f"{index}: not a safetensors index (no weight_map)")
+        names = list(dict.fromkeys(weight_map.values()))
+    # name -> (file, its name there); old checkpoints also store RoPE's constants, rotary_emb.inv_freq
+    sources = {name: (sf, name) for sf in (SafetensorsFile(os.path.join(path, n)) for n in names)
+               for name in sf.entries if not name.endswith("rotary_emb.inv_freq")}
+    if config.tie_word_embeddings and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
+        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]  # tied: the head is the embedding
+    for name, (sf, key) in sources.items():
+        dtype, shape, _, _ = sf.entries[key]
+        require(name in shapes, f"{sf.path}: unexpected tensor {name} for a Llama of this config.json")
+        require(tuple(shape) == shapes[name],
+                f"{sf.path}: tensor {name} has shape {shape}, config.json implies {list(shapes[name])}")
+        require(dtype.is_floating_point, f"{sf.path}: tensor {name} is {DTYPE_NAMES[dtype]}, not floating point")
+    missing = sorted(set(shapes) - set(sources))
     if missing:
         raise UserError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[0]}")
+    for name, (sf, key) in sources.items():
+        put(name, sf.get(key))
 
 
 def init_adapters(shapes, seed):
@@ -1725,8 +1714,9 @@ RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha")
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (PEFT adapters + training state)
-    into a temporary directory, renames it into place, then points out_dir/latest at it: a
-    crash at any moment leaves the previous checkpoint intact and `latest` naming it."""
+    into a temporary directory, renames it into place, points out_dir/latest at it (a crash at
+    any moment leaves the previous checkpoint intact and `latest` naming it), then puts the
+    adapters in out_dir itself too, where PEFT looks for them."""
     adapters = fsdp.full_adapters()
     moments, adam_step = fsdp.full_optimizer_state(optimizer)
     if fsdp.rank == 0:
@@ -1746,6 +1736,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         for old in os.listdir(out_dir):  # keep only the newest checkpoint
             if old.startswith("checkpoint-") and old != name:
                 shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
+        save_adapters(out_dir, adapters, args)
     if dist.is_initialized():
         dist.barrier()
 
@@ -1753,9 +1744,8 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
 def resume(args, fsdp, optimizer, device):
     """Load the checkpoint `--out DIR/latest` names (checked against this run's model) into the
     shards and the optimizer, restore the RNG; returns the step it was saved at."""
-    latest = os.path.join(args.out or "", "latest")
-    if not args.out or not os.path.isfile(latest):
-        raise UserError(f"--resume: no checkpoint to resume from in --out {args.out}")
+    latest = os.path.join(args.out, "latest")  # parse_args: --resume needs --out
+    require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {args.out}")
     with open(latest) as f:
         ckpt = os.path.join(args.out, f.read().strip())
     path = os.path.join(ckpt, "training_state.pt")
@@ -1764,9 +1754,8 @@ def resume(args, fsdp, optimizer, device):
     except Exception as e:  # noqa: BLE001 -- any unreadable file is the same user error
         raise UserError(f"{path}: cannot be read ({type(e).__name__})")
     for key in RESUME_MUST_MATCH:
-        if state.get(key) != getattr(args, key):
-            raise UserError(f"--resume {ckpt}: saved with --{key} {state.get(key)}, this run has "
-                            f"--{key} {getattr(args, key)}")
+        require(state.get(key) == getattr(args, key),
+                f"--resume {ckpt}: saved with --{key} {state.get(key)}, this run has --{key} {getattr(args, key)}")
     fsdp.load_full_state(load_adapters(ckpt), optimizer, state["moments"], state["adam_step"])
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and device.type == "cuda":
@@ -1794,8 +1783,8 @@ def save_merged(out_dir, fsdp, model):
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        write_json(os.path.join(out_dir, "config.json"), {**config_to_hf(model.config, model.dtype),
-                                                          "tie_word_embeddings": False})  # the head is written out
+        write_json(os.path.join(out_dir, "config.json"),
+                   {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False})  # the head is written out
         save_safetensors(os.path.join(out_dir, "model.safetensors"),
                          [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get, metadata={"format": "pt"})
     for _ in base:  # the other ranks join the same all-gathers
@@ -1822,46 +1811,37 @@ def load_tokens(path, vocab_size, seq_len):
       .bin   nanoGPT's uint16 tokens, memory-mapped (ids < 65,536 only)
       .txt   raw bytes as tokens (byte-level models), memory-mapped
     loss_mask is None where every target counts."""
-    if not os.path.isfile(path):
-        raise UserError(f"--data {path}: no such file")
+    where = f"--data {path}"
+    require(os.path.isfile(path), f"{where}: no such file")
     ext = ".txt" if os.path.samefile(path, __file__) else os.path.splitext(path)[1].lower()  # default: our bytes
-    if ext not in (".npy", ".npz", ".bin", ".txt"):
-        raise UserError(f"--data {path}: unknown format {ext or '(no extension)'}; use .npy, .npz, .bin, .txt or dummy")
-    if ext == ".bin" and vocab_size > 65536:
-        raise UserError(f"--data {path}: a .bin holds uint16 ids, too few for this model's {vocab_size:,}-token "
-                        f"vocabulary; save the tokens as .npy (uint32)")
-    tokens = mask = None
+    require(ext in (".npy", ".npz", ".bin", ".txt"),
+            f"{where}: unknown format {ext or '(no extension)'}; use .npy, .npz, .bin, .txt or dummy")
+    require(ext != ".bin" or vocab_size <= 65536, f"{where}: a .bin holds uint16 ids, too few for this model's "
+                                                  f"{vocab_size:,}-token vocabulary; save the tokens as .npy (uint32)")
+    mask = None
     try:
         if ext == ".npz":
             with np.load(path, allow_pickle=False) as z:
-                names = z.files
-                if "tokens" in names and "loss_mask" in names:
-                    tokens, mask = z["tokens"], z["loss_mask"]
+                tokens, mask = z["tokens"], z["loss_mask"]
         elif ext == ".npy":
             tokens = np.load(path, mmap_mode="r", allow_pickle=False)
         else:
             tokens = np.memmap(path, dtype=np.uint16 if ext == ".bin" else np.uint8, mode="r")
-    except Exception as e:  # noqa: BLE001 -- not an array file, truncated, pickled, odd size: one user error
+    except Exception as e:  # noqa: BLE001 -- not an array file, truncated, pickled, odd size, an array missing
         why = " ".join(str(e).split()).split(". ")[0]  # numpy's messages run to several sentences
-        raise UserError(f"--data {path}: cannot be read as {ext} ({type(e).__name__}: {why})")
-    if tokens is None:
-        raise UserError(f"--data {path}: needs arrays `tokens` and `loss_mask`, has {names}")
-    if tokens.ndim != 1 or not np.issubdtype(tokens.dtype, np.integer):
-        raise UserError(f"--data {path}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}")
-    if len(tokens) < seq_len + 1:
-        raise UserError(f"--data {path}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
-    if int(tokens.max()) >= vocab_size:
-        raise UserError(f"--data {path}: token id {int(tokens.max())} >= vocab_size {vocab_size} of this model")
-    if np.issubdtype(tokens.dtype, np.signedinteger) and tokens.min() < 0:
-        raise UserError(f"--data {path}: negative token id {int(tokens.min())}")
+        raise UserError(f"{where}: cannot be read as {ext} ({type(e).__name__}: {why})")
+    require(tokens.ndim == 1 and np.issubdtype(tokens.dtype, np.integer),
+            f"{where}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}")
+    require(len(tokens) > seq_len, f"{where}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
+    hi = int(tokens.max())
+    require(hi < vocab_size, f"{where}: token id {hi} >= vocab_size {vocab_size} of this model")
+    lo = int(tokens.min()) if np.issubdtype(tokens.dtype, np.signedinteger) else 0  # one pass fewer if unsigned
+    require(lo >= 0, f"{where}: negative token id {lo}")
     if mask is not None:
-        if mask.shape != tokens.shape:
-            raise UserError(f"--data {path}: loss_mask has shape {mask.shape}, tokens {tokens.shape}")
-        if not ((mask == 0) | (mask == 1)).all():
-            raise UserError(f"--data {path}: loss_mask holds values other than 0 and 1")
-        if not mask[1:].any():  # token 0 is never a target
-            raise UserError(f"--data {path}: loss_mask counts no target (0 at every position after the first)")
-        mask = mask.astype(bool)
+        require(mask.shape == tokens.shape, f"{where}: loss_mask has shape {mask.shape}, tokens {tokens.shape}")
+        require(np.isin(mask, (0, 1)).all(), f"{where}: loss_mask holds values other than 0 and 1")
+        require(mask[1:].any(), f"{where}: loss_mask counts no target (0 at every position after the first)")
+        mask = mask.astype(bool)  # token 0 is never a target: mask[0] is not used
     return tokens, mask
 
 
@@ -1887,21 +1867,18 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
 
 
 def encode_prompt(text, vocab_size):
-    """--prompt as token ids: UTF-8 bytes for a byte-level model (vocab 256; default a newline),
+    """--prompt as token ids: its UTF-8 bytes for a byte-level model (vocab 256; default a newline),
     else comma-separated ids."""
     if vocab_size == 256:
         ids = list(("\n" if text is None else text).encode("utf-8"))
-        if not ids:
-            raise UserError("--prompt is empty: --sample continues a prompt of at least one token")
-        return ids
-    try:
-        ids = [int(t) for t in (text or "").split(",") if t.strip()]
-    except ValueError:
-        ids = []
-    if not ids:
-        raise UserError(f"--prompt {text!r}: this model's prompt is comma-separated token ids, e.g. 128000,791")
-    if not all(0 <= i < vocab_size for i in ids):
-        raise UserError(f"--prompt {text}: token ids must be below this model's vocab_size {vocab_size}")
+    else:
+        try:
+            ids = [int(t) for t in (text or "").split(",") if t.strip()]
+        except ValueError:
+            ids = []
+    want = ("non-empty text (its UTF-8 bytes are the tokens)" if vocab_size == 256 else
+            f"comma-separated token ids below {vocab_size}, e.g. 128000,791")
+    require(ids and all(0 <= i < vocab_size for i in ids), f"--prompt {text!r}: this model's prompt is {want}")
     return ids
 
 
@@ -1933,17 +1910,14 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
 
 def check_writable(args, rank):
     """Create --out, --merge_to (written by rank 0) and --profile (every rank) and write a file
-    into each now, so that a bad path stops the run before its first step, not at its end.
+    in each now, so that a bad path stops the run before its first step, not at its end.
     Every rank hears of any rank's failure, so all stop together."""
     problem = None
-    for flag, path, writer in (("--out", args.out, rank == 0), ("--merge_to", args.merge_to, rank == 0),
-                               ("--profile", args.profile, True)):
-        if path and writer and problem is None:
+    for flag, path in (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile)):
+        if path and (rank == 0 or flag == "--profile") and problem is None:
             try:
                 os.makedirs(path, exist_ok=True)
-                with tempfile.NamedTemporaryFile(dir=path, prefix=".write_check_") as f:
-                    f.write(b"ok")
-                    f.flush()
+                tempfile.TemporaryFile(dir=path).close()
             except OSError as e:
                 why = "a file, not a directory" if os.path.isfile(path) else e.strerror or e
                 problem = f"{flag} {path}: cannot be written ({why})"
@@ -1977,19 +1951,17 @@ def peak_memory_gib(device, reserved=False):
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # model
     p.add_argument("--model", default="tiny", help=f"one of {', '.join(CONFIGS)}")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
     p.add_argument("--lora_rank", type=int, default=8)
     p.add_argument("--lora_alpha", type=float, default=16.0)
     p.add_argument("--lora_dropout", type=float, default=0.0)
-    p.add_argument("--checkpoint", default=None, metavar="DIR",
-                   help="a Hugging Face Llama directory (config.json + *.safetensors); overrides --model")
+    p.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face Llama directory; overrides --model")
     # data
-    p.add_argument("--data", default=None, metavar="PATH",
-                   help="tokens: .npy (any integer dtype), .npz (tokens + loss_mask), .bin (uint16), .txt "
-                        "(raw bytes), or 'dummy' (random); default: the bytes of this file")
+    p.add_argument("--data", metavar="PATH", help="tokens: .npy (any integer dtype), .npz (tokens + loss_mask), "
+                   ".bin (uint16), .txt (raw bytes), or 'dummy' (random); default: the bytes of this file")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
     # optimization
@@ -2002,12 +1974,11 @@ def parse_args(argv=None):
     p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
     p.add_argument("--seed", type=int, default=1337)
     # checkpoints
-    p.add_argument("--out", default=None, metavar="DIR", help="write PEFT adapters and resumable state here")
+    p.add_argument("--out", metavar="DIR", help="write PEFT adapters and resumable state here")
     p.add_argument("--save_every", type=int, default=0, help="save to --out every N steps (0: at the end)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
-    p.add_argument("--merge_to", default=None, metavar="DIR",
-                   help="at the end, write the base with adapters merged as a Hugging Face checkpoint")
+    p.add_argument("--merge_to", metavar="DIR", help="at the end, write the merged model as a Hugging Face checkpoint")
     # memory and speed
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                    help="torch.compile the NF4 kernels and each block's forward")
@@ -2019,22 +1990,21 @@ def parse_args(argv=None):
                    help="keep each block's checkpointed input on the host (needs --checkpointing)")
     p.add_argument("--estimate", action="store_true",
                    help="print the predicted memory per rank (world size from WORLD_SIZE) and exit")
-    p.add_argument("--profile", default=None, metavar="DIR",
-                   help="write a torch.profiler trace (and on CUDA a memory snapshot) of steps 3-5 to DIR")
+    p.add_argument("--profile", metavar="DIR", help="write a torch.profiler trace (on CUDA also a memory snapshot) "
+                   "of steps 3-5 to DIR")
     p.add_argument("--log_every", type=int, default=1)
     # sampling
     p.add_argument("--sample", type=int, default=0, metavar="N", help="after training, continue --prompt by N tokens")
-    p.add_argument("--prompt", default=None, help="text for byte-level models (vocab 256; default a newline), "
-                                                  "else comma-separated token ids")
+    p.add_argument("--prompt", help="text for byte-level models (vocab 256; default a newline), else token ids: 1,791")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (seeded by --seed)")
     args = p.parse_args(argv)
+    for flag, least in [("batch_size", 1), ("seq_len", 1), ("steps", 1), ("grad_accum", 1), ("lora_rank", 1),
+                        ("log_every", 1), ("warmup_steps", 0), ("save_every", 0), ("stop_at", 0), ("sample", 0),
+                        ("temperature", 0)]:
+        if getattr(args, flag) < least:
+            p.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
     if args.model not in CONFIGS and not args.checkpoint:
         p.error(f"--model {args.model}: unknown, choose from {', '.join(CONFIGS)}")
-    for flag in ("batch_size", "seq_len", "steps", "grad_accum", "lora_rank"):
-        if getattr(args, flag) < 1:
-            p.error(f"--{flag} must be >= 1, got {getattr(args, flag)}")
-    if args.sample < 0 or args.temperature < 0:
-        p.error(f"--sample and --temperature must be >= 0, got {args.sample} and {args.temperature}")
     if (args.save_every or args.resume) and not args.out:
         p.error("--save_every and --resume need --out DIR")
     if args.offload_activations and not args.checkpointing:
@@ -2048,8 +2018,7 @@ def setup_distributed(device="auto"):
     """The device (cuda:LOCAL_RANK on GPUs, else cpu) and, with RANK in the environment
     (torchrun), a process group: NCCL on GPUs, gloo on CPUs. Nothing else differs."""
     use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    if use_cuda and not torch.cuda.is_available():
-        raise UserError("--device cuda: no CUDA GPU is available")
+    require(torch.cuda.is_available() or not use_cuda, "--device cuda: no CUDA GPU is available")
     if use_cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
@@ -2063,25 +2032,25 @@ class Profiler:
     CUDA a memory snapshot: the allocator's history over those steps, with Python stacks only
     (C++ stacks would be unwound on every allocation)."""
 
-    def __init__(self, out, device):
-        self.out, self.cuda = out, device.type == "cuda"
+    def __init__(self, out, device, rank):
+        self.out, self.cuda, self.rank = out, device.type == "cuda", rank
         activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
         self.prof = torch.profiler.profile(activities=activities, profile_memory=True,
                                            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
         self.prof.start()
 
-    def step(self, steps_done):
+    def step(self):
         self.prof.step()
-        if steps_done == 2 and self.cuda:  # the next step is the first one traced
+        if self.prof.step_num == 2 and self.cuda:  # the next step is the first one traced
             torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
 
-    def finish(self, rank):
+    def finish(self):
         self.prof.stop()
-        trace = os.path.join(self.out, f"trace_rank{rank}.json")
+        trace = os.path.join(self.out, f"trace_rank{self.rank}.json")
         self.prof.export_chrome_trace(trace)
         print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
         if self.cuda:
-            snap = os.path.join(self.out, f"memory_rank{rank}.pickle")
+            snap = os.path.join(self.out, f"memory_rank{self.rank}.pickle")
             torch.cuda.memory._dump_snapshot(snap)
             torch.cuda.memory._record_memory_history(enabled=None)
             print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
@@ -2095,23 +2064,23 @@ def model_config(args):
 
 
 def predicted_memory(args, world, config=None):
+    """estimate_memory (section 8) for this run's flags."""
     return estimate_memory(config or model_config(args)[1], world, args.batch_size, args.seq_len,
                            2 if args.dtype == "bf16" else 4, args.lora_rank, args.checkpointing,
                            args.cpu_offload, LOSS_CHUNK, args.offload_activations)
 
 
 def estimate_only(args):
-    """--estimate: the memory table from the config alone; nothing is allocated."""
+    """--estimate: the memory tables and the summary, from the config alone; nothing is allocated."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     name, config = model_config(args)
     est = predicted_memory(args, world, config)
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
     print0(format_estimate(name, est, world, args.cpu_offload))
-    summary = dict(model=name, world_size=world, **{k: getattr(args, k) for k in (
-        "batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload", "offload_activations")},
-                   predicted_peak_gib=round(est["gpu_peak"] / GiB, 3), predicted_host_gib=round(est["host_state"] / GiB, 3))
-    print0(json.dumps(summary))
-    return summary
+    flags = ("batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload", "offload_activations")
+    return dict(model=name, world_size=world, **{k: getattr(args, k) for k in flags},
+                predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
+                predicted_host_gib=round(est["host_state"] / GiB, 3))
 
 
 def build(args, config, device):
@@ -2196,24 +2165,24 @@ def _train(args):
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     name, config = model_config(args)
     check_writable(args, rank)
-    data = None if args.data == "dummy" else load_tokens(args.data or os.path.abspath(__file__),
-                                                         config.vocab_size, args.seq_len)
+    data = None if args.data == "dummy" else load_tokens(args.data or __file__, config.vocab_size, args.seq_len)
     prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
     model, fsdp = build(args, config, device)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     start = resume(args, fsdp, optimizer, device) if args.resume else 0
+    last_step = min(args.steps, args.stop_at or args.steps)
+    require(start < last_step, f"nothing to do: --resume is at step {start}, --steps is {args.steps}")
     print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter "
            f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
            f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
            f"{args.checkpointing}, offload {args.cpu_offload}")
+    if args.compile:
+        print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
 
     losses, timings = [], []  # timings: per step (seconds, comm wait, optimizer seconds)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    profiler = Profiler(args.profile, device) if args.profile else None
-    last_step = min(args.steps, args.stop_at or args.steps)
-    if args.compile and start < last_step:
-        print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
+    profiler = Profiler(args.profile, device, rank) if args.profile else None
     for step in range(start, last_step):
         t0 = time.perf_counter()
         lr = lr_at(step, args)
@@ -2229,29 +2198,21 @@ def _train(args):
         losses.append(loss)
         timings.append((dt, fsdp.take_comm_wait_s(), optim_s))  # the step is done: so are its events
         if profiler is not None:
-            profiler.step(step + 1 - start)
-        if step % args.log_every == 0 or step == last_step - 1:
+            profiler.step()
+        if step % args.log_every == 0 or step + 1 == last_step:
             print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
-        if args.save_every and (step + 1) % args.save_every == 0:
+        if args.out and (step + 1 == last_step or args.save_every and (step + 1) % args.save_every == 0):
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
-        profiler.finish(rank)
-    if not losses:
-        raise UserError(f"nothing to do: --resume is at step {start}, --steps is {args.steps}")
-    if args.out:
-        if not args.save_every or last_step % args.save_every:
-            save_checkpoint(args.out, last_step, fsdp, optimizer, args)
-        adapters = fsdp.full_adapters()
-        if rank == 0:  # the final adapters, where PEFT expects them
-            save_adapters(args.out, adapters, args)
+        profiler.finish()
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
     if args.sample:  # after the saves: what was trained is on disk whatever happens here
         ids = generate(model, prompt, args.sample, min(args.seq_len, config.max_position_embeddings), device,
                        args.temperature, args.seed)
-        fsdp.reshard()
+        fsdp.reshard()  # the last forward left its last unit gathered
         text = config.vocab_size == 256  # a byte-level model: show text (invalid UTF-8 as U+FFFD)
         sample = bytes(ids).decode("utf-8", errors="replace") if text else ids
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
@@ -2278,9 +2239,7 @@ def _train(args):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        if args.estimate:
-            return estimate_only(args)
-        summary, _, _ = train(args)
+        summary = estimate_only(args) if args.estimate else train(args)[0]
     except UserError as e:  # bad input: one line, no traceback, non-zero exit
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2)
