@@ -159,28 +159,16 @@ def _double_quantize(absmax, scaler_block_size: int):
     return q, factor, mean
 
 
+_NF4_ON_DEVICE = {}  # the codebook, copied to each device once
+DEQUANT_CHUNK = 1 << 22  # elements per pass
+
+
 def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
                 scaler_block_size: int, dtype: torch.dtype):
-    """Inverse of the above: (numel,) tensor of `dtype`, row-major. The reference, and what
-    torch.compile turns into a kernel for any output dtype.
-
-    absmax = q / factor[group] + mean; w = NF4[code] * absmax[block]."""
-    absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)  # (n_blocks,)
-    codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).long()  # unpack nibbles
-    values = torch.tensor(NF4_VALUES, device=packed.device)[codes].view(absmax.numel(), block_size)
-    return (values * absmax[:, None]).view(-1).to(dtype)  # (n_blocks, 64) -> (numel,)
-
-
-_NF4_ON_DEVICE = {}  # the codebook, copied to each device once
-DEQUANT_CHUNK = 1 << 22  # elements per pass of the eager dequantize
-
-
-def _dequantize_eager(packed, scale_q, scale_factor, scale_mean, block_size: int,
-                      scaler_block_size: int, dtype: torch.dtype):
-    """_dequantize's numbers without a compiler, for `--no-compile`: the codebook is copied to
-    the device once (not a host-to-device copy per call), codes index it as int32, and the
-    weight is done a chunk of blocks at a time into the output, so that no temporary (4-byte
-    codes and values) is larger than the output itself."""
+    """Inverse of the above: (numel,) tensor of `dtype`, row-major, from
+    absmax = q / factor[group] + mean and w = NF4[code] * absmax[block]. The reference, and the
+    eager path (`--no-compile`): the codes index the codebook as int32, a chunk of blocks at a
+    time into the output, so that no temporary (4-byte codes and values) is larger than it."""
     table = _NF4_ON_DEVICE.get(packed.device)
     if table is None:
         table = _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
@@ -190,8 +178,8 @@ def _dequantize_eager(packed, scale_q, scale_factor, scale_mean, block_size: int
     step = max(block_size, min(DEQUANT_CHUNK, numel // 2) // block_size * block_size)
     for start in range(0, numel, step):  # elements [start, start + step): whole blocks
         byte = packed[start // 2:(start + step) // 2]
-        codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()
-        values = table.index_select(0, codes).view(-1, block_size)
+        codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()  # unpack the nibbles
+        values = table.index_select(0, codes).view(-1, block_size)  # (blocks in the chunk, 64)
         values *= absmax[start // block_size:start // block_size + values.shape[0], None]
         out[start:start + values.numel()] = values.view(-1)
     return out
@@ -202,7 +190,7 @@ def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
     return scale_q.float() / scale_factor[group] + scale_mean
 
 
-# What torch.compile gets instead, for bf16 output: the same numbers, bit for bit, written so that
+# What torch.compile gets for bf16 output: the same numbers, bit for bit, written so that
 # the compiler emits vector code. The table lookup above compiles to one scalar load per element
 # (a gather), and interleaving the two nibbles' values (stack + view) to scalar stores: ~4% of a
 # plain copy's speed. Two changes make every step elementwise over 16-wide vectors (AVX-512):
@@ -239,7 +227,6 @@ def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size
 
 
 _quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
-_dequantize_compiled = torch.compile(_dequantize, dynamic=True)
 _dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=True)
 
 
@@ -288,17 +275,13 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
 
 def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
                    scaler_block_size=256, dtype=torch.bfloat16, compile=None):
-    compile = COMPILE if compile is None else compile
-    tracing = torch.compiler.is_compiling()  # inside an outer torch.compile: trace, don't call
     args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
+    # the compiled kernel for bf16 (also when traced into an outer torch.compile), else eager
+    fast = _use_compiled(compile, packed) or (torch.compiler.is_compiling() and packed.device.type != "meta")
     with torch.no_grad():  # frozen weights: never part of the autograd graph
-        if packed.device.type == "meta":
-            return _dequantize(*args, dtype)
-        if (compile or tracing) and dtype == torch.bfloat16 and sys.byteorder == "little":
+        if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
             return _dequantize_bf16(*args)
-        if tracing:
-            return _dequantize(*args, dtype)
-        return (_dequantize_compiled if compile else _dequantize_eager)(*args, dtype)
+        return _dequantize(*args, dtype)
 
 
 # -----------------------------------------------------------------------------
@@ -372,18 +355,11 @@ class NF4Tensor(torch.Tensor):
             x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
             y = linear_nf4(x, w)
             return y if bias is None else y + bias
-        if func is torch.Tensor.to:  # .to(dtype) dequantizes; .to(device) moves the packed bytes
+        if func is torch.Tensor.to:  # .to(dtype) dequantizes, even to the dtype it reports
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-            t = args[0]
-            if device is not None and device != t.device:
-                t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
+            with torch._C.DisableTorchFunctionSubclass():  # a move: aten._to_copy, below
+                t = args[0].to(device, non_blocking=non_blocking) if device is not None else args[0]
             return t.dequantize(dtype) if dtype is not None else t
-        if func is torch.Tensor.cpu:
-            return args[0].to("cpu")
-        if func is torch.Tensor.cuda:
-            device = args[1] if len(args) > 1 else kwargs.get("device")
-            return args[0].to(torch.device("cuda", device) if isinstance(device, int)
-                              else device or "cuda")
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
