@@ -1120,24 +1120,16 @@ class LlamaConfig:  # field names are Hugging Face config.json's
         return self.hidden_size // self.num_attention_heads
 
 
-# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024).
-CONFIGS = {
-    "tiny": LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024),
-    # the tiny model's bigger sibling, whose shapes torchao's NF4 can shard over 2 ranks (bench)
-    "small": LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=4, max_position_embeddings=1024),
-    "llama2-7b": LlamaConfig(),
-    "llama2-13b": LlamaConfig(hidden_size=5120, intermediate_size=13824, num_hidden_layers=40,
-                              num_attention_heads=40),
-    "llama2-70b": LlamaConfig(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-                              num_attention_heads=64, num_key_value_heads=8),
-    "llama3-8b": LlamaConfig(vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                             num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
-                             rope_theta=500000.0),
-    "llama3-70b": LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                              num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                              max_position_embeddings=8192, rope_theta=500000.0),
+# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is tiny's bigger
+# sibling, whose shapes torchao's NF4 can shard over 2 ranks (benchmarks/).
+CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv heads, context, RoPE theta
+    "tiny": LlamaConfig(256, 128, 384, 4, 4, 2, 1024),
+    "small": LlamaConfig(256, 256, 768, 4, 4, 4, 1024),
+    "llama2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 4096),
+    "llama2-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 4096),
+    "llama2-70b": LlamaConfig(32000, 8192, 28672, 80, 64, 8, 4096),
+    "llama3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8, 8192, rope_theta=500000.0),
+    "llama3-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8, 8192, rope_theta=500000.0),
 }
 
 
