@@ -128,10 +128,8 @@ QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has
 
 def _quantize_blocks(w, block_size: int):
     """w: (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32.
-
-    Each block of `block_size` consecutive elements is scaled by its absmax into [-1, 1] and
-    rounded to the nearest NF4 value. Codes are chosen with the exact absmax, before the
-    scales themselves are quantized (as bitsandbytes and torchao do)."""
+    Each block is scaled by its exact absmax into [-1, 1] and rounded to the nearest NF4 value
+    (before the scales themselves are quantized, as bitsandbytes and torchao do)."""
     blocks = w.float().view(-1, block_size)  # (n_blocks, 64)
     absmax = blocks.abs().amax(dim=1)  # (n_blocks,)
     normalized = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
@@ -142,12 +140,9 @@ def _quantize_blocks(w, block_size: int):
 
 
 def _double_quantize(absmax, scaler_block_size: int):
-    """Quantize the fp32 block scales to int8 (torchao's scheme; bitsandbytes uses a non-linear
-    8-bit map instead): subtract the global mean, then per group of 256 scales,
-    factor = 127 / absmax(group), q = round(s * factor). (torchao uses 128 and clamps to 127,
-    which clips the group's largest positive scale by a whole step; 127 keeps every scale
-    within half a step.)
-    The last group may be partial: it is padded with zeros for the absmax only.
+    """The fp32 block scales to int8, torchao's scheme: subtract the global mean, then per group of
+    256 scales factor = 127 / absmax(group), q = round(s * factor) (torchao's 128, clamped to 127,
+    clips a group's largest scale by a step). A partial last group is zero padded for its absmax.
     Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32."""
     n = absmax.numel()
     mean = absmax.mean()
@@ -190,15 +185,12 @@ def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
     return scale_q.float() / scale_factor[group] + scale_mean
 
 
-# What torch.compile gets for bf16 output: the same numbers, bit for bit, written so that
-# the compiler emits vector code. The table lookup above compiles to one scalar load per element
-# (a gather), and interleaving the two nibbles' values (stack + view) to scalar stores: ~4% of a
-# plain copy's speed. Two changes make every step elementwise over 16-wide vectors (AVX-512):
-#  1. the lookup is a binary tree of selects between constants (torch.where -> vector blends);
-#  2. each byte's two bf16 results are packed into one int32 (first element in the low half, as
-#     little-endian memory orders them), so the output is written contiguously and only viewed
-#     as bf16 afterwards; the fp32 -> bf16 rounding is done on the bits, since a dtype view
-#     inside the graph stops the fusion.
+# What torch.compile gets for bf16 output: the same numbers, bit for bit, in a form the compiler
+# vectorizes. The table lookup above compiles to a gather (a scalar load per element) and the
+# interleaving of the two nibbles to scalar stores. Instead: (1) the lookup is a tree of selects
+# between constants (vector blends); (2) each byte's two bf16 results are packed into one int32
+# (first element in the low half, as little-endian memory orders them), written contiguously and
+# viewed as bf16 afterwards, rounding fp32 -> bf16 on the bits (a dtype view stops the fusion).
 def _nf4_lookup(code):
     """NF4_VALUES[code] for an integer tensor of codes 0..15, without indexing: bit 0 of the code
     picks within each pair of values, bit 1 within pairs of pairs, ... (15 selects, 4 levels)."""
@@ -261,15 +253,10 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     if block_size % 2:
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
     kernel = _quantize_blocks_compiled if _use_compiled(compile, weight) else _quantize_blocks
-    flat = weight.detach().reshape(-1)
-    step = max(block_size, QUANT_CHUNK // block_size * block_size)
-    packed, absmax = [], []
-    with torch.no_grad():
-        for start in range(0, flat.numel(), step):  # chunked: big matrices never copy to fp32 whole
-            p, a = kernel(flat[start:start + step], block_size)
-            packed.append(p)
-            absmax.append(a)
-    packed, absmax = torch.cat(packed), torch.cat(absmax)
+    flat, step = weight.detach().reshape(-1), max(block_size, QUANT_CHUNK // block_size * block_size)
+    with torch.no_grad():  # chunked: a big matrix never has a whole fp32 copy
+        chunks = [kernel(flat[i:i + step], block_size) for i in range(0, flat.numel(), step)]
+    packed, absmax = map(torch.cat, zip(*chunks))
     return (packed,) + _double_quantize(absmax, scaler_block_size)
 
 
@@ -297,15 +284,6 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
 # Everything is flat, so sharding (section 5) can split each inner tensor in its own dtype.
 
 aten = torch.ops.aten
-_NF4_OPS = {}
-
-
-def _implements(*ops):
-    def register(fn):
-        for op in ops:
-            _NF4_OPS[op] = fn
-        return fn
-    return register
 
 
 class NF4Tensor(torch.Tensor):
@@ -366,50 +344,38 @@ class NF4Tensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         if func in _NF4_OPS:
-            return _NF4_OPS[func](func, args, kwargs or {})
+            return _NF4_OPS[func](*args, **(kwargs or {}))
         raise NotImplementedError(f"NF4Tensor does not support {func}; call .dequantize() first")
 
 
-@_implements(aten.detach.default, aten.alias.default)
-def _nf4_detach(func, args, kwargs):
-    return args[0]._with_inner(func)
-
-
-@_implements(aten.clone.default)
-def _nf4_clone(func, args, kwargs):  # an exact copy of the codes, not a lossy re-quantization
-    return args[0]._with_inner(lambda t: t.clone())
-
-
-@_implements(aten._to_copy.default)
-def _nf4_to_copy(func, args, kwargs):
-    t, device = args[0], kwargs.get("device")
-    dtype = kwargs.get("dtype")
+def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
+    """.to(device) moves the packed bytes; .to(another dtype) dequantizes."""
     if device is not None and device != t.device:
-        t = t._with_inner(lambda x: x.to(device, non_blocking=kwargs.get("non_blocking", False)))
+        t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
     return t.dequantize(dtype) if dtype is not None and dtype != t.dtype else t
 
 
-@_implements(aten.is_pinned.default)
-def _nf4_is_pinned(func, args, kwargs):
-    return all(getattr(args[0], n).is_pinned() for n in NF4Tensor.INNER)
-
-
-@_implements(aten._pin_memory.default)
-def _nf4_pin_memory(func, args, kwargs):
-    return args[0]._with_inner(lambda t: t.pin_memory())
-
-
-@_implements(aten.copy_.default)
-def _nf4_copy_(func, args, kwargs):
+def _nf4_copy_(dst, src, **_):
     """dst.copy_(src): src is an NF4Tensor with the same layout (exact), or dense (quantized)."""
-    dst, src = args[0], args[1]
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"copy_ into NF4Tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}")
-    if not isinstance(src, NF4Tensor):
-        src = to_nf4(src, dst.block_size, dst.scaler_block_size)
+    src = src if isinstance(src, NF4Tensor) else to_nf4(src, dst.block_size, dst.scaler_block_size)
     for n in NF4Tensor.INNER:
         getattr(dst, n).copy_(getattr(src, n))
     return dst
+
+
+# Every op an NF4Tensor supports: anything else raises, naming the op. A clone copies the codes
+# exactly (not a lossy re-quantization).
+_NF4_OPS = {
+    aten.detach.default: lambda t: t._with_inner(aten.detach.default),
+    aten.alias.default: lambda t: t._with_inner(aten.alias.default),
+    aten.clone.default: lambda t, **_: t._with_inner(torch.clone),
+    aten._pin_memory.default: lambda t, *_: t._with_inner(torch.Tensor.pin_memory),
+    aten.is_pinned.default: lambda t, *_: all(getattr(t, n).is_pinned() for n in NF4Tensor.INNER),
+    aten._to_copy.default: _nf4_to_copy,
+    aten.copy_.default: _nf4_copy_,
+}
 
 
 def to_nf4(weight, block_size=64, scaler_block_size=256):
@@ -418,53 +384,45 @@ def to_nf4(weight, block_size=64, scaler_block_size=256):
     return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
 
 
-# y = x W^T with W frozen in NF4, as one custom op with its own backward, grad_x = grad_y W
-# (dequantized again). Saved for backward: the four packed inner tensors, never a dense W.
+# y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same op
+# (W dequantized again). Saved for backward: the four packed inner tensors, never a dense W.
 # Why an op and not an autograd.Function: torch.compile traces through a Function, and its
 # common-subexpression pass merges the forward's and the backward's identical dequantize into
 # one call whose dense (out, in) result is then kept for backward -- QLoRA's saving, gone. An
 # op is opaque to the compiler: the two dequantizes stay apart, compiled or eager.
-@torch.library.custom_op("qlora_fsdp::linear_nf4", mutates_args=())
-def _linear_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
-                scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, x.dtype)
-    return F.linear(x, w.view(out_features, -1))  # (..., in) -> (..., out)
-
-
 @torch.library.custom_op("qlora_fsdp::matmul_nf4", mutates_args=())
-def _matmul_nf4(grad: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
-                scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, grad.dtype)
-    return grad @ w.view(out_features, -1)  # (..., out) -> (..., in)
-
-
-@_linear_nf4.register_fake
-def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size):
-    return x.new_empty(*x.shape[:-1], out_features)
+def _matmul_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
+                scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int,
+                transpose: bool) -> torch.Tensor:
+    """x W^T, (..., in) -> (..., out), if transpose (forward), else x W, (..., out) -> (..., in)."""
+    w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, x.dtype)
+    w = w.view(out_features, -1)
+    return x @ (w.T if transpose else w)
 
 
 @_matmul_nf4.register_fake
-def _(grad, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size):
-    return grad.new_empty(*grad.shape[:-1], 2 * packed.numel() // out_features)
+def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size, transpose):
+    return x.new_empty(*x.shape[:-1], out_features if transpose else 2 * packed.numel() // out_features)
 
 
-def _linear_nf4_setup(ctx, inputs, output):
+def _matmul_nf4_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[1:5])  # packed, scale_q, scale_factor, scale_mean
-    ctx.meta = inputs[5:]  # out_features, block_size, scaler_block_size
+    ctx.meta = inputs[5:]  # out_features, block_size, scaler_block_size, transpose
 
 
-def _linear_nf4_backward(ctx, grad_y):
-    grad_x = _matmul_nf4(grad_y, *ctx.saved_tensors, *ctx.meta) if ctx.needs_input_grad[0] else None
-    return (grad_x,) + (None,) * 7
+def _matmul_nf4_backward(ctx, grad):
+    *meta, transpose = ctx.meta
+    grad_x = _matmul_nf4(grad, *ctx.saved_tensors, *meta, not transpose) if ctx.needs_input_grad[0] else None
+    return (grad_x,) + (None,) * 8
 
 
-_linear_nf4.register_autograd(_linear_nf4_backward, setup_context=_linear_nf4_setup)
+_matmul_nf4.register_autograd(_matmul_nf4_backward, setup_context=_matmul_nf4_setup)
 
 
 def linear_nf4(x, weight):
     """y = x W^T for an NF4Tensor W; autograd gives a gradient to x only."""
-    return _linear_nf4(x, weight.packed, weight.scale_q, weight.scale_factor, weight.scale_mean,
-                       weight.shape[0], weight.block_size, weight.scaler_block_size)
+    return _matmul_nf4(x, weight.packed, weight.scale_q, weight.scale_factor, weight.scale_mean,
+                       weight.shape[0], weight.block_size, weight.scaler_block_size, True)
 
 
 # torch.load's safe (weights_only) unpickler must be told the class may be rebuilt.
