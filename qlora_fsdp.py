@@ -1203,12 +1203,10 @@ _cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross entropy of h W^T against targets, LOSS_CHUNK rows at a time: the sum over the
-    counted targets (those != IGNORE_INDEX), or their mean.
-
-    Full logits for Llama-2-7B at T=2048 are 131 MB per sequence (bf16) plus an fp32 copy and a
-    gradient of each. Here only one chunk's logits ever exist: forward computes each chunk's
-    loss AND its gradient wrt h at once, (softmax - onehot) W, and backward just scales it."""
+    """Cross entropy of h W^T against targets, `chunk` rows at a time (the sum over the counted
+    targets, or their mean). Full logits for Llama-2-7B at T=2048 are 131 MB per sequence in bf16,
+    and as many again for their gradient; here one chunk's exist at a time: forward computes each
+    chunk's loss AND its gradient wrt h, (softmax - onehot) W, and backward just scales it."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, reduction):  # h (N, C), weight (V, C), targets (N,)
@@ -1380,17 +1378,15 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
 
 
 def format_estimate(name, est, world, offload):
-    rows = [f"predicted memory per rank, {name}, world {world}"
-            + (", state offloaded to the host" if offload else "") + ":"]
-    for k, v in est["state"].items():
-        rows.append(f"  {k:<48} {v / GiB:8.3f} GiB  ({'host' if offload else 'GPU'})")
-    rows.append(f"  {'all-gather buffers (2 block units + 1 in flight)':<48} {est['gathers'] / GiB:8.3f} GiB")
-    rows += [f"  {k:<48} {v / GiB:8.3f} GiB" for k, v in est["activations"].items()]
-    rows.append(f"  {'predicted peak per GPU':<48} {est['gpu_peak'] / GiB:8.3f} GiB")
-    rows.append(f"  {'while loading (one weight at a time), per GPU':<48} {est['load_peak'] / GiB:8.3f} GiB")
-    if est["host_state"]:
-        rows.append(f"  {'predicted host memory for offloaded tensors':<48} {est['host_state'] / GiB:8.3f} GiB")
-    return "\n".join(rows)
+    where = "host" if offload else "GPU"
+    rows = [(f"{k} ({where})", v) for k, v in est["state"].items()]
+    rows += [("all-gather buffers (2 block units + 1 in flight)", est["gathers"]), *est["activations"].items(),
+             ("predicted peak per GPU", est["gpu_peak"]),
+             ("while loading (one weight at a time), per GPU", est["load_peak"]),
+             ("predicted host memory for offloaded tensors", est["host_state"])][:None if est["host_state"] else -1]
+    title = f"predicted memory per rank, {name}, world {world}" + (", state offloaded to the host" * offload)
+    return "\n".join([title + ":"] + [f"  {k:<48} {v / GiB:8.3f} GiB" for k, v in rows])
+
 
 # -----------------------------------------------------------------------------
 # 9. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
