@@ -1571,12 +1571,6 @@ def config_to_hf(config, dtype):
     return {k: v for k, v in d.items() if v is not None}
 
 
-def read_config(path):
-    """The LlamaConfig of the Hugging Face directory `path`."""
-    require(os.path.isdir(path), f"--checkpoint {path}: no such directory")
-    return config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
-
-
 def load_checkpoint(path, config, shapes, put):
     """put(name, tensor) for every weight of the Hugging Face directory `path` (model.safetensors or
     its shards), one at a time, once every header is checked against `shapes` {name: shape}."""
@@ -1622,7 +1616,7 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
                     device=None, seed=0):
     """One process: a Llama with the weights of `path` quantized one tensor at a time as they are
     read (host memory stays near the NF4 footprint, never a bf16 model), and fresh adapters."""
-    config = read_config(path)
+    config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
@@ -1670,10 +1664,9 @@ RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha")
 
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
-    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (PEFT adapters + training state) under
-    a temporary name, renames it into place, then points out_dir/latest at it: a crash at any
-    moment leaves the previous checkpoint whole and named by `latest`. The adapters also go in
-    out_dir itself, where PEFT looks for them."""
+    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training state) under a temporary
+    name, renames it into place, then points out_dir/latest at it: a crash at any moment leaves the
+    previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks."""
     adapters = fsdp.full_adapters()
     moments, adam_step = fsdp.full_optimizer_state(optimizer)
     if fsdp.rank == 0:
@@ -1797,9 +1790,8 @@ def load_tokens(path, vocab_size, seq_len):
 
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """This rank's rows of the global micro-batch, which depends only on (seed, step, micro) and
-    batch_size x world: (inputs, targets), each (batch_size, seq_len) int64. data: load_tokens'
-    pair, or None for random tokens."""
+    """This rank's rows (inputs, targets), each (batch_size, seq_len) int64, of a global micro-batch that
+    depends only on (seed, step, micro) and batch_size x world. data: load_tokens' pair, or None (random)."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro)
     n, T = args.batch_size * world, args.seq_len
     rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
@@ -1818,13 +1810,11 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
 
 def encode_prompt(text, vocab_size):
     """--prompt as token ids: its UTF-8 bytes for a byte-level model (default a newline), else comma-separated ids."""
-    if vocab_size == 256:
-        ids = list(("\n" if text is None else text).encode("utf-8"))
-    else:
-        try:
-            ids = [int(t) for t in (text or "").split(",") if t.strip()]
-        except ValueError:
-            ids = []
+    try:
+        ids = (list(("\n" if text is None else text).encode("utf-8")) if vocab_size == 256 else
+               [int(t) for t in (text or "").split(",") if t.strip()])
+    except ValueError:
+        ids = []
     want = ("non-empty text (its UTF-8 bytes are the tokens)" if vocab_size == 256 else
             f"comma-separated token ids below {vocab_size}, e.g. 128000,791")
     require(ids and all(0 <= i < vocab_size for i in ids), f"--prompt {text!r}: this model's prompt is {want}")
@@ -1838,7 +1828,6 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
     `window` tokens. Sharded, every rank runs the same forward and takes rank 0's token."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
-    was_training = model.training
     model.eval()  # no LoRA dropout
     # Compiled blocks would compile again for every new length: run them eagerly; what is
     # already compiled for these shapes (the NF4 kernels) is still used.
@@ -1852,7 +1841,7 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
             if dist.is_initialized():
                 dist.broadcast(nxt, src=0)
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    model.train(was_training)
+    model.train()
     return ids[0, len(prompt):].tolist()
 
 
@@ -1897,8 +1886,7 @@ def parse_args(argv=None):
     p.add_argument("--lora_dropout", type=float, default=0.0)
     p.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face Llama directory; overrides --model")
     # data
-    p.add_argument("--data", metavar="PATH", help=".npy, .npz (tokens + loss_mask), .bin (uint16), .txt (bytes) "
-                   "or dummy (random); default: the bytes of this file")
+    p.add_argument("--data", metavar="PATH", help=".npy, .npz (+ loss_mask), .bin, .txt or dummy; default: this file")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
     # optimization
@@ -1976,9 +1964,11 @@ class Profiler:
 
 def model_config(args):
     """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
-    if args.checkpoint:
-        return os.path.basename(os.path.normpath(args.checkpoint)), read_config(args.checkpoint)
-    return args.model, CONFIGS[args.model]
+    if not args.checkpoint:
+        return args.model, CONFIGS[args.model]
+    require(os.path.isdir(args.checkpoint), f"--checkpoint {args.checkpoint}: no such directory")
+    path = os.path.join(args.checkpoint, "config.json")
+    return os.path.basename(os.path.normpath(args.checkpoint)), config_from_hf(read_json(path), path)
 
 
 def predicted_memory(args, world, config=None):
@@ -1989,9 +1979,8 @@ def predicted_memory(args, world, config=None):
 
 
 def build(args, config, device):
-    """Model -> units -> shards, never more than one unsharded tensor alive: the model is built on
-    the meta device and sharded, then each base weight is made (read from --checkpoint, or drawn
-    at random), quantized, and cut to this rank's piece, one at a time."""
+    """Model -> units -> shards on the meta device, then each base weight made (read from --checkpoint or
+    drawn), quantized and cut to this rank's piece one at a time: never two unsharded tensors alive."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
@@ -2017,10 +2006,9 @@ def build(args, config, device):
 
 
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
-    """One optimizer step over this rank's micro-batches [(inputs, targets)]. The loss is the mean
-    over the counted targets of the global batch (all ranks and micro-batches), so any split of the
-    batch gives the same loss and gradients. Returns (loss, optimizer seconds); a non-finite loss
-    returns before the update."""
+    """One AdamW step over this rank's micro-batches [(inputs, targets)] -> (loss, optimizer seconds). The
+    loss is the mean over the global batch's counted targets: any split of the batch gives the same
+    loss and gradients. A non-finite loss returns before the update."""
     count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
     if dist.is_initialized():
         dist.all_reduce(count)
@@ -2030,8 +2018,7 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
         with torch.profiler.record_function("forward"):
             loss = model(x.to(device), y.to(device), reduction="sum")
         with torch.profiler.record_function("backward"):
-            # x world: the reduce-scatter averages over ranks, so each adapter's gradient is
-            # that of (the sum over the global batch) / count
+            # x world: the reduce-scatter averages over ranks, so the gradient is d(global sum) / count
             (loss * (fsdp.world / count)).backward()
             fsdp.finish_backward()  # each unit's gradients were reduce-scattered as its backward ended
         loss_sum += loss.detach()
@@ -2081,10 +2068,9 @@ def _train(args):
     start = resume(args, fsdp, optimizer, device) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
     require(start < last_step, f"nothing to do: --resume is at step {start}, --steps is {args.steps}")
-    print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter "
-           f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
-           f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
-           f"{args.checkpointing}, offload {args.cpu_offload}")
+    print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter params "
+           f"(sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
+           f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}")
     if args.compile:
         print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
 
@@ -2128,9 +2114,7 @@ def _train(args):
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
                + (bytes(prompt).decode("utf-8", errors="replace") + sample if text else str(sample)))
 
-    # Step time split (medians; the first step includes compilation): the time the compute stream
-    # (CUDA events; on the CPU the host) waited on all-gathers and reduce-scatters not finished
-    # when needed, the optimizer (clip + AdamW), and everything else (compute).
+    # Median step time (the first compiles) split: waits for late all-gathers/reduce-scatters, optimizer, compute.
     step_s, wait_s, optim_s = (np.median(np.array(timings[1:] or timings), axis=0) * 1000).tolist()
     summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1], first_loss=losses[0],
                    step_ms=round(step_s, 2), tokens_per_s=round(tokens_per_step / (step_s / 1000), 1),
