@@ -1934,34 +1934,6 @@ def parse_args(argv=None):
     return args
 
 
-class Profiler:
-    """--profile DIR: a torch.profiler trace of steps 3-5 (after compilation and warm-up) and, on CUDA,
-    a snapshot of the allocator's history over them (Python stacks: C++ ones cost every allocation)."""
-
-    def __init__(self, out, device, rank):
-        self.out, self.cuda, self.rank = out, device.type == "cuda", rank
-        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
-        self.prof = torch.profiler.profile(activities=activities, profile_memory=True,
-                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
-        self.prof.start()
-
-    def step(self):
-        self.prof.step()
-        if self.prof.step_num == 2 and self.cuda:  # the next step is the first one traced
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-
-    def finish(self):
-        self.prof.stop()
-        trace = os.path.join(self.out, f"trace_rank{self.rank}.json")
-        self.prof.export_chrome_trace(trace)
-        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-        if self.cuda:
-            snap = os.path.join(self.out, f"memory_rank{self.rank}.pickle")
-            torch.cuda.memory._dump_snapshot(snap)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
-
-
 def model_config(args):
     """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
     if not args.checkpoint:
@@ -2050,13 +2022,13 @@ def train(args):
 
 def _train(args):
     # the device (cuda:LOCAL_RANK on GPUs) and, under torchrun (RANK set), a process group: NCCL or gloo
-    use_cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    require(torch.cuda.is_available() or not use_cuda, "--device cuda: no CUDA GPU is available")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if use_cuda else torch.device("cpu")
-    if use_cuda:
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
         torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     name, config = model_config(args)
     check_writable(args, rank)
@@ -2076,7 +2048,12 @@ def _train(args):
 
     losses, timings = [], []  # timings: per step (seconds, comm wait, optimizer seconds)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    profiler = Profiler(args.profile, device, rank) if args.profile else None
+    profiler = None
+    if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
+        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+        profiler = torch.profiler.profile(activities=activities, profile_memory=True,
+                                          schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+        profiler.start()
     for step in range(start, last_step):
         t0 = time.perf_counter()
         # linear warmup, then cosine decay to 10% of --lr
@@ -2095,13 +2072,24 @@ def _train(args):
         timings.append((dt, fsdp.take_comm_wait_s(), optim_s))  # the step is done: so are its events
         if profiler is not None:
             profiler.step()
+            if profiler.step_num == 2 and cuda:  # on CUDA also the allocator's history over steps 3-5, with
+                # Python stacks only (C++ stacks would be unwound at every allocation)
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if step % args.log_every == 0 or step + 1 == last_step:
             print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
         if args.out and (step + 1 == last_step or args.save_every and (step + 1) % args.save_every == 0):
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
-        profiler.finish()
+        profiler.stop()
+        trace = os.path.join(args.profile, f"trace_rank{rank}.json")
+        profiler.export_chrome_trace(trace)
+        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+        if cuda:
+            snap = os.path.join(args.profile, f"memory_rank{rank}.pickle")
+            torch.cuda.memory._dump_snapshot(snap)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
@@ -2123,7 +2111,7 @@ def _train(args):
                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                    dtype=args.dtype, device=device.type, compute_ms=round(step_s - wait_s - optim_s, 2),
                    comm_wait_ms=round(wait_s, 2), optimizer_ms=round(optim_s, 2))
-    if device.type == "cuda":
+    if cuda:
         summary["peak_reserved_gib"] = round(peak_memory_gib(device, reserved=True), 4)
     if args.sample:
         summary["sample"] = sample
