@@ -2056,8 +2056,8 @@ def _train(args):
         profiler.start()
     for step in range(start, last_step):
         t0 = time.perf_counter()
-        # linear warmup, then cosine decay to 10% of --lr
-        w, progress = args.warmup_steps, min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+        w = args.warmup_steps  # linear warmup, then cosine decay to 10% of --lr
+        progress = min(1.0, (step - w) / max(1, args.steps - w))
         lr = args.lr * ((step + 1) / w if step < w else 0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
             group["lr"] = lr
