@@ -1397,8 +1397,7 @@ def format_estimate(name, est, world, offload):
 # -----------------------------------------------------------------------------
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
-# then the raw little-endian bytes, offsets relative to the end of the header. Read here one
-# tensor at a time, every offset checked before a byte is used.
+# then the raw little-endian bytes, offsets relative to the end of the header.
 
 
 class UserError(Exception):
@@ -1406,7 +1405,6 @@ class UserError(Exception):
 
 
 def require(ok, message):
-    """Bad input is reported to the user (as a UserError), not asserted."""
     if not ok:
         raise UserError(message)
 
@@ -1432,14 +1430,14 @@ def read_json(path, raw=None, what="file"):
 
 
 class SafetensorsFile:
-    """The checked header of one .safetensors file: entries {name: (dtype, shape, begin, end)}."""
+    """The header of one .safetensors file, every offset checked before a byte is read:
+    entries {name: (dtype, shape, begin, end)}; get(name) reads one tensor."""
 
     def __init__(self, path):
         require(os.path.isfile(path), f"{path}: no such file")
         self.path, size = path, os.path.getsize(path)
         with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            # (a file shorter than 8 bytes fails here too)
+            n = int.from_bytes(f.read(8), "little")  # a file under 8 bytes fails the next check too
             require(8 + n <= size, f"{path}: header length {n} runs past the end of the file ({size} bytes)")
             header = read_json(path, f.read(n), what="header")
         header.pop("__metadata__", None)  # free-form strings, not a tensor
@@ -1462,9 +1460,8 @@ class SafetensorsFile:
             require(begin >= end, f"{path}: tensors {a} and {b} overlap in the file")
 
     def get(self, name):
-        """One tensor, read from the file into memory of its own."""
         dtype, shape, begin, end = self.entries[name]
-        raw = bytearray(end - begin)
+        raw = bytearray(end - begin)  # memory of its own, not a view of the file
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
             f.readinto(raw)
@@ -1479,10 +1476,6 @@ def atomic_write(path, write, mode="wb"):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def write_json(path, obj):
-    atomic_write(path, lambda f: json.dump(obj, f, indent=2), "w")
 
 
 def save_safetensors(path, specs, get, metadata=None):
@@ -1536,17 +1529,9 @@ def config_to_hf(config, dtype):
     return {k: v for k, v in d.items() if v is not None}
 
 
-def read_config(path):
-    """The LlamaConfig of the Hugging Face directory `path`."""
-    require(os.path.isdir(path), f"--checkpoint {path}: no such directory")
-    config_json = os.path.join(path, "config.json")
-    return config_from_hf(read_json(config_json), config_json)
-
-
 def load_checkpoint(path, config, shapes, put):
-    """Stream every weight of a Hugging Face Llama directory (model.safetensors, or the shards
-    model.safetensors.index.json names) into put(name, tensor), one at a time, once every
-    header is checked against `shapes` ({name: shape}, as the config implies)."""
+    """put(name, tensor) for every weight of the Hugging Face directory `path` (model.safetensors or
+    its shards), one at a time, once every header is checked against `shapes` {name: shape}."""
     names = ["model.safetensors"]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -1572,26 +1557,24 @@ def load_checkpoint(path, config, shapes, put):
 
 
 def init_adapters(shapes, seed):
-    """Fresh adapters as LoRALinear makes them (lora_A_init, B zero), full tensors on the CPU
-    from seeded generators: the same on every rank."""
+    """Fresh adapters as LoRALinear makes them (lora_A_init, B zero), from seeded CPU generators:
+    the same full tensors on every rank."""
     gen = lambda i: torch.Generator().manual_seed(seed * 1000 + 500 + i)  # noqa: E731
     return {name: lora_A_init(shape, gen(i)) if name.endswith("lora_A") else torch.zeros(shape)
             for i, (name, shape) in enumerate(shapes.items())}
 
 
 def as_parameter(model, name, tensor, device):
-    """A full dense base tensor in the form `model` keeps parameter `name`: NF4 on `device` for an
-    NF4Linear's weight, else the model's dtype."""
+    """A dense base tensor as `model` keeps parameter `name`: NF4 for an NF4Linear's weight, else model.dtype."""
     t = tensor.to(device, model.dtype)
     return to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t
 
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
-    """One process: a Llama with the Hugging Face weights of `path` quantized on the way in and
-    fresh adapters. Built on the meta device, then filled one tensor at a time, as the trainer
-    fills its shards: host memory stays near the final (NF4) footprint, never a bf16 model."""
-    config = read_config(path)
+    """One process: a Llama with the weights of `path` quantized one tensor at a time as they are
+    read (host memory stays near the NF4 footprint, never a bf16 model), and fresh adapters."""
+    config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
@@ -1623,10 +1606,10 @@ def save_adapters(out_dir, adapters, args):
     save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"),
                      [(k, torch.float32, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__,
                      metadata={"format": "pt"})
-    write_json(os.path.join(out_dir, "adapter_config.json"), {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
-        "lora_dropout": args.lora_dropout, "target_modules": TARGET_MODULES, "bias": "none",
-        "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
+              "lora_dropout": args.lora_dropout, "target_modules": TARGET_MODULES, "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""}
+    atomic_write(os.path.join(out_dir, "adapter_config.json"), lambda f: json.dump(config, f, indent=2), "w")
 
 
 def load_adapters(path):
@@ -1639,10 +1622,9 @@ RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha")
 
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
-    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (PEFT adapters + training state)
-    into a temporary directory, renames it into place, points out_dir/latest at it (a crash at
-    any moment leaves the previous checkpoint intact and `latest` naming it), then puts the
-    adapters in out_dir itself too, where PEFT looks for them."""
+    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training state) under a temporary
+    name, renames it into place, then points out_dir/latest at it: a crash at any moment leaves the
+    previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks."""
     adapters = fsdp.full_adapters()
     moments, adam_step = fsdp.full_optimizer_state(optimizer)
     if fsdp.rank == 0:
@@ -1668,8 +1650,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
 
 
 def resume(args, fsdp, optimizer, device):
-    """Load the checkpoint `--out DIR/latest` names (checked against this run's model) into the
-    shards and the optimizer, restore the RNG; returns the step it was saved at."""
+    """Load the checkpoint --out/latest names into the shards and AdamW, restore the RNG; returns its step."""
     latest = os.path.join(args.out, "latest")  # parse_args: --resume needs --out
     require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {args.out}")
     with open(latest) as f:
@@ -1709,8 +1690,8 @@ def save_merged(out_dir, fsdp, model):
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        write_json(os.path.join(out_dir, "config.json"),
-                   {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False})  # the head is written out
+        config = {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # the head is written
+        atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
         save_safetensors(os.path.join(out_dir, "model.safetensors"),
                          [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get, metadata={"format": "pt"})
     for _ in base:  # the other ranks join the same all-gathers
@@ -1730,13 +1711,8 @@ def print0(*args, **kwargs):
 
 
 def load_tokens(path, vocab_size, seq_len):
-    """(tokens, loss_mask) from --data, checked: at least seq_len + 1 tokens, every id < vocab_size.
-      .npy   a 1-D array of any integer dtype (uint32 for Llama 3's 128,256 ids), memory-mapped
-      .npz   `tokens` and `loss_mask` (0/1, same length; read into memory): the prediction of
-             token i counts where loss_mask[i] is 1
-      .bin   nanoGPT's uint16 tokens, memory-mapped (ids < 65,536 only)
-      .txt   raw bytes as tokens (byte-level models), memory-mapped
-    loss_mask is None where every target counts."""
+    """(tokens, loss_mask or None) from a --data file (formats: see --help), checked: at least
+    seq_len + 1 tokens, every id < vocab_size. .npy, .bin and .txt are memory-mapped."""
     where = f"--data {path}"
     require(os.path.isfile(path), f"{where}: no such file")
     ext = ".txt" if os.path.samefile(path, __file__) else os.path.splitext(path)[1].lower()  # default: our bytes
@@ -1772,10 +1748,8 @@ def load_tokens(path, vocab_size, seq_len):
 
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """Rank's slice of the global micro-batch: (inputs, targets), each (batch_size, seq_len) int64.
-    It depends only on (seed, step, micro) and batch_size x world, so any split of the same
-    global batch sees the same tokens. data: None (dummy: random tokens) or load_tokens' pair;
-    targets whose loss_mask is 0 are IGNORE_INDEX."""
+    """This rank's rows (inputs, targets), each (batch_size, seq_len) int64, of a global micro-batch that
+    depends only on (seed, step, micro) and batch_size x world. data: load_tokens' pair, or None (random)."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro)
     n, T = args.batch_size * world, args.seq_len
     rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
@@ -1793,15 +1767,12 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
 
 
 def encode_prompt(text, vocab_size):
-    """--prompt as token ids: its UTF-8 bytes for a byte-level model (vocab 256; default a newline),
-    else comma-separated ids."""
-    if vocab_size == 256:
-        ids = list(("\n" if text is None else text).encode("utf-8"))
-    else:
-        try:
-            ids = [int(t) for t in (text or "").split(",") if t.strip()]
-        except ValueError:
-            ids = []
+    """--prompt as token ids: its UTF-8 bytes for a byte-level model (default a newline), else comma-separated ids."""
+    try:
+        ids = (list(("\n" if text is None else text).encode("utf-8")) if vocab_size == 256 else
+               [int(t) for t in (text or "").split(",") if t.strip()])
+    except ValueError:
+        ids = []
     want = ("non-empty text (its UTF-8 bytes are the tokens)" if vocab_size == 256 else
             f"comma-separated token ids below {vocab_size}, e.g. 128000,791")
     require(ids and all(0 <= i < vocab_size for i in ids), f"--prompt {text!r}: this model's prompt is {want}")
@@ -1810,15 +1781,13 @@ def encode_prompt(text, vocab_size):
 
 @torch.no_grad()
 def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
-    """n tokens continuing the ids `prompt`: greedy (temperature 0) or drawn from softmax(logits / T)
-    with a CPU generator seeded by `seed` (the same draws on any device). No KV cache: each token
-    re-runs forward on the last `window` tokens. Sharded, every rank runs the same forward (the
-    unit hooks gather the weights) and takes rank 0's token, so all ranks stay in step."""
+    """n tokens continuing `prompt`: greedy (temperature 0) or drawn from softmax(logits / T) by a
+    seeded CPU generator (the same draws on any device). No KV cache: forward re-runs on the last
+    `window` tokens. Sharded, every rank runs the same forward and takes rank 0's token."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
-    was_training = model.training
     model.eval()  # no LoRA dropout
-    # Compiled blocks would compile again for every new length: run those eagerly; what is
+    # Compiled blocks would compile again for every new length: run them eagerly; what is
     # already compiled for these shapes (the NF4 kernels) is still used.
     with torch.compiler.set_stance("eager_on_recompile"):
         for _ in range(n):
@@ -1830,14 +1799,13 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
             if dist.is_initialized():
                 dist.broadcast(nxt, src=0)
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    model.train(was_training)
+    model.train()
     return ids[0, len(prompt):].tolist()
 
 
 def check_writable(args, rank):
-    """Create --out, --merge_to (written by rank 0) and --profile (every rank) and write a file
-    in each now, so that a bad path stops the run before its first step, not at its end.
-    Every rank hears of any rank's failure, so all stop together."""
+    """Create --out, --merge_to (rank 0 writes them) and --profile (every rank) and write a file in
+    each now, so that a bad path stops every rank before the first step, not at the end."""
     problem = None
     for flag, path in (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile)):
         if path and (rank == 0 or flag == "--profile") and problem is None:
@@ -1851,21 +1819,11 @@ def check_writable(args, rank):
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p), None)
-    if problem:
-        raise UserError(problem)
-
-
-def lr_at(step, args):
-    """Linear warmup, then cosine decay to 10% of --lr."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    require(problem is None, problem)
 
 
 def peak_memory_gib(device, reserved=False):
-    """The peak over all ranks: GPU memory allocated (or reserved, by the caching allocator) on
-    CUDA, the resident set on the CPU."""
+    """Max over ranks: GPU memory allocated (or reserved) on CUDA, the resident set on the CPU."""
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device)
     else:
@@ -1886,8 +1844,7 @@ def parse_args(argv=None):
     p.add_argument("--lora_dropout", type=float, default=0.0)
     p.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face Llama directory; overrides --model")
     # data
-    p.add_argument("--data", metavar="PATH", help="tokens: .npy (any integer dtype), .npz (tokens + loss_mask), "
-                   ".bin (uint16), .txt (raw bytes), or 'dummy' (random); default: the bytes of this file")
+    p.add_argument("--data", metavar="PATH", help=".npy, .npz (+ loss_mask), .bin, .txt or dummy; default: this file")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
     # optimization
@@ -1906,22 +1863,17 @@ def parse_args(argv=None):
     p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
     p.add_argument("--merge_to", metavar="DIR", help="at the end, write the merged model as a Hugging Face checkpoint")
     # memory and speed
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile the NF4 kernels and each block's forward")
-    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="activation checkpointing per block")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="NF4 kernels and blocks")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True, help="per block")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
-    p.add_argument("--offload_activations", action="store_true",
-                   help="keep each block's checkpointed input on the host (needs --checkpointing)")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the predicted memory per rank (world size from WORLD_SIZE) and exit")
-    p.add_argument("--profile", metavar="DIR", help="write a torch.profiler trace (on CUDA also a memory snapshot) "
-                   "of steps 3-5 to DIR")
+    p.add_argument("--offload_activations", action="store_true", help="checkpointed block inputs on the host")
+    p.add_argument("--estimate", action="store_true", help="print the memory per rank (of WORLD_SIZE) and exit")
+    p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (on CUDA with a memory snapshot) to DIR")
     p.add_argument("--log_every", type=int, default=1)
     # sampling
     p.add_argument("--sample", type=int, default=0, metavar="N", help="after training, continue --prompt by N tokens")
-    p.add_argument("--prompt", help="text for byte-level models (vocab 256; default a newline), else token ids: 1,791")
+    p.add_argument("--prompt", help="text for byte-level models (default a newline), else token ids: 1,791")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (seeded by --seed)")
     args = p.parse_args(argv)
     for flag, least in [("batch_size", 1), ("seq_len", 1), ("steps", 1), ("grad_accum", 1), ("lora_rank", 1),
@@ -1940,53 +1892,13 @@ def parse_args(argv=None):
     return args
 
 
-def setup_distributed(device="auto"):
-    """The device (cuda:LOCAL_RANK on GPUs, else cpu) and, with RANK in the environment
-    (torchrun), a process group: NCCL on GPUs, gloo on CPUs. Nothing else differs."""
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    require(torch.cuda.is_available() or not use_cuda, "--device cuda: no CUDA GPU is available")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    return device
-
-
-class Profiler:
-    """--profile DIR: a torch.profiler trace of steps 3-5 (after compilation and warm-up), and on
-    CUDA a memory snapshot: the allocator's history over those steps, with Python stacks only
-    (C++ stacks would be unwound on every allocation)."""
-
-    def __init__(self, out, device, rank):
-        self.out, self.cuda, self.rank = out, device.type == "cuda", rank
-        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
-        self.prof = torch.profiler.profile(activities=activities, profile_memory=True,
-                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
-        self.prof.start()
-
-    def step(self):
-        self.prof.step()
-        if self.prof.step_num == 2 and self.cuda:  # the next step is the first one traced
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-
-    def finish(self):
-        self.prof.stop()
-        trace = os.path.join(self.out, f"trace_rank{self.rank}.json")
-        self.prof.export_chrome_trace(trace)
-        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-        if self.cuda:
-            snap = os.path.join(self.out, f"memory_rank{self.rank}.pickle")
-            torch.cuda.memory._dump_snapshot(snap)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
-
-
 def model_config(args):
     """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
-    if args.checkpoint:
-        return os.path.basename(os.path.normpath(args.checkpoint)), read_config(args.checkpoint)
-    return args.model, CONFIGS[args.model]
+    if not args.checkpoint:
+        return args.model, CONFIGS[args.model]
+    require(os.path.isdir(args.checkpoint), f"--checkpoint {args.checkpoint}: no such directory")
+    path = os.path.join(args.checkpoint, "config.json")
+    return os.path.basename(os.path.normpath(args.checkpoint)), config_from_hf(read_json(path), path)
 
 
 def predicted_memory(args, world, config=None):
@@ -1996,23 +1908,9 @@ def predicted_memory(args, world, config=None):
                            args.cpu_offload, LOSS_CHUNK, args.offload_activations)
 
 
-def estimate_only(args):
-    """--estimate: the memory tables and the summary, from the config alone; nothing is allocated."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    name, config = model_config(args)
-    est = predicted_memory(args, world, config)
-    print0(format_budget(name, memory_budget(config, args.lora_rank)))
-    print0(format_estimate(name, est, world, args.cpu_offload))
-    flags = ("batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload", "offload_activations")
-    return dict(model=name, world_size=world, **{k: getattr(args, k) for k in flags},
-                predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
-                predicted_host_gib=round(est["host_state"] / GiB, 3))
-
-
 def build(args, config, device):
-    """Model -> units -> shards, never holding more than one unsharded tensor: the model is
-    built on the meta device, sharded, then every base weight is made (read from --checkpoint,
-    or drawn at random) and quantized one at a time, keeping only this rank's pieces."""
+    """Model -> units -> shards on the meta device, then each base weight made (read from --checkpoint or
+    drawn), quantized and cut to this rank's piece one at a time: never two unsharded tensors alive."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
@@ -2028,10 +1926,7 @@ def build(args, config, device):
 
     if args.checkpoint:
         load_checkpoint(args.checkpoint, config, fsdp.base_shapes(), put)
-    else:
-        # Random weights as the modules make them (embeddings N(0, 1), norms 1, linear layers
-        # random_weight), each from its own seeded CPU generator (a CUDA one would draw other
-        # numbers): the same model on every rank, world size and device.
+    else:  # as the modules initialize them, each from its own seeded CPU generator: the same on any world/device
         for i, (name, shape) in enumerate(fsdp.base_shapes().items()):
             g = torch.Generator().manual_seed(args.seed * 1000 + i)
             put(name, torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
@@ -2041,12 +1936,10 @@ def build(args, config, device):
 
 
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
-    """One optimizer step over this rank's micro-batches [(inputs, targets)]: forward and backward
-    of each (each unit's gradients are reduce-scattered as its backward ends), clipping, AdamW.
-    The loss is the mean over the counted targets of the global batch (all ranks, all micro-
-    batches), so any split of the batch gives the same loss and gradients. Returns (loss,
-    seconds in the optimizer); a non-finite loss returns before the update."""
-    count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)  # counted targets
+    """One AdamW step over this rank's micro-batches [(inputs, targets)] -> (loss, optimizer seconds). The
+    loss is the mean over the global batch's counted targets: any split of the batch gives the same
+    loss and gradients. A non-finite loss returns before the update."""
+    count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
     if dist.is_initialized():
         dist.all_reduce(count)
     count = count.clamp(min=1)  # a batch that counts nothing: loss 0 and zero gradients
@@ -2055,10 +1948,9 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
         with torch.profiler.record_function("forward"):
             loss = model(x.to(device), y.to(device), reduction="sum")
         with torch.profiler.record_function("backward"):
-            # x world: the reduce-scatter averages over ranks, so each adapter's gradient is
-            # that of (the sum over the global batch) / count
+            # x world: the reduce-scatter averages over ranks, so the gradient is d(global sum) / count
             (loss * (fsdp.world / count)).backward()
-            fsdp.finish_backward()
+            fsdp.finish_backward()  # each unit's gradients were reduce-scattered as its backward ended
         loss_sum += loss.detach()
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
@@ -2087,7 +1979,14 @@ def train(args):
 
 
 def _train(args):
-    device = setup_distributed(args.device)
+    # the device (cuda:LOCAL_RANK on GPUs) and, under torchrun (RANK set), a process group: NCCL or gloo
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     name, config = model_config(args)
     check_writable(args, rank)
@@ -2099,19 +1998,25 @@ def _train(args):
     start = resume(args, fsdp, optimizer, device) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
     require(start < last_step, f"nothing to do: --resume is at step {start}, --steps is {args.steps}")
-    print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter "
-           f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
-           f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
-           f"{args.checkpointing}, offload {args.cpu_offload}")
+    print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter params "
+           f"(sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
+           f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}")
     if args.compile:
         print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
 
     losses, timings = [], []  # timings: per step (seconds, comm wait, optimizer seconds)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    profiler = Profiler(args.profile, device, rank) if args.profile else None
+    profiler = None
+    if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
+        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+        profiler = torch.profiler.profile(activities=activities, profile_memory=True,
+                                          schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+        profiler.start()
     for step in range(start, last_step):
         t0 = time.perf_counter()
-        lr = lr_at(step, args)
+        w = args.warmup_steps  # linear warmup, then cosine decay to 10% of --lr
+        progress = min(1.0, (step - w) / max(1, args.steps - w))
+        lr = args.lr * ((step + 1) / w if step < w else 0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
             group["lr"] = lr
         batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
@@ -2125,13 +2030,24 @@ def _train(args):
         timings.append((dt, fsdp.take_comm_wait_s(), optim_s))  # the step is done: so are its events
         if profiler is not None:
             profiler.step()
+            if profiler.step_num == 2 and cuda:  # on CUDA also the allocator's history over steps 3-5, with
+                # Python stacks only (C++ stacks would be unwound at every allocation)
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if step % args.log_every == 0 or step + 1 == last_step:
             print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
         if args.out and (step + 1 == last_step or args.save_every and (step + 1) % args.save_every == 0):
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
-        profiler.finish()
+        profiler.stop()
+        trace = os.path.join(args.profile, f"trace_rank{rank}.json")
+        profiler.export_chrome_trace(trace)
+        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+        if cuda:
+            snap = os.path.join(args.profile, f"memory_rank{rank}.pickle")
+            torch.cuda.memory._dump_snapshot(snap)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
@@ -2144,9 +2060,7 @@ def _train(args):
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
                + (bytes(prompt).decode("utf-8", errors="replace") + sample if text else str(sample)))
 
-    # Step time split (medians; the first step includes compilation): the time the compute stream
-    # (CUDA events; on the CPU the host) waited on all-gathers and reduce-scatters not finished
-    # when needed, the optimizer (clip + AdamW), and everything else (compute).
+    # Median step time (the first compiles) split: waits for late all-gathers/reduce-scatters, optimizer, compute.
     step_s, wait_s, optim_s = (np.median(np.array(timings[1:] or timings), axis=0) * 1000).tolist()
     summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1], first_loss=losses[0],
                    step_ms=round(step_s, 2), tokens_per_s=round(tokens_per_step / (step_s / 1000), 1),
@@ -2155,7 +2069,7 @@ def _train(args):
                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                    dtype=args.dtype, device=device.type, compute_ms=round(step_s - wait_s - optim_s, 2),
                    comm_wait_ms=round(wait_s, 2), optimizer_ms=round(optim_s, 2))
-    if device.type == "cuda":
+    if cuda:
         summary["peak_reserved_gib"] = round(peak_memory_gib(device, reserved=True), 4)
     if args.sample:
         summary["sample"] = sample
@@ -2165,7 +2079,18 @@ def _train(args):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        summary = estimate_only(args) if args.estimate else train(args)[0]
+        if args.estimate:  # the memory tables from the config alone: nothing is allocated
+            world, (name, config) = int(os.environ.get("WORLD_SIZE", 1)), model_config(args)
+            est = predicted_memory(args, world, config)
+            print0(format_budget(name, memory_budget(config, args.lora_rank)))
+            print0(format_estimate(name, est, world, args.cpu_offload))
+            flags = ("batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload",
+                     "offload_activations")
+            summary = dict(model=name, world_size=world, **{k: getattr(args, k) for k in flags},
+                           predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
+                           predicted_host_gib=round(est["host_state"] / GiB, 3))
+        else:
+            summary = train(args)[0]
     except UserError as e:  # bad input: one line, no traceback, non-zero exit
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2)
