@@ -544,11 +544,10 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every tensor
-# of a unit -- each inner tensor of an NF4 weight, each frozen weight, each adapter -- is flattened
-# and split into `world` pieces like torch.chunk, the last zero padded; rank r keeps piece r in the
-# tensor's own dtype (FSDP2 splits dim 0; a flat split is the same order and takes any shape). A
-# unit's pieces sit side by side in one byte buffer, so one collective moves the whole unit:
+# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every tensor of a unit -- each
+# inner tensor of an NF4 weight, each frozen weight, each adapter -- is flattened and split into `world` pieces like
+# torch.chunk, the last zero padded; rank r keeps piece r in the tensor's dtype (FSDP2 splits dim 0: the same order,
+# but a flat split takes any shape). One collective moves a unit's pieces, side by side in one byte buffer:
 #
 #   rank 0 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]   (unit_bytes)
 #   rank 1 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]
@@ -563,9 +562,8 @@ class LoRALinear(NF4Linear):
 #   backward:      recompute the forward (checkpointing), backward; adapter grads land on full tensors
 #   post-backward: once every adapter has its gradient and the unit's input gradient is done:
 #                  one reduce-scatter (fp32, averaged) of the adapter gradients, free the weights
-# CPU offload keeps shards, fp32 master adapters, their gradients and the optimizer on the host.
-# (FSDP1 flattened a unit into one FlatParameter of one dtype; FSDP2 keeps each parameter a DTensor,
-# whose dispatch every optimizer op pays. Here shards are plain tensors.)
+# CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. (FSDP1 flattened a unit into
+# one FlatParameter of one dtype; FSDP2 keeps DTensors, whose dispatch each optimizer op pays; here: plain tensors.)
 
 ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
 
@@ -604,8 +602,7 @@ class _Param:
         self.trainable = p.requires_grad and not subclass
         if subclass:
             inner, ctx = p.__tensor_flatten__()
-            cls, stride = type(p), p.stride()
-            names = [f"{fqn}.{n}" for n in inner]
+            names, cls, stride = [f"{fqn}.{n}" for n in inner], type(p), p.stride()  # the lambdas must not keep p alive
             self.flatten = lambda t: [getattr(t, n) for n in inner]
             self.unflatten = lambda full: cls.__tensor_unflatten__(dict(zip(inner, full)), ctx, self.shape, stride)
         else:
@@ -613,8 +610,7 @@ class _Param:
         self.slots = [_Slot(n, t, fsdp.compute_dtype if self.trainable else t.dtype, fsdp)
                       for n, t in zip(names, self.flatten(p))]
 
-    def keep(self, full):
-        """Keep this rank's pieces of a full tensor in this parameter's form (a subclass as such)."""
+    def keep(self, full):  # a full tensor in this parameter's form (a subclass as such): keep this rank's pieces
         for s, t in zip(self.slots, self.flatten(full)):
             s.local.copy_(s.piece(t))
 
@@ -635,14 +631,13 @@ class _Boundary(torch.autograd.Function):
 
 
 def _collective(out, inp, group, reduce_scatter=False):
-    """Issue an all-gather, out (world * n,) = every rank's inp (n,) rank after rank, or a reduce-
-    scatter, out (n,) = rank r's piece of the mean over ranks of inp (world * n,); return its work.
-    With no process group (world 1) either is a copy. torch < 2.13 names them *_into_tensor, *_tensor."""
+    """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter,
+    out (n,) = rank r's piece of the mean of inp (world * n,); return its work. World 1: a copy."""
     if not dist.is_initialized():
         out.copy_(inp)
         return None
     if reduce_scatter:
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
         return fn(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=True)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=True)
@@ -685,9 +680,8 @@ class ShardedUnit:
         self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin)
         for s in self.frozen:
             s.local = self.shard_bytes[s.offset:s.offset + s.nbytes].view(s.dtype)
-        # fp32 master adapters: this rank's pieces in one flat tensor, the optimizer's one tensor per
-        # unit (each op pays a dispatch per tensor), laid out as the reduce-scatter's output, which
-        # becomes its gradient. Padding stays 0 under AdamW: zero gradient, moments and update.
+        # fp32 master adapters: this rank's pieces in one flat tensor (one optimizer tensor per unit), laid
+        # out as the reduce-scatter's output, its gradient. Padding stays 0 under AdamW (0 gradient and moments).
         n = sum(s.shard_numel for s in self.adapters)
         self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
         start = 0
@@ -726,11 +720,10 @@ class ShardedUnit:
         fsdp.wait(work, "fsdp::wait_all_gather")
         if out.is_cuda:  # made on the side stream, read on this one: not reused before that
             out.record_stream(torch.cuda.current_stream(out.device))
-        out = out.view(fsdp.world, self.unit_bytes)
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
-            for s in self.frozen + self.adapters:
+            for s in self.frozen + self.adapters:  # out (world, unit_bytes): a column slice per tensor
                 s.full.untyped_storage().resize_(s.padded.nbytes)
-                s.padded.copy_(out[:, s.offset:s.offset + s.nbytes].view(s.dtype))
+                s.padded.copy_(out.view(fsdp.world, -1)[:, s.offset:s.offset + s.nbytes].view(s.dtype))
         self.gathered = True
 
     def free(self):
@@ -746,9 +739,7 @@ class ShardedUnit:
             self.fsdp.units[self.index + 1].gather(wait=False)  # prefetch: it overlaps this unit's compute
         x = args[0]
         if torch.is_grad_enabled():
-            # post-backward fires when every adapter has its gradient AND the input's is done
-            # (if the input needs one): then no backward op of this unit needs its weights.
-            self.pending = len(self.adapters) + int(x.requires_grad)
+            self.pending = len(self.adapters) + int(x.requires_grad)  # arrivals before post-backward
             if x.requires_grad:
                 x = _Boundary.apply(x, self._arrive)
         return (x,) + tuple(args[1:])
@@ -790,18 +781,16 @@ class ShardedUnit:
 
 
 class FSDP:
-    """Shards a model's units over the ranks of `group`: units = [(name, module whose hooks run it,
-    [(prefix, module), ...])] in execution order. The optimizer steps parameters(), a flat fp32
-    master shard per unit; finish_backward() puts the gradient shards in their .grad. The full_*
-    and load_full* methods are collectives: the state in full, as any world size saves and resumes it."""
+    """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
+    over `group`. The optimizer steps parameters(), a flat fp32 master shard per unit; finish_backward()
+    fills their .grad. full_* and load_full* are collectives: the state in full, as any world size has it."""
 
     def __init__(self, units, device, compute_dtype, offload=False, group=None):
         self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
         self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
         self.store_device = torch.device("cpu") if offload else device
         self.waits = []  # (start, end) of each wait on a collective: CUDA events, or host seconds
-        # CUDA: collectives and host copies are issued on a side stream so they overlap the
-        # compute stream; on the CPU there are no streams (None) and the same code runs in order.
+        # CUDA: collectives and host copies go on a side stream, to overlap compute; the CPU runs them in order
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # The last unit is needed again at once by backward: it stays gathered (as in torchtitan).
         self.units = [ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=i < len(units) - 1)
@@ -820,9 +809,8 @@ class FSDP:
         return event
 
     def wait(self, work, label):
-        """Wait for a collective issued on the side stream. On CUDA the host does not block (nor
-        does NCCL's wait()): the compute stream waits, timed by events on it. On the CPU the host
-        waits, timed by its clock."""
+        """Wait for a collective issued on the side stream. On CUDA the host does not block (nor does
+        NCCL's wait()): the compute stream waits, timed by events on it; on the CPU the host waits."""
         with torch.profiler.record_function(label):
             start = self._now()
             if work is not None:
@@ -832,10 +820,8 @@ class FSDP:
             self.waits.append((start, self._now()))
 
     def take_comm_wait_s(self):
-        """Seconds the compute stream (or host) waited on collectives since the last call; call
-        it after the device is synchronized."""
-        s = sum(b - a if isinstance(a, float) else a.elapsed_time(b) / 1000 for a, b in self.waits)
-        self.waits = []
+        """Seconds waited on collectives since the last call (call it once the device is synchronized)."""
+        s, self.waits = sum(b - a if isinstance(a, float) else a.elapsed_time(b) / 1000 for a, b in self.waits), []
         return s
 
     def finish_backward(self):
@@ -911,8 +897,7 @@ class FSDP:
                 full = {k: {n: m[k] for n, m in moments.items()} for k in ("exp_avg", "exp_avg_sq")}
                 optimizer.state[u.master] = dict(step=step, **{k: self._local_flat(u, v) for k, v in full.items()})
 
-    def load_full(self, fqn, tensor):
-        """Keep this rank's pieces of one full frozen parameter, in the form the model holds it."""
+    def load_full(self, fqn, tensor):  # a full frozen parameter, in the model's form: keep this rank's pieces
         self.param_of[fqn].keep(tensor)
 
     def full_base(self):
@@ -928,8 +913,7 @@ class FSDP:
     def adapter_shapes(self):
         return {s.name: s.shape for u in self.units for s in u.adapters}
 
-    def local_bytes(self):
-        """Bytes this rank keeps between steps: shard bytes + fp32 master adapters."""
+    def local_bytes(self):  # kept between steps: shard bytes + fp32 master adapters
         return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.units)
 
 
@@ -976,8 +960,7 @@ ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: on
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        # sqrt(v) of one chunk, in a buffer kept between steps (not state: nothing to save). A fresh
-        # one per chunk would cost, on the CPU, a page fault per 4 KiB (glibc maps big blocks anew).
+        # sqrt(v) of a chunk, kept between steps: a fresh buffer per chunk costs a page fault per 4 KiB on the CPU
         self.scratch = torch.empty(0)
 
     @torch.no_grad()
