@@ -502,50 +502,41 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every
-# tensor of a unit -- each inner tensor of an NF4 weight, each frozen bf16 weight, each fp32
-# adapter -- is flattened and split into `world` equal pieces like torch.chunk, the last zero
-# padded; rank r keeps piece r, in the tensor's own dtype (FSDP2 splits dim 0 of each parameter;
-# splitting the flat tensor is the same row-major order and works for any shape, scalars and
-# tensors smaller than the world included). A unit's pieces sit side by side in one byte buffer,
-# so one collective moves the whole unit:
+# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every tensor of a unit -- each
+# inner tensor of an NF4 weight, each frozen weight, each adapter -- is flattened and split into `world` pieces like
+# torch.chunk, the last zero padded; rank r keeps piece r in the tensor's dtype (FSDP2 splits dim 0: the same order,
+# but a flat split takes any shape). One collective moves a unit's pieces, side by side in one byte buffer:
 #
 #   rank 0 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]   (unit_bytes)
 #   rank 1 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]
 #        \__ all-gather __/
-#   gathered (world, unit_bytes) -> column slice of one tensor viewed as its dtype:
-#        (world, shard_numel) -> copied into that tensor's padded full storage -> used by forward
+#   gathered (world, unit_bytes) -> a column slice per tensor, viewed as its dtype (world, shard_numel)
+#        -> copied into the tensor's padded full storage -> used by forward
 #
-# Lifetime of a unit's full weights, forward then backward:
+# Lifetime of a unit's full weights:
 #   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's
-#   forward:       compute (with activation checkpointing only the unit's input is kept)
-#   post-forward:  free the full weights (storage resized to 0; the tensors stay as shells)
-#   pre-backward:  all-gather again (a boundary hook on the unit's output), prefetch the previous unit
-#   backward:      recompute the forward, then backward; adapter gradients land on full tensors
+#   post-forward:  free them (storage resized to 0; the tensors stay as shells)
+#   pre-backward:  all-gather again (a hook on the unit's output), prefetch the previous unit
+#   backward:      recompute the forward (checkpointing), backward; adapter grads land on full tensors
 #   post-backward: once every adapter has its gradient and the unit's input gradient is done:
-#                  one reduce-scatter (fp32, averaged) of all adapter gradients, free the weights
-# Frozen tensors never get gradients; only adapters travel back. With CPU offload the shard
-# bytes, fp32 master adapters, their gradients and the optimizer live on the host: shards go to
-# the GPU just before the all-gather and gradient shards come back after the reduce-scatter.
-# (FSDP1 flattened a unit into one FlatParameter of one dtype; FSDP2 keeps each parameter as a
-# DTensor, whose dispatch every optimizer op pays. Here shards are plain tensors.)
+#                  one reduce-scatter (fp32, averaged) of the adapter gradients, free the weights
+# CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. (FSDP1 flattened a unit into
+# one FlatParameter of one dtype; FSDP2 keeps DTensors, whose dispatch each optimizer op pays; here: plain tensors.)
 
 ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
 
 
 class _Slot:
-    """One tensor of a unit, sharded: pieces of shard_numel elements, this rank's kept between
-    steps (`local`), and the full tensor, whose storage exists only while the unit is gathered."""
+    """One tensor of a unit, sharded: `world` pieces of shard_numel elements, this rank's kept
+    (`local`), and the full tensor, whose storage exists only while the unit is gathered."""
 
     def __init__(self, name, tensor, dtype, fsdp):
         world, dev = fsdp.world, fsdp.device
         self.name, self.shape, self.dtype, self.rank = name, tuple(tensor.shape), dtype, fsdp.rank
-        self.numel = tensor.numel()
-        self.shard_numel = -(-self.numel // world)  # ceil
+        self.numel, self.shard_numel = tensor.numel(), -(-tensor.numel() // world)  # ceil
         self.nbytes = self.shard_numel * dtype.itemsize
-        # `full` (shape) and `padded` (world, shard_numel) on one storage, which the all-gather
-        # fills through `padded`. Two tensors, not views, so that writing one does not bump the
-        # version counter autograd checks on the other.
+        # `full` (shape) and `padded` (world, shard_numel) on one storage, filled through `padded`;
+        # two tensors, not views, so writing one does not bump the version autograd checks on the other.
         storage = torch.empty(world * self.shard_numel, dtype=dtype, device=dev).untyped_storage()
         self.full = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, self.shape)
         self.padded = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, (world, self.shard_numel))
@@ -559,9 +550,9 @@ class _Slot:
 
 
 class _Param:
-    """A module's parameter, as slots: one for a plain tensor (an adapter's in the compute dtype),
-    one per inner tensor for a wrapper tensor subclass (an NF4 weight, say; always frozen), each
-    in its own dtype, taken apart by __tensor_flatten__ and rebuilt by __tensor_unflatten__."""
+    """A module's parameter as slots: one for a plain tensor (an adapter's, in the compute dtype),
+    one per inner tensor, in its own dtype, for a wrapper tensor subclass (an NF4 weight, say;
+    always frozen), taken apart by __tensor_flatten__ and rebuilt by __tensor_unflatten__."""
 
     def __init__(self, fqn, module, attr, p, fsdp):
         self.fqn, self.module, self.attr, self.shape = fqn, module, attr, tuple(p.shape)
@@ -569,8 +560,7 @@ class _Param:
         self.trainable = p.requires_grad and not subclass
         if subclass:
             inner, ctx = p.__tensor_flatten__()
-            cls, stride = type(p), p.stride()
-            names = [f"{fqn}.{n}" for n in inner]
+            names, cls, stride = [f"{fqn}.{n}" for n in inner], type(p), p.stride()  # the lambdas must not keep p alive
             self.flatten = lambda t: [getattr(t, n) for n in inner]
             self.unflatten = lambda full: cls.__tensor_unflatten__(dict(zip(inner, full)), ctx, self.shape, stride)
         else:
@@ -578,8 +568,7 @@ class _Param:
         self.slots = [_Slot(n, t, fsdp.compute_dtype if self.trainable else t.dtype, fsdp)
                       for n, t in zip(names, self.flatten(p))]
 
-    def keep(self, full):
-        """Keep this rank's pieces of a full tensor in this parameter's form (a subclass as such)."""
+    def keep(self, full):  # a full tensor in this parameter's form (a subclass as such): keep this rank's pieces
         for s, t in zip(self.slots, self.flatten(full)):
             s.local.copy_(s.piece(t))
 
@@ -599,25 +588,17 @@ class _Boundary(torch.autograd.Function):
         return grad, None
 
 
-# The two collectives, issued asynchronously: each returns its work to wait for. Without a
-# process group (world size 1) each is the copy it amounts to, so one code path serves every
-# world size. torch >= 2.13 names them *_single; older releases *_into_tensor and *_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _all_gather(out, inp, group):  # out (world * n,): every rank's inp (n,), rank after rank
+def _collective(out, inp, group, reduce_scatter=False):
+    """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter,
+    out (n,) = rank r's piece of the mean of inp (world * n,); return its work. World 1: a copy."""
     if not dist.is_initialized():
         out.copy_(inp)
         return None
-    return _all_gather_single(out, inp, group=group, async_op=True)
-
-
-def _reduce_scatter_avg(out, inp, group):  # out (n,): rank r's piece of the mean over ranks of inp (world * n,)
-    if not dist.is_initialized():
-        out.copy_(inp)
-        return None
-    return _reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    if reduce_scatter:
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+        return fn(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
 
 
 @contextlib.contextmanager
@@ -631,7 +612,7 @@ def _side(stream):
 
 
 def _to_host(t, stream):
-    """A copy of t in host memory, made on the side stream; pinned when t is on a GPU, so that the
+    """A copy of t in host memory, made on the side stream: pinned when t is on a GPU, so that the
     copy is asynchronous, and t's memory is not reused before the copy has read it."""
     with _side(stream):
         if t.is_cuda:
@@ -649,8 +630,7 @@ class ShardedUnit:
                        for attr, p in mod._parameters.items()]
         self.frozen = [s for p in self.params if not p.trainable for s in p.slots]
         self.adapters = [p.slots[0] for p in self.params if p.trainable]
-        # This rank's shard bytes: the frozen tensors' pieces, then room for the adapters' (cast
-        # from the fp32 master into the compute dtype before each all-gather), each aligned.
+        # This rank's shard bytes: frozen pieces, then room for the adapters' (cast from the masters)
         self.unit_bytes = 0
         for s in self.frozen + self.adapters:
             s.offset, self.unit_bytes = self.unit_bytes, self.unit_bytes + -(-s.nbytes // ALIGN) * ALIGN
@@ -658,11 +638,8 @@ class ShardedUnit:
         self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin)
         for s in self.frozen:
             s.local = self.shard_bytes[s.offset:s.offset + s.nbytes].view(s.dtype)
-        # fp32 master adapters: this rank's pieces side by side in one flat tensor, which is what
-        # the optimizer steps: one tensor per unit, not one per adapter, as every optimizer op
-        # pays a dispatch per tensor. The reduce-scatter's output has the same layout, so it
-        # becomes the gradient as it arrives. Padding stays 0 under AdamW: zero gradient, zero
-        # moments, zero update, and decay keeps 0 at 0.
+        # fp32 master adapters: this rank's pieces in one flat tensor (one optimizer tensor per unit), laid
+        # out as the reduce-scatter's output, its gradient. Padding stays 0 under AdamW (0 gradient and moments).
         n = sum(s.shard_numel for s in self.adapters)
         self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
         start = 0
@@ -680,39 +657,31 @@ class ShardedUnit:
         hook_module.register_forward_pre_hook(self._pre_forward)
         hook_module.register_forward_hook(self._post_forward)
 
-    def neighbor(self, step):  # the unit `step` places later in execution order, or None
-        i, units = self.index + step, self.fsdp.units
-        return units[i] if 0 <= i < len(units) else None
-
-    # ---- gather / free ----------------------------------------------------------------------
-    def gather_async(self):
-        """Issue this unit's all-gather (returns at once on GPUs; gloo runs it in a thread)."""
-        if self.gathered or self.inflight is not None:
-            return
+    def gather(self, wait=True):
+        """Issue this unit's all-gather unless it is in flight (wait=False, a prefetch, stops here:
+        on GPUs it returns at once, gloo runs it in a thread), wait for it, copy each tensor out."""
         fsdp = self.fsdp
-        # On the side stream (CUDA), after the optimizer's last update of the masters: the
-        # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
-        with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
-            send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
-            for s in self.adapters:  # the fp32 masters cast into the compute dtype
-                send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
-            out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
-            self.inflight = (_all_gather(out, send, fsdp.group), out)
-
-    def gather(self):
-        """Make the full weights available: wait for the all-gather and copy each tensor out."""
         if self.gathered:
             return
-        self.gather_async()
+        if self.inflight is None:
+            # On the side stream (CUDA), after the optimizer's last update of the masters: the
+            # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
+            with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
+                send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
+                for s in self.adapters:  # the fp32 masters cast into the compute dtype
+                    send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
+                out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
+                self.inflight = (_collective(out, send, fsdp.group), out)
+        if not wait:
+            return
         (work, out), self.inflight = self.inflight, None
-        self.fsdp.wait(work, "fsdp::wait_all_gather")
+        fsdp.wait(work, "fsdp::wait_all_gather")
         if out.is_cuda:  # made on the side stream, read on this one: not reused before that
             out.record_stream(torch.cuda.current_stream(out.device))
-        out = out.view(self.fsdp.world, self.unit_bytes)
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
-            for s in self.frozen + self.adapters:
+            for s in self.frozen + self.adapters:  # out (world, unit_bytes): a column slice per tensor
                 s.full.untyped_storage().resize_(s.padded.nbytes)
-                s.padded.copy_(out[:, s.offset:s.offset + s.nbytes].view(s.dtype))
+                s.padded.copy_(out.view(fsdp.world, -1)[:, s.offset:s.offset + s.nbytes].view(s.dtype))
         self.gathered = True
 
     def free(self):
@@ -720,19 +689,15 @@ class ShardedUnit:
             s.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    # ---- hooks --------------------------------------------------------------------------------
     def _pre_forward(self, module, args):
         self.gather()
         if self.in_backward:  # activation checkpointing recomputes the forward inside backward
             return args
-        nxt = self.neighbor(+1)
-        if nxt is not None:
-            nxt.gather_async()  # prefetch: its all-gather overlaps this unit's compute
+        if self.index + 1 < len(self.fsdp.units):
+            self.fsdp.units[self.index + 1].gather(wait=False)  # prefetch: it overlaps this unit's compute
         x = args[0]
         if torch.is_grad_enabled():
-            # post-backward fires when every adapter has its gradient AND the input's is done
-            # (if the input needs one): then no backward op of this unit needs its weights.
-            self.pending = len(self.adapters) + int(x.requires_grad)
+            self.pending = len(self.adapters) + int(x.requires_grad)  # arrivals before post-backward
             if x.requires_grad:
                 x = _Boundary.apply(x, self._arrive)
         return (x,) + tuple(args[1:])
@@ -749,56 +714,41 @@ class ShardedUnit:
     def _pre_backward(self):
         self.in_backward = True
         self.gather()
-        prev = self.neighbor(-1)
-        if prev is not None and prev.pending > 0:
-            prev.gather_async()  # prefetch the unit whose backward comes next
+        if self.index > 0 and self.fsdp.units[self.index - 1].pending > 0:
+            self.fsdp.units[self.index - 1].gather(wait=False)  # prefetch the unit whose backward is next
 
     def _arrive(self):
+        """An adapter's gradient or the input's arrived. At the last (post-backward): reduce-scatter
+        the adapter gradients (fp32, averaged over ranks) and free the weights."""
         self.pending -= 1
-        if self.pending == 0:
-            self._post_backward()
-
-    def _post_backward(self):
-        """Reduce-scatter the adapter gradients (fp32, averaged over ranks), free the weights."""
+        if self.pending > 0:
+            return
         fsdp = self.fsdp
         if self.adapters:
-            # Each gradient zero padded and viewed (world, shard_numel), side by side: row r holds
-            # rank r's pieces in its master's layout.
-            rows = []
+            rows = []  # each gradient zero padded, (world, shard_numel): row r is rank r's piece
             for s in self.adapters:
-                g = s.full.grad.reshape(-1).float()
-                rows.append(F.pad(g, (0, s.padded.numel() - s.numel)).view(fsdp.world, -1))
+                rows.append(F.pad(s.full.grad.flatten().float(), (0, s.padded.numel() - s.numel)).view(fsdp.world, -1))
                 s.full.grad = None
-            send = torch.cat(rows, dim=1)  # (world, master numel)
+            send = torch.cat(rows, dim=1)  # (world, master numel): row r in the layout of rank r's master
             out = torch.empty(send.shape[1], dtype=torch.float32, device=fsdp.device)
             with torch.profiler.record_function("fsdp::reduce_scatter"):
-                work = _reduce_scatter_avg(out, send.view(-1), fsdp.group)
+                work = _collective(out, send.view(-1), fsdp.group, reduce_scatter=True)
             self.reduction = (work, out, send)  # send stays alive until the collective is done
         self.in_backward = False
         self.free()
 
 
 class FSDP:
-    """Shards a model's units over the ranks of `group`: units = [(name, module whose hooks run
-    it, [(prefix, module), ...])] in execution order. Its public surface, all a trainer or a
-    checkpoint needs:
-      parameters()                 each unit's flat fp32 master adapter shard, for the optimizer
-      finish_backward()            after loss.backward(): gradient shards into the masters' .grad
-      clip_grad_norm_(max_norm)    global-norm clipping over the shards of every rank
-      load_full(name, tensor)      keep this rank's pieces of one full parameter (a checkpoint's)
-      full_base()                  collective: (name, full tensor) of every frozen parameter
-      full_adapters(), full_optimizer_state(opt), load_full_state(...): the trainable state in
-                                   full, as any world size can save and resume it
-      base_shapes(), adapter_shapes(), local_bytes(), reshard(), take_comm_wait_s()"""
+    """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
+    over `group`. The optimizer steps parameters(), a flat fp32 master shard per unit; finish_backward()
+    fills their .grad. full_* and load_full* are collectives: the state in full, as any world size has it."""
 
     def __init__(self, units, device, compute_dtype, offload=False, group=None):
         self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
         self.store_device = torch.device("cpu") if offload else device
-        self.comm_wait_s, self.wait_events = 0.0, []
-        # CUDA: collectives and host copies are issued on a side stream so they overlap the
-        # compute stream; on the CPU there are no streams (None) and the same code runs in order.
+        self.waits = []  # (start, end) of each wait on a collective: CUDA events, or host seconds
+        # CUDA: collectives and host copies go on a side stream, to overlap compute; the CPU runs them in order
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # The last unit is needed again at once by backward: it stays gathered (as in torchtitan).
         self.units = [ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=i < len(units) - 1)
@@ -807,33 +757,29 @@ class FSDP:
         self.param_of = {p.fqn: p for u in self.units for p in u.params}
 
     def parameters(self):
-        """What the optimizer steps: each unit's flat fp32 master shard."""
         return [u.master for u in self.trained]
 
+    def _now(self):  # a point in time: a CUDA event on the compute stream, or the host's clock
+        if self.side_stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def wait(self, work, label):
-        """Wait for a collective (on the side stream). On CUDA this returns at once and makes the
-        compute stream wait (NCCL's wait() does not block the host): events on the compute stream
-        around it time that stall. On the CPU the host itself waits: its clock times it."""
+        """Wait for a collective issued on the side stream. On CUDA the host does not block (nor does
+        NCCL's wait()): the compute stream waits, timed by events on it; on the CPU the host waits."""
         with torch.profiler.record_function(label):
-            if self.side_stream is None:
-                t0 = time.perf_counter()
-                if work is not None:
-                    work.wait()
-                self.comm_wait_s += time.perf_counter() - t0
-                return
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = self._now()
             if work is not None:
                 work.wait()
-            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-            end.record()
-            self.wait_events.append((start, end))
+            if self.side_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            self.waits.append((start, self._now()))
 
     def take_comm_wait_s(self):
-        """Seconds the compute stream (or host) waited on collectives since the last call; call
-        it after the device is synchronized."""
-        s = self.comm_wait_s + sum(a.elapsed_time(b) for a, b in self.wait_events) / 1000
-        self.comm_wait_s, self.wait_events = 0.0, []
+        """Seconds waited on collectives since the last call (call it once the device is synchronized)."""
+        s, self.waits = sum(b - a if isinstance(a, float) else a.elapsed_time(b) / 1000 for a, b in self.waits), []
         return s
 
     def finish_backward(self):
@@ -841,24 +787,21 @@ class FSDP:
         (fp32). With offload the shards go to pinned host memory, all queued before one wait."""
         arrived = []
         for u in self.units:
-            if u.reduction is None:
-                continue
-            (work, grad, _), u.reduction = u.reduction, None
-            self.wait(work, "fsdp::wait_reduce_scatter")
-            arrived.append((u, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
+            if u.in_backward or u.pending > 0:  # every unit that joined this backward has finished it
+                raise RuntimeError(f"unit {u.name} did not finish its backward")
+            if u.reduction is not None:
+                (work, grad, _), u.reduction = u.reduction, None
+                self.wait(work, "fsdp::wait_reduce_scatter")
+                arrived.append((u, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
         for u, grad in arrived:  # accumulated over the micro-batches of a step
             u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
-        for u in self.units:  # every unit that joined this backward has finished it
-            if u.in_backward or u.pending > 0:
-                raise RuntimeError(f"unit {u.name} did not finish its backward")
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the global L2 norm: the shards' squared norms (padding is 0), summed over ranks."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.store_device)]
-        sq = torch.stack(norms).square().sum()
+        sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
         if dist.is_initialized():
             sq = sq.to(self.device)
             dist.all_reduce(sq, group=self.group)
@@ -880,24 +823,21 @@ class FSDP:
         """{name: full fp32 tensor, on the host} of a unit's adapters, from a tensor laid out
         like its master on every rank (the master, its gradient, an AdamW moment)."""
         out = torch.empty(self.world * flat.numel(), dtype=torch.float32, device=self.device)
-        work = _all_gather(out, flat.detach().to(self.device, torch.float32), self.group)
+        work = _collective(out, flat.detach().to(self.device, torch.float32), self.group)
         if work is not None:
             work.wait()
         out = out.view(self.world, -1)  # (world, master numel): an adapter's pieces in its columns
         return {s.name: out[:, s.start:s.start + s.shard_numel].reshape(-1)[:s.numel].view(s.shape).cpu()
                 for s in unit.adapters}
 
-    def _local_flat(self, unit, full):
-        """Inverse: this rank's pieces of a unit's full adapters {name: tensor}, laid out like its master."""
+    def _local_flat(self, unit, full):  # inverse: this rank's pieces of {name: full adapter}, as the master
         return torch.cat([s.piece(full[s.name]) for s in unit.adapters]).to(unit.master.device, torch.float32)
 
     def full_adapters(self):
-        """{name: full fp32 adapter} on every rank."""
         return {k: v for u in self.trained for k, v in self._gather_full(u, u.master).items()}
 
     def full_optimizer_state(self, optimizer):
-        """({name: {exp_avg, exp_avg_sq}} in full, AdamW's step count): a checkpoint that any
-        world size can resume from."""
+        """({name: {exp_avg, exp_avg_sq}} in full, AdamW's step count)."""
         moments, step = {}, 0
         for u in self.trained:
             state = optimizer.state.get(u.master, {})
@@ -912,14 +852,10 @@ class FSDP:
         for u in self.trained:
             u.master.data.copy_(self._local_flat(u, adapters))
             if optimizer is not None and step > 0:
-                state = dict(step=step)
-                for k in ("exp_avg", "exp_avg_sq"):
-                    state[k] = self._local_flat(u, {name: m[k] for name, m in moments.items()})
-                optimizer.state[u.master] = state
+                full = {k: {n: m[k] for n, m in moments.items()} for k in ("exp_avg", "exp_avg_sq")}
+                optimizer.state[u.master] = dict(step=step, **{k: self._local_flat(u, v) for k, v in full.items()})
 
-    def load_full(self, fqn, tensor):
-        """Keep this rank's pieces of one full frozen parameter, given in the form the model holds
-        it (a tensor subclass as such: each inner tensor is split)."""
+    def load_full(self, fqn, tensor):  # a full frozen parameter, in the model's form: keep this rank's pieces
         self.param_of[fqn].keep(tensor)
 
     def full_base(self):
@@ -929,24 +865,20 @@ class FSDP:
             yield from ((p.fqn, getattr(p.module, p.attr)) for p in u.params if not p.trainable)
             u.free()
 
-    def base_shapes(self):
-        """{name: shape} of every frozen weight, as a Hugging Face checkpoint names them."""
+    def base_shapes(self):  # of every frozen weight, as a Hugging Face checkpoint names them
         return {fqn: p.shape for fqn, p in self.param_of.items() if not p.trainable}
 
     def adapter_shapes(self):
         return {s.name: s.shape for u in self.units for s in u.adapters}
 
-    def local_bytes(self):
-        """Bytes this rank keeps between steps: shard bytes + fp32 master adapters."""
+    def local_bytes(self):  # kept between steps: shard bytes + fp32 master adapters
         return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.units)
 
 
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
-    """While active, the tensor autograd saves that is `self.input` -- a checkpointed block's
-    input, the one thing checkpointing keeps of a block -- is copied to host memory (pinned, on
-    `stream`) and brought back to its device when backward recomputes the block. Only what
-    autograd saves is touched: the gradient that flows through the block stays on the device.
-    On the CPU (stream None) the same copies run in order."""
+    """While active, the saved tensor that is `self.input` -- a checkpointed block's input, all that
+    checkpointing keeps of it -- is copied to host memory (pinned, on `stream`) and brought back when
+    backward recomputes the block; the gradient through the block stays on the device."""
 
     def __init__(self, stream=None):
         self.stream, self.input = stream, None
@@ -973,64 +905,41 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # -----------------------------------------------------------------------------
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
-# torch.optim.AdamW over FSDP2's DTensor parameters pays Python + DTensor dispatch per tensor
-# per op. Shards here are plain tensors, and FSDP above hands over one flat shard per unit
-# (Llama-2-7B: 32 tensors instead of 448), so each update below is one foreach call over a few
-# tensors (Loshchilov & Hutter 2019, decoupled weight decay):
+# torch.optim.AdamW over FSDP2's DTensors pays Python + DTensor dispatch per tensor per op; FSDP above
+# hands over one flat shard per unit (Llama-2-7B: 32 tensors instead of 448), so each update below is
+# one foreach call over a few tensors (Loshchilov & Hutter 2019, decoupled weight decay):
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-# The update is 8 foreach passes over p, g, m, v. Over all tensors at once each pass streams every
-# array from memory again; on the CPU the tensors are instead taken a cache-sized chunk at a time,
-# so later passes find them in cache. On a GPU every pass is one kernel launch per chunk, so there
-# all tensors are one chunk.
+# On the CPU these 8 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later
+# passes find them in cache; on a GPU, a kernel launch per pass and chunk, all tensors are one chunk.
 ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: one chunk
-
-
-def _chunks(params, chunk_bytes):
-    """Split params into consecutive lists of about chunk_bytes each."""
-    chunk = []
-    for p in params:
-        chunk.append(p)
-        if sum(q.nbytes for q in chunk) >= chunk_bytes:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.scratch = torch.empty(0)  # room for one chunk's sqrt(v); not state: nothing to save
-
-    def _scratch_like(self, tensors):
-        """Views shaped like `tensors` into one buffer kept between steps. A fresh allocation per
-        chunk would cost, on the CPU, a page fault per 4 KiB (glibc maps big blocks anew)."""
-        n = sum(t.numel() for t in tensors)
-        if self.scratch.numel() < n or self.scratch.device != tensors[0].device:
-            self.scratch = torch.empty(n, dtype=tensors[0].dtype, device=tensors[0].device)
-        views = self.scratch[:n].split([t.numel() for t in tensors])
-        return [v.view_as(t) for v, t in zip(views, tensors)]
+        # sqrt(v) of a chunk, kept between steps: a fresh buffer per chunk costs a page fault per 4 KiB on the CPU
+        self.scratch = torch.empty(0)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self):
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+            chunks, nbytes = [[]], 0  # consecutive params, about ADAM_CHUNK_BYTES each
             for p in params:
                 if not self.state[p]:
                     self.state[p] = dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 self.state[p]["step"] += 1
+                if nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf):
+                    chunks, nbytes = chunks + [[]], 0
+                chunks[-1].append(p)
+                nbytes += p.nbytes
+            if not params:
+                continue
             step = self.state[params[0]]["step"]  # parameters of a group step together
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            bias_correction1 = 1 - beta1**step
-            bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-            for chunk in _chunks(params, ADAM_CHUNK_BYTES.get(params[0].device.type, math.inf)):
+            c1, c2 = 1 - beta1**step, math.sqrt(1 - beta2**step)  # bias corrections of m and sqrt(v)
+            for chunk in chunks:
                 grads = [p.grad for p in chunk]
                 exp_avgs = [self.state[p]["exp_avg"] for p in chunk]
                 exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in chunk]
@@ -1039,15 +948,15 @@ class AdamW(torch.optim.Optimizer):
                 torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
                 torch._foreach_mul_(exp_avg_sqs, beta2)
                 torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-                # The bias correction of v is folded into the constants, one pass fewer than
-                # dividing by it:  m / (sqrt(v) / c2 + eps) = c2 * m / (sqrt(v) + eps * c2),
-                # c2 = sqrt(1 - b2^t).
-                denom = self._scratch_like(exp_avg_sqs)
+                # c2 folded into the constants, one pass fewer: m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2)
+                sizes = [v.numel() for v in exp_avg_sqs]
+                if self.scratch.numel() < sum(sizes) or self.scratch.device != chunk[0].device:
+                    self.scratch = torch.empty(sum(sizes), dtype=chunk[0].dtype, device=chunk[0].device)
+                denom = [d.view_as(v) for d, v in zip(self.scratch[:sum(sizes)].split(sizes), exp_avg_sqs)]
                 torch._foreach_copy_(denom, exp_avg_sqs)
                 torch._foreach_sqrt_(denom)
-                torch._foreach_add_(denom, eps * bias_correction2_sqrt)
-                torch._foreach_addcdiv_(chunk, exp_avgs, denom, -lr * bias_correction2_sqrt / bias_correction1)
-        return loss
+                torch._foreach_add_(denom, eps * c2)
+                torch._foreach_addcdiv_(chunk, exp_avgs, denom, -lr * c2 / c1)
 
 
 # -----------------------------------------------------------------------------
