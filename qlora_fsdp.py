@@ -922,7 +922,8 @@ class AdamW(torch.optim.Optimizer):
         self.scratch = torch.empty(0)
 
     @torch.no_grad()
-    def step(self):
+    def step(self, closure=None):  # closure: as every torch.optim optimizer takes it
+        loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
             chunks, nbytes = [[]], 0  # consecutive params, about ADAM_CHUNK_BYTES each
@@ -957,6 +958,7 @@ class AdamW(torch.optim.Optimizer):
                 torch._foreach_sqrt_(denom)
                 torch._foreach_add_(denom, eps * c2)
                 torch._foreach_addcdiv_(chunk, exp_avgs, denom, -lr * c2 / c1)
+        return loss
 
 
 # -----------------------------------------------------------------------------
