@@ -502,50 +502,41 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every
-# tensor of a unit -- each inner tensor of an NF4 weight, each frozen bf16 weight, each fp32
-# adapter -- is flattened and split into `world` equal pieces like torch.chunk, the last zero
-# padded; rank r keeps piece r, in the tensor's own dtype (FSDP2 splits dim 0 of each parameter;
-# splitting the flat tensor is the same row-major order and works for any shape, scalars and
-# tensors smaller than the world included). A unit's pieces sit side by side in one byte buffer,
-# so one collective moves the whole unit:
+# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every tensor of a unit -- each
+# inner tensor of an NF4 weight, each frozen weight, each adapter -- is flattened and split into `world` pieces like
+# torch.chunk, the last zero padded; rank r keeps piece r in the tensor's dtype (FSDP2 splits dim 0: the same order,
+# but a flat split takes any shape). One collective moves a unit's pieces, side by side in one byte buffer:
 #
 #   rank 0 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]   (unit_bytes)
 #   rank 1 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]
 #        \__ all-gather __/
-#   gathered (world, unit_bytes) -> column slice of one tensor viewed as its dtype:
-#        (world, shard_numel) -> copied into that tensor's padded full storage -> used by forward
+#   gathered (world, unit_bytes) -> a column slice per tensor, viewed as its dtype (world, shard_numel)
+#        -> copied into the tensor's padded full storage -> used by forward
 #
-# Lifetime of a unit's full weights, forward then backward:
+# Lifetime of a unit's full weights:
 #   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's
-#   forward:       compute (with activation checkpointing only the unit's input is kept)
-#   post-forward:  free the full weights (storage resized to 0; the tensors stay as shells)
-#   pre-backward:  all-gather again (a boundary hook on the unit's output), prefetch the previous unit
-#   backward:      recompute the forward, then backward; adapter gradients land on full tensors
+#   post-forward:  free them (storage resized to 0; the tensors stay as shells)
+#   pre-backward:  all-gather again (a hook on the unit's output), prefetch the previous unit
+#   backward:      recompute the forward (checkpointing), backward; adapter grads land on full tensors
 #   post-backward: once every adapter has its gradient and the unit's input gradient is done:
-#                  one reduce-scatter (fp32, averaged) of all adapter gradients, free the weights
-# Frozen tensors never get gradients; only adapters travel back. With CPU offload the shard
-# bytes, fp32 master adapters, their gradients and the optimizer live on the host: shards go to
-# the GPU just before the all-gather and gradient shards come back after the reduce-scatter.
-# (FSDP1 flattened a unit into one FlatParameter of one dtype; FSDP2 keeps each parameter as a
-# DTensor, whose dispatch every optimizer op pays. Here shards are plain tensors.)
+#                  one reduce-scatter (fp32, averaged) of the adapter gradients, free the weights
+# CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. (FSDP1 flattened a unit into
+# one FlatParameter of one dtype; FSDP2 keeps DTensors, whose dispatch each optimizer op pays; here: plain tensors.)
 
 ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
 
 
 class _Slot:
-    """One tensor of a unit, sharded: pieces of shard_numel elements, this rank's kept between
-    steps (`local`), and the full tensor, whose storage exists only while the unit is gathered."""
+    """One tensor of a unit, sharded: `world` pieces of shard_numel elements, this rank's kept
+    (`local`), and the full tensor, whose storage exists only while the unit is gathered."""
 
     def __init__(self, name, tensor, dtype, fsdp):
         world, dev = fsdp.world, fsdp.device
         self.name, self.shape, self.dtype, self.rank = name, tuple(tensor.shape), dtype, fsdp.rank
-        self.numel = tensor.numel()
-        self.shard_numel = -(-self.numel // world)  # ceil
+        self.numel, self.shard_numel = tensor.numel(), -(-tensor.numel() // world)  # ceil
         self.nbytes = self.shard_numel * dtype.itemsize
-        # `full` (shape) and `padded` (world, shard_numel) on one storage, which the all-gather
-        # fills through `padded`. Two tensors, not views, so that writing one does not bump the
-        # version counter autograd checks on the other.
+        # `full` (shape) and `padded` (world, shard_numel) on one storage, filled through `padded`;
+        # two tensors, not views, so writing one does not bump the version autograd checks on the other.
         storage = torch.empty(world * self.shard_numel, dtype=dtype, device=dev).untyped_storage()
         self.full = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, self.shape)
         self.padded = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, (world, self.shard_numel))
@@ -559,9 +550,9 @@ class _Slot:
 
 
 class _Param:
-    """A module's parameter, as slots: one for a plain tensor (an adapter's in the compute dtype),
-    one per inner tensor for a wrapper tensor subclass (an NF4 weight, say; always frozen), each
-    in its own dtype, taken apart by __tensor_flatten__ and rebuilt by __tensor_unflatten__."""
+    """A module's parameter as slots: one for a plain tensor (an adapter's, in the compute dtype),
+    one per inner tensor, in its own dtype, for a wrapper tensor subclass (an NF4 weight, say;
+    always frozen), taken apart by __tensor_flatten__ and rebuilt by __tensor_unflatten__."""
 
     def __init__(self, fqn, module, attr, p, fsdp):
         self.fqn, self.module, self.attr, self.shape = fqn, module, attr, tuple(p.shape)
@@ -569,8 +560,7 @@ class _Param:
         self.trainable = p.requires_grad and not subclass
         if subclass:
             inner, ctx = p.__tensor_flatten__()
-            cls, stride = type(p), p.stride()
-            names = [f"{fqn}.{n}" for n in inner]
+            names, cls, stride = [f"{fqn}.{n}" for n in inner], type(p), p.stride()  # the lambdas must not keep p alive
             self.flatten = lambda t: [getattr(t, n) for n in inner]
             self.unflatten = lambda full: cls.__tensor_unflatten__(dict(zip(inner, full)), ctx, self.shape, stride)
         else:
@@ -578,8 +568,7 @@ class _Param:
         self.slots = [_Slot(n, t, fsdp.compute_dtype if self.trainable else t.dtype, fsdp)
                       for n, t in zip(names, self.flatten(p))]
 
-    def keep(self, full):
-        """Keep this rank's pieces of a full tensor in this parameter's form (a subclass as such)."""
+    def keep(self, full):  # a full tensor in this parameter's form (a subclass as such): keep this rank's pieces
         for s, t in zip(self.slots, self.flatten(full)):
             s.local.copy_(s.piece(t))
 
@@ -599,25 +588,17 @@ class _Boundary(torch.autograd.Function):
         return grad, None
 
 
-# The two collectives, issued asynchronously: each returns its work to wait for. Without a
-# process group (world size 1) each is the copy it amounts to, so one code path serves every
-# world size. torch >= 2.13 names them *_single; older releases *_into_tensor and *_tensor.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def _all_gather(out, inp, group):  # out (world * n,): every rank's inp (n,), rank after rank
+def _collective(out, inp, group, reduce_scatter=False):
+    """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter,
+    out (n,) = rank r's piece of the mean of inp (world * n,); return its work. World 1: a copy."""
     if not dist.is_initialized():
         out.copy_(inp)
         return None
-    return _all_gather_single(out, inp, group=group, async_op=True)
-
-
-def _reduce_scatter_avg(out, inp, group):  # out (n,): rank r's piece of the mean over ranks of inp (world * n,)
-    if not dist.is_initialized():
-        out.copy_(inp)
-        return None
-    return _reduce_scatter_single(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    if reduce_scatter:
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+        return fn(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=True)
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, inp, group=group, async_op=True)
 
 
 @contextlib.contextmanager
@@ -631,7 +612,7 @@ def _side(stream):
 
 
 def _to_host(t, stream):
-    """A copy of t in host memory, made on the side stream; pinned when t is on a GPU, so that the
+    """A copy of t in host memory, made on the side stream: pinned when t is on a GPU, so that the
     copy is asynchronous, and t's memory is not reused before the copy has read it."""
     with _side(stream):
         if t.is_cuda:
@@ -649,8 +630,7 @@ class ShardedUnit:
                        for attr, p in mod._parameters.items()]
         self.frozen = [s for p in self.params if not p.trainable for s in p.slots]
         self.adapters = [p.slots[0] for p in self.params if p.trainable]
-        # This rank's shard bytes: the frozen tensors' pieces, then room for the adapters' (cast
-        # from the fp32 master into the compute dtype before each all-gather), each aligned.
+        # This rank's shard bytes: frozen pieces, then room for the adapters' (cast from the masters)
         self.unit_bytes = 0
         for s in self.frozen + self.adapters:
             s.offset, self.unit_bytes = self.unit_bytes, self.unit_bytes + -(-s.nbytes // ALIGN) * ALIGN
@@ -658,11 +638,8 @@ class ShardedUnit:
         self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin)
         for s in self.frozen:
             s.local = self.shard_bytes[s.offset:s.offset + s.nbytes].view(s.dtype)
-        # fp32 master adapters: this rank's pieces side by side in one flat tensor, which is what
-        # the optimizer steps: one tensor per unit, not one per adapter, as every optimizer op
-        # pays a dispatch per tensor. The reduce-scatter's output has the same layout, so it
-        # becomes the gradient as it arrives. Padding stays 0 under AdamW: zero gradient, zero
-        # moments, zero update, and decay keeps 0 at 0.
+        # fp32 master adapters: this rank's pieces in one flat tensor (one optimizer tensor per unit), laid
+        # out as the reduce-scatter's output, its gradient. Padding stays 0 under AdamW (0 gradient and moments).
         n = sum(s.shard_numel for s in self.adapters)
         self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
         start = 0
@@ -680,39 +657,31 @@ class ShardedUnit:
         hook_module.register_forward_pre_hook(self._pre_forward)
         hook_module.register_forward_hook(self._post_forward)
 
-    def neighbor(self, step):  # the unit `step` places later in execution order, or None
-        i, units = self.index + step, self.fsdp.units
-        return units[i] if 0 <= i < len(units) else None
-
-    # ---- gather / free ----------------------------------------------------------------------
-    def gather_async(self):
-        """Issue this unit's all-gather (returns at once on GPUs; gloo runs it in a thread)."""
-        if self.gathered or self.inflight is not None:
-            return
+    def gather(self, wait=True):
+        """Issue this unit's all-gather unless it is in flight (wait=False, a prefetch, stops here:
+        on GPUs it returns at once, gloo runs it in a thread), wait for it, copy each tensor out."""
         fsdp = self.fsdp
-        # On the side stream (CUDA), after the optimizer's last update of the masters: the
-        # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
-        with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
-            send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
-            for s in self.adapters:  # the fp32 masters cast into the compute dtype
-                send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
-            out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
-            self.inflight = (_all_gather(out, send, fsdp.group), out)
-
-    def gather(self):
-        """Make the full weights available: wait for the all-gather and copy each tensor out."""
         if self.gathered:
             return
-        self.gather_async()
+        if self.inflight is None:
+            # On the side stream (CUDA), after the optimizer's last update of the masters: the
+            # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
+            with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
+                send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
+                for s in self.adapters:  # the fp32 masters cast into the compute dtype
+                    send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
+                out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
+                self.inflight = (_collective(out, send, fsdp.group), out)
+        if not wait:
+            return
         (work, out), self.inflight = self.inflight, None
-        self.fsdp.wait(work, "fsdp::wait_all_gather")
+        fsdp.wait(work, "fsdp::wait_all_gather")
         if out.is_cuda:  # made on the side stream, read on this one: not reused before that
             out.record_stream(torch.cuda.current_stream(out.device))
-        out = out.view(self.fsdp.world, self.unit_bytes)
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
-            for s in self.frozen + self.adapters:
+            for s in self.frozen + self.adapters:  # out (world, unit_bytes): a column slice per tensor
                 s.full.untyped_storage().resize_(s.padded.nbytes)
-                s.padded.copy_(out[:, s.offset:s.offset + s.nbytes].view(s.dtype))
+                s.padded.copy_(out.view(fsdp.world, -1)[:, s.offset:s.offset + s.nbytes].view(s.dtype))
         self.gathered = True
 
     def free(self):
@@ -720,19 +689,15 @@ class ShardedUnit:
             s.full.untyped_storage().resize_(0)
         self.gathered = False
 
-    # ---- hooks --------------------------------------------------------------------------------
     def _pre_forward(self, module, args):
         self.gather()
         if self.in_backward:  # activation checkpointing recomputes the forward inside backward
             return args
-        nxt = self.neighbor(+1)
-        if nxt is not None:
-            nxt.gather_async()  # prefetch: its all-gather overlaps this unit's compute
+        if self.index + 1 < len(self.fsdp.units):
+            self.fsdp.units[self.index + 1].gather(wait=False)  # prefetch: it overlaps this unit's compute
         x = args[0]
         if torch.is_grad_enabled():
-            # post-backward fires when every adapter has its gradient AND the input's is done
-            # (if the input needs one): then no backward op of this unit needs its weights.
-            self.pending = len(self.adapters) + int(x.requires_grad)
+            self.pending = len(self.adapters) + int(x.requires_grad)  # arrivals before post-backward
             if x.requires_grad:
                 x = _Boundary.apply(x, self._arrive)
         return (x,) + tuple(args[1:])
@@ -749,56 +714,41 @@ class ShardedUnit:
     def _pre_backward(self):
         self.in_backward = True
         self.gather()
-        prev = self.neighbor(-1)
-        if prev is not None and prev.pending > 0:
-            prev.gather_async()  # prefetch the unit whose backward comes next
+        if self.index > 0 and self.fsdp.units[self.index - 1].pending > 0:
+            self.fsdp.units[self.index - 1].gather(wait=False)  # prefetch the unit whose backward is next
 
     def _arrive(self):
+        """An adapter's gradient or the input's arrived. At the last (post-backward): reduce-scatter
+        the adapter gradients (fp32, averaged over ranks) and free the weights."""
         self.pending -= 1
-        if self.pending == 0:
-            self._post_backward()
-
-    def _post_backward(self):
-        """Reduce-scatter the adapter gradients (fp32, averaged over ranks), free the weights."""
+        if self.pending > 0:
+            return
         fsdp = self.fsdp
         if self.adapters:
-            # Each gradient zero padded and viewed (world, shard_numel), side by side: row r holds
-            # rank r's pieces in its master's layout.
-            rows = []
+            rows = []  # each gradient zero padded, (world, shard_numel): row r is rank r's piece
             for s in self.adapters:
-                g = s.full.grad.reshape(-1).float()
-                rows.append(F.pad(g, (0, s.padded.numel() - s.numel)).view(fsdp.world, -1))
+                rows.append(F.pad(s.full.grad.flatten().float(), (0, s.padded.numel() - s.numel)).view(fsdp.world, -1))
                 s.full.grad = None
-            send = torch.cat(rows, dim=1)  # (world, master numel)
+            send = torch.cat(rows, dim=1)  # (world, master numel): row r in the layout of rank r's master
             out = torch.empty(send.shape[1], dtype=torch.float32, device=fsdp.device)
             with torch.profiler.record_function("fsdp::reduce_scatter"):
-                work = _reduce_scatter_avg(out, send.view(-1), fsdp.group)
+                work = _collective(out, send.view(-1), fsdp.group, reduce_scatter=True)
             self.reduction = (work, out, send)  # send stays alive until the collective is done
         self.in_backward = False
         self.free()
 
 
 class FSDP:
-    """Shards a model's units over the ranks of `group`: units = [(name, module whose hooks run
-    it, [(prefix, module), ...])] in execution order. Its public surface, all a trainer or a
-    checkpoint needs:
-      parameters()                 each unit's flat fp32 master adapter shard, for the optimizer
-      finish_backward()            after loss.backward(): gradient shards into the masters' .grad
-      clip_grad_norm_(max_norm)    global-norm clipping over the shards of every rank
-      load_full(name, tensor)      keep this rank's pieces of one full parameter (a checkpoint's)
-      full_base()                  collective: (name, full tensor) of every frozen parameter
-      full_adapters(), full_optimizer_state(opt), load_full_state(...): the trainable state in
-                                   full, as any world size can save and resume it
-      base_shapes(), adapter_shapes(), local_bytes(), reshard(), take_comm_wait_s()"""
+    """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
+    over `group`. The optimizer steps parameters(), a flat fp32 master shard per unit; finish_backward()
+    fills their .grad. full_* and load_full* are collectives: the state in full, as any world size has it."""
 
     def __init__(self, units, device, compute_dtype, offload=False, group=None):
         self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
         self.store_device = torch.device("cpu") if offload else device
-        self.comm_wait_s, self.wait_events = 0.0, []
-        # CUDA: collectives and host copies are issued on a side stream so they overlap the
-        # compute stream; on the CPU there are no streams (None) and the same code runs in order.
+        self.waits = []  # (start, end) of each wait on a collective: CUDA events, or host seconds
+        # CUDA: collectives and host copies go on a side stream, to overlap compute; the CPU runs them in order
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         # The last unit is needed again at once by backward: it stays gathered (as in torchtitan).
         self.units = [ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=i < len(units) - 1)
@@ -807,33 +757,29 @@ class FSDP:
         self.param_of = {p.fqn: p for u in self.units for p in u.params}
 
     def parameters(self):
-        """What the optimizer steps: each unit's flat fp32 master shard."""
         return [u.master for u in self.trained]
 
+    def _now(self):  # a point in time: a CUDA event on the compute stream, or the host's clock
+        if self.side_stream is None:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
     def wait(self, work, label):
-        """Wait for a collective (on the side stream). On CUDA this returns at once and makes the
-        compute stream wait (NCCL's wait() does not block the host): events on the compute stream
-        around it time that stall. On the CPU the host itself waits: its clock times it."""
+        """Wait for a collective issued on the side stream. On CUDA the host does not block (nor does
+        NCCL's wait()): the compute stream waits, timed by events on it; on the CPU the host waits."""
         with torch.profiler.record_function(label):
-            if self.side_stream is None:
-                t0 = time.perf_counter()
-                if work is not None:
-                    work.wait()
-                self.comm_wait_s += time.perf_counter() - t0
-                return
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
+            start = self._now()
             if work is not None:
                 work.wait()
-            torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-            end.record()
-            self.wait_events.append((start, end))
+            if self.side_stream is not None:
+                torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+            self.waits.append((start, self._now()))
 
     def take_comm_wait_s(self):
-        """Seconds the compute stream (or host) waited on collectives since the last call; call
-        it after the device is synchronized."""
-        s = self.comm_wait_s + sum(a.elapsed_time(b) for a, b in self.wait_events) / 1000
-        self.comm_wait_s, self.wait_events = 0.0, []
+        """Seconds waited on collectives since the last call (call it once the device is synchronized)."""
+        s, self.waits = sum(b - a if isinstance(a, float) else a.elapsed_time(b) / 1000 for a, b in self.waits), []
         return s
 
     def finish_backward(self):
@@ -841,24 +787,21 @@ class FSDP:
         (fp32). With offload the shards go to pinned host memory, all queued before one wait."""
         arrived = []
         for u in self.units:
-            if u.reduction is None:
-                continue
-            (work, grad, _), u.reduction = u.reduction, None
-            self.wait(work, "fsdp::wait_reduce_scatter")
-            arrived.append((u, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
+            if u.in_backward or u.pending > 0:  # every unit that joined this backward has finished it
+                raise RuntimeError(f"unit {u.name} did not finish its backward")
+            if u.reduction is not None:
+                (work, grad, _), u.reduction = u.reduction, None
+                self.wait(work, "fsdp::wait_reduce_scatter")
+                arrived.append((u, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
         for u, grad in arrived:  # accumulated over the micro-batches of a step
             u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
-        for u in self.units:  # every unit that joined this backward has finished it
-            if u.in_backward or u.pending > 0:
-                raise RuntimeError(f"unit {u.name} did not finish its backward")
 
     def clip_grad_norm_(self, max_norm):
         """Clip by the global L2 norm: the shards' squared norms (padding is 0), summed over ranks."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norms = torch._foreach_norm(grads) if grads else [torch.zeros((), device=self.store_device)]
-        sq = torch.stack(norms).square().sum()
+        sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
         if dist.is_initialized():
             sq = sq.to(self.device)
             dist.all_reduce(sq, group=self.group)
@@ -880,24 +823,21 @@ class FSDP:
         """{name: full fp32 tensor, on the host} of a unit's adapters, from a tensor laid out
         like its master on every rank (the master, its gradient, an AdamW moment)."""
         out = torch.empty(self.world * flat.numel(), dtype=torch.float32, device=self.device)
-        work = _all_gather(out, flat.detach().to(self.device, torch.float32), self.group)
+        work = _collective(out, flat.detach().to(self.device, torch.float32), self.group)
         if work is not None:
             work.wait()
         out = out.view(self.world, -1)  # (world, master numel): an adapter's pieces in its columns
         return {s.name: out[:, s.start:s.start + s.shard_numel].reshape(-1)[:s.numel].view(s.shape).cpu()
                 for s in unit.adapters}
 
-    def _local_flat(self, unit, full):
-        """Inverse: this rank's pieces of a unit's full adapters {name: tensor}, laid out like its master."""
+    def _local_flat(self, unit, full):  # inverse: this rank's pieces of {name: full adapter}, as the master
         return torch.cat([s.piece(full[s.name]) for s in unit.adapters]).to(unit.master.device, torch.float32)
 
     def full_adapters(self):
-        """{name: full fp32 adapter} on every rank."""
         return {k: v for u in self.trained for k, v in self._gather_full(u, u.master).items()}
 
     def full_optimizer_state(self, optimizer):
-        """({name: {exp_avg, exp_avg_sq}} in full, AdamW's step count): a checkpoint that any
-        world size can resume from."""
+        """({name: {exp_avg, exp_avg_sq}} in full, AdamW's step count)."""
         moments, step = {}, 0
         for u in self.trained:
             state = optimizer.state.get(u.master, {})
@@ -912,14 +852,10 @@ class FSDP:
         for u in self.trained:
             u.master.data.copy_(self._local_flat(u, adapters))
             if optimizer is not None and step > 0:
-                state = dict(step=step)
-                for k in ("exp_avg", "exp_avg_sq"):
-                    state[k] = self._local_flat(u, {name: m[k] for name, m in moments.items()})
-                optimizer.state[u.master] = state
+                full = {k: {n: m[k] for n, m in moments.items()} for k in ("exp_avg", "exp_avg_sq")}
+                optimizer.state[u.master] = dict(step=step, **{k: self._local_flat(u, v) for k, v in full.items()})
 
-    def load_full(self, fqn, tensor):
-        """Keep this rank's pieces of one full frozen parameter, given in the form the model holds
-        it (a tensor subclass as such: each inner tensor is split)."""
+    def load_full(self, fqn, tensor):  # a full frozen parameter, in the model's form: keep this rank's pieces
         self.param_of[fqn].keep(tensor)
 
     def full_base(self):
@@ -929,24 +865,20 @@ class FSDP:
             yield from ((p.fqn, getattr(p.module, p.attr)) for p in u.params if not p.trainable)
             u.free()
 
-    def base_shapes(self):
-        """{name: shape} of every frozen weight, as a Hugging Face checkpoint names them."""
+    def base_shapes(self):  # of every frozen weight, as a Hugging Face checkpoint names them
         return {fqn: p.shape for fqn, p in self.param_of.items() if not p.trainable}
 
     def adapter_shapes(self):
         return {s.name: s.shape for u in self.units for s in u.adapters}
 
-    def local_bytes(self):
-        """Bytes this rank keeps between steps: shard bytes + fp32 master adapters."""
+    def local_bytes(self):  # kept between steps: shard bytes + fp32 master adapters
         return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.units)
 
 
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
-    """While active, the tensor autograd saves that is `self.input` -- a checkpointed block's
-    input, the one thing checkpointing keeps of a block -- is copied to host memory (pinned, on
-    `stream`) and brought back to its device when backward recomputes the block. Only what
-    autograd saves is touched: the gradient that flows through the block stays on the device.
-    On the CPU (stream None) the same copies run in order."""
+    """While active, the saved tensor that is `self.input` -- a checkpointed block's input, all that
+    checkpointing keeps of it -- is copied to host memory (pinned, on `stream`) and brought back when
+    backward recomputes the block; the gradient through the block stays on the device."""
 
     def __init__(self, stream=None):
         self.stream, self.input = stream, None
@@ -973,64 +905,42 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # -----------------------------------------------------------------------------
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
-# torch.optim.AdamW over FSDP2's DTensor parameters pays Python + DTensor dispatch per tensor
-# per op. Shards here are plain tensors, and FSDP above hands over one flat shard per unit
-# (Llama-2-7B: 32 tensors instead of 448), so each update below is one foreach call over a few
-# tensors (Loshchilov & Hutter 2019, decoupled weight decay):
+# torch.optim.AdamW over FSDP2's DTensors pays Python + DTensor dispatch per tensor per op; FSDP above
+# hands over one flat shard per unit (Llama-2-7B: 32 tensors instead of 448), so each update below is
+# one foreach call over a few tensors (Loshchilov & Hutter 2019, decoupled weight decay):
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-# The update is 8 foreach passes over p, g, m, v. Over all tensors at once each pass streams every
-# array from memory again; on the CPU the tensors are instead taken a cache-sized chunk at a time,
-# so later passes find them in cache. On a GPU every pass is one kernel launch per chunk, so there
-# all tensors are one chunk.
+# On the CPU these 8 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later
+# passes find them in cache; on a GPU, a kernel launch per pass and chunk, all tensors are one chunk.
 ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: one chunk
-
-
-def _chunks(params, chunk_bytes):
-    """Split params into consecutive lists of about chunk_bytes each."""
-    chunk = []
-    for p in params:
-        chunk.append(p)
-        if sum(q.nbytes for q in chunk) >= chunk_bytes:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
 
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        self.scratch = torch.empty(0)  # room for one chunk's sqrt(v); not state: nothing to save
-
-    def _scratch_like(self, tensors):
-        """Views shaped like `tensors` into one buffer kept between steps. A fresh allocation per
-        chunk would cost, on the CPU, a page fault per 4 KiB (glibc maps big blocks anew)."""
-        n = sum(t.numel() for t in tensors)
-        if self.scratch.numel() < n or self.scratch.device != tensors[0].device:
-            self.scratch = torch.empty(n, dtype=tensors[0].dtype, device=tensors[0].device)
-        views = self.scratch[:n].split([t.numel() for t in tensors])
-        return [v.view_as(t) for v, t in zip(views, tensors)]
+        # sqrt(v) of a chunk, kept between steps: a fresh buffer per chunk costs a page fault per 4 KiB on the CPU
+        self.scratch = torch.empty(0)
 
     @torch.no_grad()
-    def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def step(self, closure=None):  # closure: as every torch.optim optimizer takes it
+        loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
+            chunks, nbytes = [[]], 0  # consecutive params, about ADAM_CHUNK_BYTES each
             for p in params:
                 if not self.state[p]:
                     self.state[p] = dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 self.state[p]["step"] += 1
+                if nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf):
+                    chunks, nbytes = chunks + [[]], 0
+                chunks[-1].append(p)
+                nbytes += p.nbytes
+            if not params:
+                continue
             step = self.state[params[0]]["step"]  # parameters of a group step together
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            bias_correction1 = 1 - beta1**step
-            bias_correction2_sqrt = math.sqrt(1 - beta2**step)
-            for chunk in _chunks(params, ADAM_CHUNK_BYTES.get(params[0].device.type, math.inf)):
+            c1, c2 = 1 - beta1**step, math.sqrt(1 - beta2**step)  # bias corrections of m and sqrt(v)
+            for chunk in chunks:
                 grads = [p.grad for p in chunk]
                 exp_avgs = [self.state[p]["exp_avg"] for p in chunk]
                 exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in chunk]
@@ -1039,14 +949,15 @@ class AdamW(torch.optim.Optimizer):
                 torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
                 torch._foreach_mul_(exp_avg_sqs, beta2)
                 torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-                # The bias correction of v is folded into the constants, one pass fewer than
-                # dividing by it:  m / (sqrt(v) / c2 + eps) = c2 * m / (sqrt(v) + eps * c2),
-                # c2 = sqrt(1 - b2^t).
-                denom = self._scratch_like(exp_avg_sqs)
+                # c2 folded into the constants, one pass fewer: m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2)
+                sizes = [v.numel() for v in exp_avg_sqs]
+                if self.scratch.numel() < sum(sizes) or self.scratch.device != chunk[0].device:
+                    self.scratch = torch.empty(sum(sizes), dtype=chunk[0].dtype, device=chunk[0].device)
+                denom = [d.view_as(v) for d, v in zip(self.scratch[:sum(sizes)].split(sizes), exp_avg_sqs)]
                 torch._foreach_copy_(denom, exp_avg_sqs)
                 torch._foreach_sqrt_(denom)
-                torch._foreach_add_(denom, eps * bias_correction2_sqrt)
-                torch._foreach_addcdiv_(chunk, exp_avgs, denom, -lr * bias_correction2_sqrt / bias_correction1)
+                torch._foreach_add_(denom, eps * c2)
+                torch._foreach_addcdiv_(chunk, exp_avgs, denom, -lr * c2 / c1)
         return loss
 
 
@@ -1393,8 +1304,7 @@ def format_estimate(name, est, world, offload):
 # -----------------------------------------------------------------------------
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
-# then the raw little-endian bytes, offsets relative to the end of the header. Read here one
-# tensor at a time, every offset checked before a byte is used.
+# then the raw little-endian bytes, offsets relative to the end of the header.
 
 
 class UserError(Exception):
@@ -1402,7 +1312,6 @@ class UserError(Exception):
 
 
 def require(ok, message):
-    """Bad input is reported to the user (as a UserError), not asserted."""
     if not ok:
         raise UserError(message)
 
@@ -1428,14 +1337,14 @@ def read_json(path, raw=None, what="file"):
 
 
 class SafetensorsFile:
-    """The checked header of one .safetensors file: entries {name: (dtype, shape, begin, end)}."""
+    """The header of one .safetensors file, every offset checked before a byte is read:
+    entries {name: (dtype, shape, begin, end)}; get(name) reads one tensor."""
 
     def __init__(self, path):
         require(os.path.isfile(path), f"{path}: no such file")
         self.path, size = path, os.path.getsize(path)
         with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            # (a file shorter than 8 bytes fails here too)
+            n = int.from_bytes(f.read(8), "little")  # a file under 8 bytes fails the next check too
             require(8 + n <= size, f"{path}: header length {n} runs past the end of the file ({size} bytes)")
             header = read_json(path, f.read(n), what="header")
         header.pop("__metadata__", None)  # free-form strings, not a tensor
@@ -1458,9 +1367,8 @@ class SafetensorsFile:
             require(begin >= end, f"{path}: tensors {a} and {b} overlap in the file")
 
     def get(self, name):
-        """One tensor, read from the file into memory of its own."""
         dtype, shape, begin, end = self.entries[name]
-        raw = bytearray(end - begin)
+        raw = bytearray(end - begin)  # memory of its own, not a view of the file
         with open(self.path, "rb") as f:
             f.seek(self.data_start + begin)
             f.readinto(raw)
@@ -1475,10 +1383,6 @@ def atomic_write(path, write, mode="wb"):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-def write_json(path, obj):
-    atomic_write(path, lambda f: json.dump(obj, f, indent=2), "w")
 
 
 def save_safetensors(path, specs, get, metadata=None):
@@ -1532,17 +1436,9 @@ def config_to_hf(config, dtype):
     return {k: v for k, v in d.items() if v is not None}
 
 
-def read_config(path):
-    """The LlamaConfig of the Hugging Face directory `path`."""
-    require(os.path.isdir(path), f"--checkpoint {path}: no such directory")
-    config_json = os.path.join(path, "config.json")
-    return config_from_hf(read_json(config_json), config_json)
-
-
 def load_checkpoint(path, config, shapes, put):
-    """Stream every weight of a Hugging Face Llama directory (model.safetensors, or the shards
-    model.safetensors.index.json names) into put(name, tensor), one at a time, once every
-    header is checked against `shapes` ({name: shape}, as the config implies)."""
+    """put(name, tensor) for every weight of the Hugging Face directory `path` (model.safetensors or
+    its shards), one at a time, once every header is checked against `shapes` {name: shape}."""
     names = ["model.safetensors"]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -1568,26 +1464,24 @@ def load_checkpoint(path, config, shapes, put):
 
 
 def init_adapters(shapes, seed):
-    """Fresh adapters as LoRALinear makes them (lora_A_init, B zero), full tensors on the CPU
-    from seeded generators: the same on every rank."""
+    """Fresh adapters as LoRALinear makes them (lora_A_init, B zero), from seeded CPU generators:
+    the same full tensors on every rank."""
     gen = lambda i: torch.Generator().manual_seed(seed * 1000 + 500 + i)  # noqa: E731
     return {name: lora_A_init(shape, gen(i)) if name.endswith("lora_A") else torch.zeros(shape)
             for i, (name, shape) in enumerate(shapes.items())}
 
 
 def as_parameter(model, name, tensor, device):
-    """A full dense base tensor in the form `model` keeps parameter `name`: NF4 on `device` for an
-    NF4Linear's weight, else the model's dtype."""
+    """A dense base tensor as `model` keeps parameter `name`: NF4 for an NF4Linear's weight, else model.dtype."""
     t = tensor.to(device, model.dtype)
     return to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t
 
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
-    """One process: a Llama with the Hugging Face weights of `path` quantized on the way in and
-    fresh adapters. Built on the meta device, then filled one tensor at a time, as the trainer
-    fills its shards: host memory stays near the final (NF4) footprint, never a bf16 model."""
-    config = read_config(path)
+    """One process: a Llama with the weights of `path` quantized one tensor at a time as they are
+    read (host memory stays near the NF4 footprint, never a bf16 model), and fresh adapters."""
+    config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
@@ -1619,10 +1513,10 @@ def save_adapters(out_dir, adapters, args):
     save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"),
                      [(k, torch.float32, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__,
                      metadata={"format": "pt"})
-    write_json(os.path.join(out_dir, "adapter_config.json"), {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
-        "lora_dropout": args.lora_dropout, "target_modules": TARGET_MODULES, "bias": "none",
-        "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
+              "lora_dropout": args.lora_dropout, "target_modules": TARGET_MODULES, "bias": "none",
+              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""}
+    atomic_write(os.path.join(out_dir, "adapter_config.json"), lambda f: json.dump(config, f, indent=2), "w")
 
 
 def load_adapters(path):
@@ -1635,10 +1529,9 @@ RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha")
 
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
-    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (PEFT adapters + training state)
-    into a temporary directory, renames it into place, points out_dir/latest at it (a crash at
-    any moment leaves the previous checkpoint intact and `latest` naming it), then puts the
-    adapters in out_dir itself too, where PEFT looks for them."""
+    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training state) under a temporary
+    name, renames it into place, then points out_dir/latest at it: a crash at any moment leaves the
+    previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks."""
     adapters = fsdp.full_adapters()
     moments, adam_step = fsdp.full_optimizer_state(optimizer)
     if fsdp.rank == 0:
@@ -1664,8 +1557,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
 
 
 def resume(args, fsdp, optimizer, device):
-    """Load the checkpoint `--out DIR/latest` names (checked against this run's model) into the
-    shards and the optimizer, restore the RNG; returns the step it was saved at."""
+    """Load the checkpoint --out/latest names into the shards and AdamW, restore the RNG; returns its step."""
     latest = os.path.join(args.out, "latest")  # parse_args: --resume needs --out
     require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {args.out}")
     with open(latest) as f:
@@ -1705,8 +1597,8 @@ def save_merged(out_dir, fsdp, model):
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        write_json(os.path.join(out_dir, "config.json"),
-                   {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False})  # the head is written out
+        config = {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # the head is written
+        atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
         save_safetensors(os.path.join(out_dir, "model.safetensors"),
                          [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get, metadata={"format": "pt"})
     for _ in base:  # the other ranks join the same all-gathers
@@ -1726,13 +1618,8 @@ def print0(*args, **kwargs):
 
 
 def load_tokens(path, vocab_size, seq_len):
-    """(tokens, loss_mask) from --data, checked: at least seq_len + 1 tokens, every id < vocab_size.
-      .npy   a 1-D array of any integer dtype (uint32 for Llama 3's 128,256 ids), memory-mapped
-      .npz   `tokens` and `loss_mask` (0/1, same length; read into memory): the prediction of
-             token i counts where loss_mask[i] is 1
-      .bin   nanoGPT's uint16 tokens, memory-mapped (ids < 65,536 only)
-      .txt   raw bytes as tokens (byte-level models), memory-mapped
-    loss_mask is None where every target counts."""
+    """(tokens, loss_mask or None) from a --data file (formats: see --help), checked: at least
+    seq_len + 1 tokens, every id < vocab_size. .npy, .bin and .txt are memory-mapped."""
     where = f"--data {path}"
     require(os.path.isfile(path), f"{where}: no such file")
     ext = ".txt" if os.path.samefile(path, __file__) else os.path.splitext(path)[1].lower()  # default: our bytes
@@ -1768,10 +1655,8 @@ def load_tokens(path, vocab_size, seq_len):
 
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """Rank's slice of the global micro-batch: (inputs, targets), each (batch_size, seq_len) int64.
-    It depends only on (seed, step, micro) and batch_size x world, so any split of the same
-    global batch sees the same tokens. data: None (dummy: random tokens) or load_tokens' pair;
-    targets whose loss_mask is 0 are IGNORE_INDEX."""
+    """This rank's rows (inputs, targets), each (batch_size, seq_len) int64, of a global micro-batch that
+    depends only on (seed, step, micro) and batch_size x world. data: load_tokens' pair, or None (random)."""
     g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro)
     n, T = args.batch_size * world, args.seq_len
     rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
@@ -1789,15 +1674,12 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
 
 
 def encode_prompt(text, vocab_size):
-    """--prompt as token ids: its UTF-8 bytes for a byte-level model (vocab 256; default a newline),
-    else comma-separated ids."""
-    if vocab_size == 256:
-        ids = list(("\n" if text is None else text).encode("utf-8"))
-    else:
-        try:
-            ids = [int(t) for t in (text or "").split(",") if t.strip()]
-        except ValueError:
-            ids = []
+    """--prompt as token ids: its UTF-8 bytes for a byte-level model (default a newline), else comma-separated ids."""
+    try:
+        ids = (list(("\n" if text is None else text).encode("utf-8")) if vocab_size == 256 else
+               [int(t) for t in (text or "").split(",") if t.strip()])
+    except ValueError:
+        ids = []
     want = ("non-empty text (its UTF-8 bytes are the tokens)" if vocab_size == 256 else
             f"comma-separated token ids below {vocab_size}, e.g. 128000,791")
     require(ids and all(0 <= i < vocab_size for i in ids), f"--prompt {text!r}: this model's prompt is {want}")
@@ -1806,15 +1688,13 @@ def encode_prompt(text, vocab_size):
 
 @torch.no_grad()
 def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
-    """n tokens continuing the ids `prompt`: greedy (temperature 0) or drawn from softmax(logits / T)
-    with a CPU generator seeded by `seed` (the same draws on any device). No KV cache: each token
-    re-runs forward on the last `window` tokens. Sharded, every rank runs the same forward (the
-    unit hooks gather the weights) and takes rank 0's token, so all ranks stay in step."""
+    """n tokens continuing `prompt`: greedy (temperature 0) or drawn from softmax(logits / T) by a
+    seeded CPU generator (the same draws on any device). No KV cache: forward re-runs on the last
+    `window` tokens. Sharded, every rank runs the same forward and takes rank 0's token."""
     g = torch.Generator().manual_seed(seed)
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
-    was_training = model.training
     model.eval()  # no LoRA dropout
-    # Compiled blocks would compile again for every new length: run those eagerly; what is
+    # Compiled blocks would compile again for every new length: run them eagerly; what is
     # already compiled for these shapes (the NF4 kernels) is still used.
     with torch.compiler.set_stance("eager_on_recompile"):
         for _ in range(n):
@@ -1826,14 +1706,13 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
             if dist.is_initialized():
                 dist.broadcast(nxt, src=0)
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    model.train(was_training)
+    model.train()
     return ids[0, len(prompt):].tolist()
 
 
 def check_writable(args, rank):
-    """Create --out, --merge_to (written by rank 0) and --profile (every rank) and write a file
-    in each now, so that a bad path stops the run before its first step, not at its end.
-    Every rank hears of any rank's failure, so all stop together."""
+    """Create --out, --merge_to (rank 0 writes them) and --profile (every rank) and write a file in
+    each now, so that a bad path stops every rank before the first step, not at the end."""
     problem = None
     for flag, path in (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile)):
         if path and (rank == 0 or flag == "--profile") and problem is None:
@@ -1847,21 +1726,11 @@ def check_writable(args, rank):
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p), None)
-    if problem:
-        raise UserError(problem)
-
-
-def lr_at(step, args):
-    """Linear warmup, then cosine decay to 10% of --lr."""
-    if step < args.warmup_steps:
-        return args.lr * (step + 1) / args.warmup_steps
-    progress = (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, progress))))
+    require(problem is None, problem)
 
 
 def peak_memory_gib(device, reserved=False):
-    """The peak over all ranks: GPU memory allocated (or reserved, by the caching allocator) on
-    CUDA, the resident set on the CPU."""
+    """Max over ranks: GPU memory allocated (or reserved) on CUDA, the resident set on the CPU."""
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device)
     else:
@@ -1882,8 +1751,7 @@ def parse_args(argv=None):
     p.add_argument("--lora_dropout", type=float, default=0.0)
     p.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face Llama directory; overrides --model")
     # data
-    p.add_argument("--data", metavar="PATH", help="tokens: .npy (any integer dtype), .npz (tokens + loss_mask), "
-                   ".bin (uint16), .txt (raw bytes), or 'dummy' (random); default: the bytes of this file")
+    p.add_argument("--data", metavar="PATH", help=".npy, .npz (+ loss_mask), .bin, .txt or dummy; default: this file")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
     # optimization
@@ -1902,22 +1770,17 @@ def parse_args(argv=None):
     p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
     p.add_argument("--merge_to", metavar="DIR", help="at the end, write the merged model as a Hugging Face checkpoint")
     # memory and speed
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                   help="torch.compile the NF4 kernels and each block's forward")
-    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True,
-                   help="activation checkpointing per block")
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="NF4 kernels and blocks")
+    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True, help="per block")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
     p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
-    p.add_argument("--offload_activations", action="store_true",
-                   help="keep each block's checkpointed input on the host (needs --checkpointing)")
-    p.add_argument("--estimate", action="store_true",
-                   help="print the predicted memory per rank (world size from WORLD_SIZE) and exit")
-    p.add_argument("--profile", metavar="DIR", help="write a torch.profiler trace (on CUDA also a memory snapshot) "
-                   "of steps 3-5 to DIR")
+    p.add_argument("--offload_activations", action="store_true", help="checkpointed block inputs on the host")
+    p.add_argument("--estimate", action="store_true", help="print the memory per rank (of WORLD_SIZE) and exit")
+    p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (on CUDA with a memory snapshot) to DIR")
     p.add_argument("--log_every", type=int, default=1)
     # sampling
     p.add_argument("--sample", type=int, default=0, metavar="N", help="after training, continue --prompt by N tokens")
-    p.add_argument("--prompt", help="text for byte-level models (vocab 256; default a newline), else token ids: 1,791")
+    p.add_argument("--prompt", help="text for byte-level models (default a newline), else token ids: 1,791")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (seeded by --seed)")
     args = p.parse_args(argv)
     for flag, least in [("batch_size", 1), ("seq_len", 1), ("steps", 1), ("grad_accum", 1), ("lora_rank", 1),
@@ -1936,53 +1799,13 @@ def parse_args(argv=None):
     return args
 
 
-def setup_distributed(device="auto"):
-    """The device (cuda:LOCAL_RANK on GPUs, else cpu) and, with RANK in the environment
-    (torchrun), a process group: NCCL on GPUs, gloo on CPUs. Nothing else differs."""
-    use_cuda = torch.cuda.is_available() if device == "auto" else device == "cuda"
-    require(torch.cuda.is_available() or not use_cuda, "--device cuda: no CUDA GPU is available")
-    if use_cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    device = torch.device("cuda", torch.cuda.current_device()) if use_cuda else torch.device("cpu")
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if use_cuda else "gloo", device_id=device if use_cuda else None)
-    return device
-
-
-class Profiler:
-    """--profile DIR: a torch.profiler trace of steps 3-5 (after compilation and warm-up), and on
-    CUDA a memory snapshot: the allocator's history over those steps, with Python stacks only
-    (C++ stacks would be unwound on every allocation)."""
-
-    def __init__(self, out, device, rank):
-        self.out, self.cuda, self.rank = out, device.type == "cuda", rank
-        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * self.cuda
-        self.prof = torch.profiler.profile(activities=activities, profile_memory=True,
-                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
-        self.prof.start()
-
-    def step(self):
-        self.prof.step()
-        if self.prof.step_num == 2 and self.cuda:  # the next step is the first one traced
-            torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-
-    def finish(self):
-        self.prof.stop()
-        trace = os.path.join(self.out, f"trace_rank{self.rank}.json")
-        self.prof.export_chrome_trace(trace)
-        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-        if self.cuda:
-            snap = os.path.join(self.out, f"memory_rank{self.rank}.pickle")
-            torch.cuda.memory._dump_snapshot(snap)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
-
-
 def model_config(args):
     """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
-    if args.checkpoint:
-        return os.path.basename(os.path.normpath(args.checkpoint)), read_config(args.checkpoint)
-    return args.model, CONFIGS[args.model]
+    if not args.checkpoint:
+        return args.model, CONFIGS[args.model]
+    require(os.path.isdir(args.checkpoint), f"--checkpoint {args.checkpoint}: no such directory")
+    path = os.path.join(args.checkpoint, "config.json")
+    return os.path.basename(os.path.normpath(args.checkpoint)), config_from_hf(read_json(path), path)
 
 
 def predicted_memory(args, world, config=None):
@@ -1992,23 +1815,9 @@ def predicted_memory(args, world, config=None):
                            args.cpu_offload, LOSS_CHUNK, args.offload_activations)
 
 
-def estimate_only(args):
-    """--estimate: the memory tables and the summary, from the config alone; nothing is allocated."""
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    name, config = model_config(args)
-    est = predicted_memory(args, world, config)
-    print0(format_budget(name, memory_budget(config, args.lora_rank)))
-    print0(format_estimate(name, est, world, args.cpu_offload))
-    flags = ("batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload", "offload_activations")
-    return dict(model=name, world_size=world, **{k: getattr(args, k) for k in flags},
-                predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
-                predicted_host_gib=round(est["host_state"] / GiB, 3))
-
-
 def build(args, config, device):
-    """Model -> units -> shards, never holding more than one unsharded tensor: the model is
-    built on the meta device, sharded, then every base weight is made (read from --checkpoint,
-    or drawn at random) and quantized one at a time, keeping only this rank's pieces."""
+    """Model -> units -> shards on the meta device, then each base weight made (read from --checkpoint or
+    drawn), quantized and cut to this rank's piece one at a time: never two unsharded tensors alive."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
@@ -2024,10 +1833,7 @@ def build(args, config, device):
 
     if args.checkpoint:
         load_checkpoint(args.checkpoint, config, fsdp.base_shapes(), put)
-    else:
-        # Random weights as the modules make them (embeddings N(0, 1), norms 1, linear layers
-        # random_weight), each from its own seeded CPU generator (a CUDA one would draw other
-        # numbers): the same model on every rank, world size and device.
+    else:  # as the modules initialize them, each from its own seeded CPU generator: the same on any world/device
         for i, (name, shape) in enumerate(fsdp.base_shapes().items()):
             g = torch.Generator().manual_seed(args.seed * 1000 + i)
             put(name, torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
@@ -2037,12 +1843,10 @@ def build(args, config, device):
 
 
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
-    """One optimizer step over this rank's micro-batches [(inputs, targets)]: forward and backward
-    of each (each unit's gradients are reduce-scattered as its backward ends), clipping, AdamW.
-    The loss is the mean over the counted targets of the global batch (all ranks, all micro-
-    batches), so any split of the batch gives the same loss and gradients. Returns (loss,
-    seconds in the optimizer); a non-finite loss returns before the update."""
-    count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)  # counted targets
+    """One AdamW step over this rank's micro-batches [(inputs, targets)] -> (loss, optimizer seconds). The
+    loss is the mean over the global batch's counted targets: any split of the batch gives the same
+    loss and gradients. A non-finite loss returns before the update."""
+    count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
     if dist.is_initialized():
         dist.all_reduce(count)
     count = count.clamp(min=1)  # a batch that counts nothing: loss 0 and zero gradients
@@ -2051,10 +1855,9 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
         with torch.profiler.record_function("forward"):
             loss = model(x.to(device), y.to(device), reduction="sum")
         with torch.profiler.record_function("backward"):
-            # x world: the reduce-scatter averages over ranks, so each adapter's gradient is
-            # that of (the sum over the global batch) / count
+            # x world: the reduce-scatter averages over ranks, so the gradient is d(global sum) / count
             (loss * (fsdp.world / count)).backward()
-            fsdp.finish_backward()
+            fsdp.finish_backward()  # each unit's gradients were reduce-scattered as its backward ended
         loss_sum += loss.detach()
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
@@ -2083,7 +1886,14 @@ def train(args):
 
 
 def _train(args):
-    device = setup_distributed(args.device)
+    # the device (cuda:LOCAL_RANK on GPUs) and, under torchrun (RANK set), a process group: NCCL or gloo
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     name, config = model_config(args)
     check_writable(args, rank)
@@ -2095,19 +1905,25 @@ def _train(args):
     start = resume(args, fsdp, optimizer, device) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
     require(start < last_step, f"nothing to do: --resume is at step {start}, --steps is {args.steps}")
-    print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter "
-           f"params (sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, "
-           f"world {world}, {device}, {args.dtype}, compile {args.compile}, checkpointing "
-           f"{args.checkpointing}, offload {args.cpu_offload}")
+    print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter params "
+           f"(sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
+           f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}")
     if args.compile:
         print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
 
     losses, timings = [], []  # timings: per step (seconds, comm wait, optimizer seconds)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    profiler = Profiler(args.profile, device, rank) if args.profile else None
+    profiler = None
+    if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
+        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+        profiler = torch.profiler.profile(activities=activities, profile_memory=True,
+                                          schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
+        profiler.start()
     for step in range(start, last_step):
         t0 = time.perf_counter()
-        lr = lr_at(step, args)
+        w = args.warmup_steps  # linear warmup, then cosine decay to 10% of --lr
+        progress = min(1.0, (step - w) / max(1, args.steps - w))
+        lr = args.lr * ((step + 1) / w if step < w else 0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
         for group in optimizer.param_groups:
             group["lr"] = lr
         batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
@@ -2121,13 +1937,24 @@ def _train(args):
         timings.append((dt, fsdp.take_comm_wait_s(), optim_s))  # the step is done: so are its events
         if profiler is not None:
             profiler.step()
+            if profiler.step_num == 2 and cuda:  # on CUDA also the allocator's history over steps 3-5, with
+                # Python stacks only (C++ stacks would be unwound at every allocation)
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if step % args.log_every == 0 or step + 1 == last_step:
             print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
         if args.out and (step + 1 == last_step or args.save_every and (step + 1) % args.save_every == 0):
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
-        profiler.finish()
+        profiler.stop()
+        trace = os.path.join(args.profile, f"trace_rank{rank}.json")
+        profiler.export_chrome_trace(trace)
+        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+        if cuda:
+            snap = os.path.join(args.profile, f"memory_rank{rank}.pickle")
+            torch.cuda.memory._dump_snapshot(snap)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
@@ -2140,9 +1967,7 @@ def _train(args):
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
                + (bytes(prompt).decode("utf-8", errors="replace") + sample if text else str(sample)))
 
-    # Step time split (medians; the first step includes compilation): the time the compute stream
-    # (CUDA events; on the CPU the host) waited on all-gathers and reduce-scatters not finished
-    # when needed, the optimizer (clip + AdamW), and everything else (compute).
+    # Median step time (the first compiles) split: waits for late all-gathers/reduce-scatters, optimizer, compute.
     step_s, wait_s, optim_s = (np.median(np.array(timings[1:] or timings), axis=0) * 1000).tolist()
     summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1], first_loss=losses[0],
                    step_ms=round(step_s, 2), tokens_per_s=round(tokens_per_step / (step_s / 1000), 1),
@@ -2151,7 +1976,7 @@ def _train(args):
                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                    dtype=args.dtype, device=device.type, compute_ms=round(step_s - wait_s - optim_s, 2),
                    comm_wait_ms=round(wait_s, 2), optimizer_ms=round(optim_s, 2))
-    if device.type == "cuda":
+    if cuda:
         summary["peak_reserved_gib"] = round(peak_memory_gib(device, reserved=True), 4)
     if args.sample:
         summary["sample"] = sample
@@ -2161,7 +1986,18 @@ def _train(args):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        summary = estimate_only(args) if args.estimate else train(args)[0]
+        if args.estimate:  # the memory tables from the config alone: nothing is allocated
+            world, (name, config) = int(os.environ.get("WORLD_SIZE", 1)), model_config(args)
+            est = predicted_memory(args, world, config)
+            print0(format_budget(name, memory_budget(config, args.lora_rank)))
+            print0(format_estimate(name, est, world, args.cpu_offload))
+            flags = ("batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload",
+                     "offload_activations")
+            summary = dict(model=name, world_size=world, **{k: getattr(args, k) for k in flags},
+                           predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
+                           predicted_host_gib=round(est["host_state"] / GiB, 3))
+        else:
+            summary = train(args)[0]
     except UserError as e:  # bad input: one line, no traceback, non-zero exit
         print(f"error: {e}", file=sys.stderr, flush=True)
         raise SystemExit(2)

@@ -451,14 +451,12 @@ def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
     reduce-scatters its adapter gradients once; afterwards nothing stays gathered."""
     model = make_model()
     model.checkpointing = checkpointing
-    calls = {"all_gather": 0, "reduce_scatter": 0}
-    for name in calls:
-        real = getattr(qf, f"_{name}" if name == "all_gather" else "_reduce_scatter_avg")
+    calls, real = {"all_gather": 0, "reduce_scatter": 0}, qf._collective
 
-        def counted(*a, _real=real, _name=name, **k):
-            calls[_name] += 1
-            return _real(*a, **k)
-        monkeypatch.setattr(qf, f"_{name}" if name == "all_gather" else "_reduce_scatter_avg", counted)
+    def counted(*a, reduce_scatter=False, **k):
+        calls["reduce_scatter" if reduce_scatter else "all_gather"] += 1
+        return real(*a, reduce_scatter=reduce_scatter, **k)
+    monkeypatch.setattr(qf, "_collective", counted)
     fsdp = qf.FSDP(model.units(), torch.device("cpu"), torch.float32)
     x, y = torch.randint(256, (2, 16)), torch.randint(256, (2, 16))
     ref = make_model()  # the same weights, unsharded

@@ -35,10 +35,11 @@ import _common  # noqa: F401  (puts the repository on sys.path)
 import qlora_fsdp as qf  # noqa: E402
 
 
-def lora_forward(self, x):
-    """LoRALinear.forward with torchao's NF4 linear (no dropout: benchmarks run without it)."""
-    lora = F.linear(F.linear(x, self.lora_A.to(x.dtype)), self.lora_B.to(x.dtype))
-    return linear_nf4(x, self.weight) + self.scaling * lora
+def lora_forward(self, x, xA=None):
+    """LoRALinear.forward with torchao's NF4 linear (no dropout: benchmarks run without it); xA is
+    x A^T when the layers reading x share that matmul, as ours do."""
+    xA = F.linear(x, self.lora_A.to(x.dtype)) if xA is None else xA
+    return linear_nf4(x, self.weight) + self.scaling * F.linear(xA, self.lora_B.to(x.dtype))
 
 
 def to_torchao(model, device):
