@@ -782,46 +782,6 @@ MEM = qf.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, n
 MEM_ARGV = ["--model", "mem", "--batch_size", "4", "--seq_len", "512", "--device", "cpu", "--data", "dummy"]
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
-@pytest.mark.parametrize("compile", [True, False])
-def test_training_step_saves_no_dense_weight(compile, checkpointing, monkeypatch):
-    """The real step (sharded units, bf16, blocks compiled or eager, with or without activation
-    checkpointing) saves no plain tensor shaped like a base weight for backward: NF4 weights stay
-    4-bit between forward and backward. With checkpointing, what each block's recompute saves
-    is recorded too."""
-    found = []
-    monkeypatch.setitem(qf.CONFIGS, "mem", MEM)
-    monkeypatch.setattr(qf, "COMPILE", compile)
-    args = qf.parse_args(MEM_ARGV + ["--compile" if compile else "--no-compile",
-                                     "--checkpointing" if checkpointing else "--no-checkpointing"])
-    model, fsdp = qf.build(args, MEM, torch.device("cpu"))
-    shapes = {s for s in fsdp.base_shapes().values() if len(s) == 2}  # RMSNorm's 1-D weights are dense
-    shapes |= {s[::-1] for s in shapes}
-    seen = []
-
-    def record(t):
-        seen.append(tuple(t.shape))
-        if type(t) is torch.Tensor and tuple(t.shape) in shapes:
-            found.append(tuple(t.shape))
-
-    @contextlib.contextmanager
-    def recompute_recorder():  # inside a checkpoint's recompute: record, then hand on to its hook
-        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
-        with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), pack(t))[1], unpack):
-            yield
-
-    real = qf.checkpoint
-    monkeypatch.setattr(qf, "checkpoint", lambda *a, **k: real(
-        *a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()), **k))
-    x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), t)[1], lambda t: t):
-        model(x, y).backward()
-    fsdp.finish_backward()
-    assert found == []
-    assert len(seen) > 10 and (4, 512, 512) in seen  # the recorder sees inside the blocks
-    assert all(p.grad is not None for p in fsdp.parameters())
-
-
 def _allocated_peak(fn):
     """(result, peak, end) of the bytes fn allocates, from the profiler's allocator events."""
     with torch.profiler.profile(profile_memory=True) as prof:
@@ -835,38 +795,95 @@ def _allocated_peak(fn):
     return out, peak, total
 
 
-ESTIMATE_PATHS = [(True, True), (False, True), (False, False)]  # (compiled blocks, checkpointing)
+def _saved_for_backward(args):
+    """One real step of the MEM model: (plain tensors shaped like a base weight that autograd saved,
+    the shapes of all it saved, whether every master has a gradient). With checkpointing, what each
+    block's recompute saves is recorded too."""
+    model, fsdp = qf.build(args, MEM, torch.device("cpu"))
+    shapes = {s for s in fsdp.base_shapes().values() if len(s) == 2}  # RMSNorm's 1-D weights are dense
+    shapes |= {s[::-1] for s in shapes}
+    found, seen = [], []
+
+    def record(t):
+        seen.append(tuple(t.shape))
+        if type(t) is torch.Tensor and tuple(t.shape) in shapes:
+            found.append(tuple(t.shape))
+
+    @contextlib.contextmanager
+    def recompute_recorder():  # inside a checkpoint's recompute: record, then hand on to its hook
+        pack, unpack = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), pack(t))[1], unpack):
+            yield
+
+    real = qf.checkpoint
+    qf.checkpoint = lambda *a, **k: real(*a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()), **k)
+    try:
+        x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), t)[1], lambda t: t):
+            model(x, y).backward()
+        fsdp.finish_backward()
+    finally:
+        qf.checkpoint = real
+    return found, seen, all(p.grad is not None for p in fsdp.parameters())
 
 
-def _step_memory(_, out_path):
-    """In a process of its own, as a training run compiles its blocks for one shape only (a graph
-    compiled for several shapes saves other tensors): [(bytes measured, bytes predicted)] per path."""
+def _step_memory(args):
+    """(bytes the allocator peaks at in a step after a first one, bytes the estimate predicts)."""
+    model, fsdp = qf.build(args, MEM, torch.device("cpu"))
+    x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
+    model(x, y).backward()
+    fsdp.finish_backward()
+    loss, forward_peak, forward_end = _allocated_peak(lambda: model(x, y))
+    _, backward_peak, _ = _allocated_peak(lambda: (loss.backward(), fsdp.finish_backward()))
+    est = qf.predicted_memory(args, 1)
+    return max(forward_peak, forward_end + backward_peak), est["activation_peak"] + est["gathers"]
+
+
+PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (compiled blocks, checkpointing)
+
+
+def _mem_worker(_, out_path):
+    """Both MEM checks in a process of its own, as a training run compiles its blocks for one shape
+    only (a block graph dynamo recompiles for a second shape saves other tensors)."""
     qf.CONFIGS["mem"] = MEM
-    qf.COMPILE = True  # the estimate assumes fused (compiled) dequantization
-    results = []
-    for compile, checkpointing in ESTIMATE_PATHS:
+    out = {}
+    for compile, checkpointing in PATHS:
         args = qf.parse_args(MEM_ARGV + ["--compile" if compile else "--no-compile",
                                          "--checkpointing" if checkpointing else "--no-checkpointing"])
-        model, fsdp = qf.build(args, MEM, torch.device("cpu"))
-        x, y = qf.get_batch(None, 0, 0, args, 1, 0, 8192)
-        model(x, y).backward()
-        fsdp.finish_backward()
-        loss, forward_peak, forward_end = _allocated_peak(lambda: model(x, y))
-        _, backward_peak, _ = _allocated_peak(lambda: (loss.backward(), fsdp.finish_backward()))
-        est = qf.predicted_memory(args, 1)
-        results.append((max(forward_peak, forward_end + backward_peak), est["activation_peak"] + est["gathers"]))
-    torch.save(results, out_path)
+        qf.COMPILE = compile
+        out["saved", compile, checkpointing] = _saved_for_backward(args)
+        qf.COMPILE = True  # the estimate assumes fused (compiled) dequantization
+        out["memory", compile, checkpointing] = _step_memory(args)
+    torch.save(out, out_path)
 
 
-def test_estimate_matches_measured_activations(tmp_path):
+@pytest.fixture(scope="module")
+def mem_runs(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("mem") / "runs")
+    mp.spawn(_mem_worker, args=(path,), nprocs=1, join=True)
+    return torch.load(path)
+
+
+@pytest.mark.parametrize("compile,checkpointing", PATHS)
+def test_training_step_saves_no_dense_weight(compile, checkpointing, mem_runs):
+    """The real step (sharded units, bf16, blocks compiled or eager, with or without activation
+    checkpointing) saves no plain tensor shaped like a base weight for backward: NF4 weights stay
+    4-bit between forward and backward (inside each block's recompute too)."""
+    found, seen, all_grads = mem_runs["saved", compile, checkpointing]
+    assert found == []
+    assert len(seen) > 10 and (4, 512, 512) in seen  # the recorder sees inside the blocks
+    assert all_grads
+
+
+@pytest.mark.parametrize("compile,checkpointing", [(True, True), (False, True), (False, False)])
+def test_estimate_matches_measured_activations(compile, checkpointing, mem_runs):
     """The estimate's activation and all-gather rows are within 10% of the peak the allocator
     actually sees during a training step (CPU, bf16, one rank): the default path (blocks
     compiled, checkpointing), and eager blocks with and without checkpointing. (Compiled without
     checkpointing, inductor recomputes cheap ops instead of saving them: the estimate, counting
     eager's saves, is then an upper bound.)"""
-    mp.spawn(_step_memory, args=(str(tmp_path / "mem"),), nprocs=1, join=True)
-    for path, (measured, predicted) in zip(ESTIMATE_PATHS, torch.load(tmp_path / "mem")):
-        assert abs(predicted - measured) <= 0.1 * measured, (path, predicted / 2**20, measured / 2**20)
+    measured, predicted = mem_runs["memory", compile, checkpointing]
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
 
 
 def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
