@@ -1190,6 +1190,8 @@ class Llama(nn.Module):
                     offload.input = h
                 with offload or contextlib.nullcontext():
                     h = checkpoint(layer, h, cos, sin, use_reentrant=False)
+                if offload:
+                    offload.input = None  # not keep the last block's input alive on the device
             else:
                 h = layer(h, cos, sin)
         h = self.model.norm(h)
@@ -1826,7 +1828,9 @@ def build(args, config, device):
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
     fsdp = FSDP(model.units(), device, dtype, offload=args.cpu_offload)
-    model.offload_activations = OffloadedInputs(fsdp.side_stream) if args.offload_activations else None
+    # its own stream: a wait for a collective (on FSDP's side stream) must not wait for these copies too
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    model.offload_activations = OffloadedInputs(side) if args.offload_activations else None
 
     def put(name, tensor):
         fsdp.load_full(name, as_parameter(model, name, tensor, device))
@@ -1901,6 +1905,8 @@ def _train(args):
     prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
     model, fsdp = build(args, config, device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)  # the peak of training, not of loading (--estimate has both)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     start = resume(args, fsdp, optimizer, device) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
@@ -1914,6 +1920,13 @@ def _train(args):
     losses, timings = [], []  # timings: per step (seconds, comm wait, optimizer seconds)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     profiler = None
+
+    def snapshot():  # the allocator's history recorded so far, then no more recording
+        path = os.path.join(args.profile, f"memory_rank{rank}.pickle")
+        torch.cuda.memory._dump_snapshot(path)
+        torch.cuda.memory._record_memory_history(enabled=None)
+        print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
+
     if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
         activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
         profiler = torch.profiler.profile(activities=activities, profile_memory=True,
@@ -1940,6 +1953,8 @@ def _train(args):
             if profiler.step_num == 2 and cuda:  # on CUDA also the allocator's history over steps 3-5, with
                 # Python stacks only (C++ stacks would be unwound at every allocation)
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+            if profiler.step_num == 5 and cuda:
+                snapshot()
         if step % args.log_every == 0 or step + 1 == last_step:
             print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
@@ -1950,11 +1965,8 @@ def _train(args):
         trace = os.path.join(args.profile, f"trace_rank{rank}.json")
         profiler.export_chrome_trace(trace)
         print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-        if cuda:
-            snap = os.path.join(args.profile, f"memory_rank{rank}.pickle")
-            torch.cuda.memory._dump_snapshot(snap)
-            torch.cuda.memory._record_memory_history(enabled=None)
-            print0(f"memory snapshot: {snap} (drag into https://pytorch.org/memory_viz)")
+        if cuda and profiler.step_num < 5:  # a run shorter than the profiled steps
+            snapshot()
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
