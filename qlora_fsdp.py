@@ -310,9 +310,6 @@ class NF4Tensor(torch.Tensor):
                              self.block_size, self.scaler_block_size, dtype or self.dtype)
         return out.view(self.shape)
 
-    def nbytes_packed(self):
-        return sum(getattr(self, n).nbytes for n in self.INNER)
-
     # torch.compile flattens the subclass into its inner tensors and rebuilds it from them.
     def __tensor_flatten__(self):
         return list(self.INNER), (tuple(self.shape), self.dtype, self.block_size, self.scaler_block_size)
