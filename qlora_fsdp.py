@@ -1260,7 +1260,8 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
         act["saved activations, all blocks"] = kept = layers * tokens * block_saved
         act["block backward gradients"] = block = tokens * block_backward
     # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and their
-    # gradient (the compiled loss makes no fp32 copy), and the gradient wrt the hidden states.
+    # gradient (the compiled loss makes no fp32 copy; --no-compile's keeps one more, 4 B a logit),
+    # and the gradient wrt the hidden states.
     act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
         tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * 2 * elt
         + tokens * d * elt)
