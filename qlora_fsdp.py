@@ -1316,6 +1316,11 @@ def require(ok, message):
         raise UserError(message)
 
 
+def print0(*args, **kwargs):  # rank 0 speaks for all
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
@@ -1610,11 +1615,6 @@ def save_merged(out_dir, fsdp, model):
 # -----------------------------------------------------------------------------
 # 10. Data, training loop, command line
 # -----------------------------------------------------------------------------
-
-
-def print0(*args, **kwargs):
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
 
 
 def load_tokens(path, vocab_size, seq_len):
