@@ -141,8 +141,8 @@ def _quantize_blocks(w, block_size: int):
 
 def _double_quantize(absmax, scaler_block_size: int):
     """The fp32 block scales to int8, torchao's scheme: subtract the global mean, then per group of
-    256 scales factor = 127 / absmax(group), q = round(s * factor) (torchao's 128, clamped to 127,
-    clips a group's largest scale by a step). A partial last group is zero padded for its absmax.
+    256 scales factor = 127 / absmax(group), q = round(s * factor) (torchao uses 128 and clamps,
+    clipping each group's largest scale a step; 127 never clips). A partial last group is zero padded for its absmax.
     Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32."""
     n = absmax.numel()
     mean = absmax.mean()
@@ -160,10 +160,10 @@ DEQUANT_CHUNK = 1 << 22  # elements per pass
 
 def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
                 scaler_block_size: int, dtype: torch.dtype):
-    """Inverse of the above: (numel,) tensor of `dtype`, row-major, from
-    absmax = q / factor[group] + mean and w = NF4[code] * absmax[block]. The reference, and the
-    eager path (`--no-compile`): the codes index the codebook as int32, a chunk of blocks at a
-    time into the output, so that no temporary (4-byte codes and values) is larger than it."""
+    """Inverse of quantize_nf4: (numel,) tensor of `dtype`, row-major, from
+    absmax = q / factor[group] + mean and w = NF4[code] * absmax[block]. The reference, and the path
+    for --no-compile and every dtype but bf16: codes index the codebook as int32, a chunk (at most
+    half the weight) at a time, so that no temporary (4-byte codes and values) outgrows the output."""
     table = _NF4_ON_DEVICE.get(packed.device)
     if table is None:
         table = _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
@@ -239,8 +239,8 @@ def _(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size):
 
 
 def _use_compiled(compile, t):
-    # Inside an outer torch.compile (a compiled LoRALinear, say) the plain function is traced
-    # into the outer graph instead; meta tensors have nothing to run.
+    # False inside an outer torch.compile: quantize's plain function is traced into that graph
+    # (dequantize_nf4 keeps its bf16 custom op there); meta tensors have nothing to run.
     compile = COMPILE if compile is None else compile
     return compile and t.device.type != "meta" and not torch.compiler.is_compiling()
 
@@ -263,7 +263,7 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
 def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
                    scaler_block_size=256, dtype=torch.bfloat16, compile=None):
     args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
-    # the compiled kernel for bf16 (also when traced into an outer torch.compile), else eager
+    # bf16: the compiled kernel, an opaque custom op even inside an outer torch.compile; else eager
     fast = _use_compiled(compile, packed) or (torch.compiler.is_compiling() and packed.device.type != "meta")
     with torch.no_grad():  # frozen weights: never part of the autograd graph
         if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
@@ -431,7 +431,7 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # -----------------------------------------------------------------------------
 # y = W x + (alpha / rank) * B A dropout(x), W frozen in NF4, A (rank, in), B (out, rank).
 # B starts at zero, so the model starts exactly at the base model (Hu et al. 2021).
-# Adapters are fp32 "master" weights; they are cast to the compute dtype in forward.
+# Adapters are fp32 "master" weights, cast to the compute dtype in forward (FSDP: at all-gather).
 
 
 def random_weight(shape, generator=None):
@@ -499,13 +499,14 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every tensor of a unit -- each
-# inner tensor of an NF4 weight, each frozen weight, each adapter -- is flattened and split into `world` pieces like
-# torch.chunk, the last zero padded; rank r keeps piece r in the tensor's dtype (FSDP2 splits dim 0: the same order,
-# but a flat split takes any shape). One collective moves a unit's pieces, side by side in one byte buffer:
+# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every tensor
+# of a unit -- each inner tensor of an NF4 weight, each frozen weight, each adapter -- is flattened
+# and split into `world` pieces like torch.chunk, the last zero padded; rank r keeps piece r in the
+# tensor's dtype (FSDP2 splits dim 0: the same order, but a flat split takes any shape). One
+# collective moves a unit's pieces, side by side in one byte buffer:
 #
-#   rank 0 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]   (unit_bytes)
-#   rank 1 shard bytes  [ packed_q | scale_q | ... | norm_w | lora_A_q | ... ]
+#   rank 0 shard bytes  [ norm.w | q.packed | q.scale_q | ... | q.lora_A | q.lora_B | ... ]   (unit_bytes)
+#   rank 1 shard bytes  [ norm.w | q.packed | q.scale_q | ... | q.lora_A | q.lora_B | ... ]
 #        \__ all-gather __/
 #   gathered (world, unit_bytes) -> a column slice per tensor, viewed as its dtype (world, shard_numel)
 #        -> copied into the tensor's padded full storage -> used by forward
@@ -517,8 +518,8 @@ class LoRALinear(NF4Linear):
 #   backward:      recompute the forward (checkpointing), backward; adapter grads land on full tensors
 #   post-backward: once every adapter has its gradient and the unit's input gradient is done:
 #                  one reduce-scatter (fp32, averaged) of the adapter gradients, free the weights
-# CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. (FSDP1 flattened a unit into
-# one FlatParameter of one dtype; FSDP2 keeps DTensors, whose dispatch each optimizer op pays; here: plain tensors.)
+# CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. Plain
+# tensors, not FSDP2's DTensors, whose dispatch every optimizer op would pay (section 6).
 
 ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
 
@@ -547,7 +548,7 @@ class _Slot:
 
 
 class _Param:
-    """A module's parameter as slots: one for a plain tensor (an adapter's, in the compute dtype),
+    """A module's parameter as slots: one for a plain tensor (own dtype; an adapter: compute dtype),
     one per inner tensor, in its own dtype, for a wrapper tensor subclass (an NF4 weight, say;
     always frozen), taken apart by __tensor_flatten__ and rebuilt by __tensor_unflatten__."""
 
@@ -587,12 +588,12 @@ class _Boundary(torch.autograd.Function):
 
 def _collective(out, inp, group, reduce_scatter=False):
     """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter,
-    out (n,) = rank r's piece of the mean of inp (world * n,); return its work. World 1: a copy."""
+    out (n,) = rank r's piece of the mean of inp (world * n,); return its work. No process group: a copy."""
     if not dist.is_initialized():
         out.copy_(inp)
         return None
     if reduce_scatter:
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # torch < 2.13
+        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # its older name
         return fn(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=True)
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=True)
@@ -738,16 +739,16 @@ class ShardedUnit:
 class FSDP:
     """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
     over `group`. The optimizer steps parameters(), a flat fp32 master shard per unit; finish_backward()
-    fills their .grad. full_* and load_full* are collectives: the state in full, as any world size has it."""
+    fills their .grad. full_* are collectives (the state in full); load_full* keep this rank's pieces."""
 
     def __init__(self, units, device, compute_dtype, offload=False, group=None):
         self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
         self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
         self.store_device = torch.device("cpu") if offload else device
         self.waits = []  # (start, end) of each wait on a collective: CUDA events, or host seconds
-        # CUDA: collectives and host copies go on a side stream, to overlap compute; the CPU runs them in order
+        # CUDA: all-gathers and host copies go on a side stream, to overlap compute; the CPU runs them in order
         self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # The last unit is needed again at once by backward: it stays gathered (as in torchtitan).
+        # The last unit stays gathered: lm_head runs after its hook module (the norm) has returned.
         self.units = [ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=i < len(units) - 1)
                       for i, (name, hook_module, modules) in enumerate(units)]
         self.trained = [u for u in self.units if u.master is not None]  # the units with adapters
@@ -764,7 +765,7 @@ class FSDP:
         return event
 
     def wait(self, work, label):
-        """Wait for a collective issued on the side stream. On CUDA the host does not block (nor does
+        """Wait for a collective (all-gathers: side stream). On CUDA the host does not block (nor does
         NCCL's wait()): the compute stream waits, timed by events on it; on the CPU the host waits."""
         with torch.profiler.record_function(label):
             start = self._now()
@@ -988,7 +989,7 @@ class LlamaConfig:  # field names are Hugging Face config.json's
 
 # One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is tiny's bigger
 # sibling, whose shapes torchao's NF4 can shard over 2 ranks (benchmarks/).
-CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv heads, context, RoPE theta
+CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv heads, context (theta: keyword)
     "tiny": LlamaConfig(256, 128, 384, 4, 4, 2, 1024),
     "small": LlamaConfig(256, 256, 768, 4, 4, 4, 1024),
     "llama2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 4096),
@@ -1188,7 +1189,7 @@ class Llama(nn.Module):
                 with offload or contextlib.nullcontext():
                     h = checkpoint(layer, h, cos, sin, use_reentrant=False)
                 if offload:
-                    offload.input = None  # not keep the last block's input alive on the device
+                    offload.input = None  # so the hooks don't keep the last block's input alive
             else:
                 h = layer(h, cos, sin)
         h = self.model.norm(h)
@@ -1210,8 +1211,8 @@ class Llama(nn.Module):
 # 8. Predicting the peak: every buffer of a training step, counted from the pieces above
 # -----------------------------------------------------------------------------
 # Section 1 counted the state that lives between steps. A step adds the all-gather buffers of
-# section 5 and the activations autograd keeps for backward, whose peak comes during the last
-# block's backward: every checkpointed block input is alive, plus one recomputed block.
+# section 5 and the activations autograd keeps for backward, whose peak comes in the loss or in the
+# first block backward runs: every checkpointed block input is alive, plus the loss or that block.
 
 
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
@@ -1816,8 +1817,8 @@ def predicted_memory(args, world, config=None):
 
 
 def build(args, config, device):
-    """Model -> units -> shards on the meta device, then each base weight made (read from --checkpoint or
-    drawn), quantized and cut to this rank's piece one at a time: never two unsharded tensors alive."""
+    """Model (meta) -> units -> real, zeroed shards, then each base weight made (read from --checkpoint or
+    drawn), quantized and cut to this rank's piece one at a time: never two unsharded weights alive."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
