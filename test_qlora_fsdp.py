@@ -705,10 +705,12 @@ def test_causal():
     assert not torch.allclose(a[:, 10:], b[:, 10:])
 
 
+@pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_loss_equals_plain(dtype):
-    """The chunked cross entropy (5 rows at a time) and its gradient equal F.cross_entropy on
-    the full logits."""
+def test_chunked_loss_equals_plain(dtype, compile, monkeypatch):
+    """The chunked cross entropy (5 rows at a time; each chunk's kernel compiled or eager) and its
+    gradient equal F.cross_entropy on the full logits."""
+    monkeypatch.setattr(qf, "COMPILE", compile)
     torch.manual_seed(0)
     w = qf.to_nf4(torch.randn(256, 64, dtype=dtype) / 8)
     h = torch.randn(23, 64, dtype=dtype, requires_grad=True)
@@ -723,11 +725,13 @@ def test_chunked_loss_equals_plain(dtype):
     torch.testing.assert_close(h.grad, h_ref.grad, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("compile", [True, False])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_chunked_loss_ignores_targets(reduction):
+def test_chunked_loss_ignores_targets(reduction, compile, monkeypatch):
     """With some targets IGNORE_INDEX (-100), the chunked cross entropy and its gradient equal
     F.cross_entropy(ignore_index=-100) for reduction mean and sum; ignored rows get no gradient,
-    and when every target is ignored the loss is 0 and the gradient zero (not 0/0)."""
+    and when every target is ignored the loss is 0 and the gradient zero (not 0/0); compiled and eager."""
+    monkeypatch.setattr(qf, "COMPILE", compile)
     torch.manual_seed(0)
     w = qf.to_nf4(torch.randn(256, 64) / 8)
     t = torch.randint(256, (23,))
