@@ -1294,8 +1294,8 @@ def format_estimate(name, est, world, offload):
     rows = [(f"{k} ({where})", v) for k, v in est["state"].items()]
     rows += [("all-gather buffers (2 block units + 1 in flight)", est["gathers"]), *est["activations"].items(),
              ("predicted peak per GPU", est["gpu_peak"]),
-             ("while loading (one weight at a time), per GPU", est["load_peak"]),
-             ("predicted host memory for offloaded tensors", est["host_state"])][:None if est["host_state"] else -1]
+             ("while loading (one weight at a time), per GPU", est["load_peak"])]
+    rows += [("predicted host memory for offloaded tensors", est["host_state"])] * (est["host_state"] > 0)
     title = f"predicted memory per rank, {name}, world {world}" + (", state offloaded to the host" * offload)
     return "\n".join([title + ":"] + [f"  {k:<48} {v / GiB:8.3f} GiB" for k, v in rows])
 
