@@ -478,7 +478,11 @@ class LoRALinear(NF4Linear):
     def forward(self, x, xA=None):  # x (..., in) -> (..., out); xA: dropout(x) A^T if already made
         if xA is None:
             xA = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # (..., rank)
-        return linear_nf4(x, self.weight) + self.scaling * F.linear(xA, self.lora_B.to(x.dtype))
+        y = linear_nf4(x, self.weight)  # (..., out)
+        # y + scaling xA B^T in one addmm whose output is the sum: a compiled backward that recomputes
+        # this keeps one (..., out) tensor, not its two terms apart for a later fused kernel
+        return torch.addmm(y.view(-1, y.shape[-1]), xA.view(-1, self.rank), self.lora_B.to(x.dtype).T,
+                           alpha=self.scaling).view(y.shape)
 
     @staticmethod
     def shared_input(x, *layers):
@@ -1082,7 +1086,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
         self.mlp = LlamaMLP(c, lora)
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, checkpointing=False):
+        if checkpointing and torch.is_grad_enabled():
+            # Keep only the block's input (B, T, C); recompute the rest in backward. Inside the block's
+            # compiled function, so the compiler fuses the recompute into the backward's own kernels.
+            return checkpoint(self.block, x, cos, sin, use_reentrant=False)
+        return self.block(x, cos, sin)
+
+    def block(self, x, cos, sin):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -1179,19 +1190,15 @@ class Llama(nn.Module):
         B, T = tokens.shape
         h = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
+        # With offload each checkpointed block input waits in host memory until the block's backward.
+        offload = self.offload_activations if self.checkpointing and torch.is_grad_enabled() else None
         for layer in self.model.layers:
-            if self.checkpointing and torch.is_grad_enabled():
-                # keep only the block's input (B, T, C); recompute the rest in backward. With
-                # offload that input waits in host memory until the block's backward.
-                offload = self.offload_activations
-                if offload:
-                    offload.input = h
-                with offload or contextlib.nullcontext():
-                    h = checkpoint(layer, h, cos, sin, use_reentrant=False)
-                if offload:
-                    offload.input = None  # so the hooks don't keep the last block's input alive
-            else:
-                h = layer(h, cos, sin)
+            if offload:
+                offload.input = h
+            with offload or contextlib.nullcontext():
+                h = layer(h, cos, sin, self.checkpointing)
+        if offload:
+            offload.input = None  # so the hooks don't keep the last block's input alive
         h = self.model.norm(h)
         if targets is None:
             return linear_nf4(h, self.lm_head.weight)  # (B, T, vocab)

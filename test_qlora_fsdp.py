@@ -801,8 +801,9 @@ def _allocated_peak(fn):
 
 def _saved_for_backward(args):
     """One real step of the MEM model: (plain tensors shaped like a base weight that autograd saved,
-    the shapes of all it saved, whether every master has a gradient). With checkpointing, what each
-    block's recompute saves is recorded too."""
+    the shapes of all it saved, whether every master has a gradient). With eager checkpointing, what
+    each block's recompute saves is recorded too (compiled, the recompute is part of the block's
+    backward graph: its tensors are that graph's buffers, counted by the memory check below)."""
     model, fsdp = qf.build(args, MEM, torch.device("cpu"))
     shapes = {s for s in fsdp.base_shapes().values() if len(s) == 2}  # RMSNorm's 1-D weights are dense
     shapes |= {s[::-1] for s in shapes}
@@ -820,7 +821,9 @@ def _saved_for_backward(args):
             yield
 
     real = qf.checkpoint
-    qf.checkpoint = lambda *a, **k: real(*a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()), **k)
+    if not args.compile:
+        qf.checkpoint = lambda *a, **k: real(*a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()),
+                                             **k)
     try:
         x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), t)[1], lambda t: t):
