@@ -632,10 +632,12 @@ def test_torchrun_cli_two_processes():
     assert s["world_size"] == 2 and s["steps"] == 3 and math.isfinite(s["final_loss"])
 
 
-def test_offloaded_activations_change_nothing(monkeypatch):
+@pytest.mark.parametrize("compile", ["--no-compile", "--compile"])
+def test_offloaded_activations_change_nothing(compile, monkeypatch):
     """--offload_activations moves every checkpointed block input (and nothing else) through a
     separate host buffer and back -- 4 blocks x 3 steps of (2, 32, 128) fp32 -- and trains bitwise
-    like the run that keeps them on the device."""
+    like the run that keeps them on the device, with eager blocks and with compiled ones (whose
+    graph, not autograd's ops, decides what is saved)."""
     packed, real = [], qf.OffloadedInputs._pack
 
     def counting(self, t):
@@ -646,7 +648,7 @@ def test_offloaded_activations_change_nothing(monkeypatch):
         return out
 
     monkeypatch.setattr(qf.OffloadedInputs, "_pack", counting)
-    argv = BASE + ["--batch_size", "2", "--steps", "3"]
+    argv = [a for a in BASE if a != "--no-compile"] + ["--batch_size", "2", "--steps", "3", compile]
     plain = run_single(argv)
     assert packed == []
     offloaded = run_single(argv + ["--offload_activations"])
