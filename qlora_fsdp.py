@@ -1484,31 +1484,21 @@ def init_adapters(shapes, seed):
             for i, (name, shape) in enumerate(shapes.items())}
 
 
-def as_parameter(model, name, tensor, device):
-    """A dense base tensor as `model` keeps parameter `name`: NF4 for an NF4Linear's weight, else model.dtype."""
-    t = tensor.to(device, model.dtype)
-    return to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t
-
-
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
     """One process: a Llama with the weights of `path` quantized one tensor at a time as they are
-    read (host memory stays near the NF4 footprint, never a bf16 model), and fresh adapters."""
+    read (host memory stays near the NF4 footprint, never a bf16 model), and fresh adapters. Both
+    go in as any state dict does (NF4Linear quantizes dense weights), each meta parameter giving
+    way to the loaded tensor."""
     config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
-    params = dict(model.named_parameters())
-
-    def put(name, tensor):
-        frozen = not params[name].requires_grad
-        value = as_parameter(model, name, tensor, device) if frozen else tensor.to(device)
-        mod_name, attr = name.rsplit(".", 1)
-        model.get_submodule(mod_name)._parameters[attr] = nn.Parameter(value, requires_grad=not frozen)
-
-    load_checkpoint(path, config, {n: tuple(p.shape) for n, p in params.items() if not p.requires_grad}, put)
-    for name, tensor in init_adapters({n: p.shape for n, p in params.items() if p.requires_grad}, seed).items():
-        put(name, tensor)
+    put = lambda state: model.load_state_dict(state, strict=False, assign=True)  # noqa: E731
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    load_checkpoint(path, config, {n: s for n, s in shapes.items() if "lora_" not in n},
+                    lambda name, tensor: put({name: tensor.to(device, dtype)}))
+    put({n: t.to(device) for n, t in init_adapters({n: s for n, s in shapes.items() if "lora_" in n}, seed).items()})
     return model
 
 
@@ -1838,8 +1828,9 @@ def build(args, config, device):
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     model.offload_activations = OffloadedInputs(side) if args.offload_activations else None
 
-    def put(name, tensor):
-        fsdp.load_full(name, as_parameter(model, name, tensor, device))
+    def put(name, tensor):  # in the parameter's form: NF4 for an NF4Linear's weight, else the compute dtype
+        t = tensor.to(device, dtype)
+        fsdp.load_full(name, to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t)
 
     if args.checkpoint:
         load_checkpoint(args.checkpoint, config, fsdp.base_shapes(), put)
