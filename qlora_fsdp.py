@@ -1918,11 +1918,18 @@ def _train(args):
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     profiler = None
 
-    def snapshot():  # the allocator's history recorded so far, then no more recording
-        path = os.path.join(args.profile, f"memory_rank{rank}.pickle")
-        torch.cuda.memory._dump_snapshot(path)
-        torch.cuda.memory._record_memory_history(enabled=None)
-        print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
+    def stop_profiling():  # after step 5, or at the end of a shorter run
+        nonlocal profiler
+        profiler.stop()
+        trace = os.path.join(args.profile, f"trace_rank{rank}.json")
+        profiler.export_chrome_trace(trace)
+        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+        if cuda:  # the allocator's history recorded so far, then no more recording
+            path = os.path.join(args.profile, f"memory_rank{rank}.pickle")
+            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
+        profiler = None
 
     if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
         activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
@@ -1950,20 +1957,15 @@ def _train(args):
             if profiler.step_num == 2 and cuda:  # on CUDA also the allocator's history over steps 3-5, with
                 # Python stacks only (C++ stacks would be unwound at every allocation)
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-            if profiler.step_num == 5 and cuda:
-                snapshot()
+            if profiler.step_num == 5:
+                stop_profiling()
         if step % args.log_every == 0 or step + 1 == last_step:
             print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
         if args.out and (step + 1 == last_step or args.save_every and (step + 1) % args.save_every == 0):
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
-        profiler.stop()
-        trace = os.path.join(args.profile, f"trace_rank{rank}.json")
-        profiler.export_chrome_trace(trace)
-        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-        if cuda and profiler.step_num < 5:  # a run shorter than the profiled steps
-            snapshot()
+        stop_profiling()
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")
