@@ -444,13 +444,27 @@ def single_run_tiny():
     return run_single(BASE + ["--batch_size", "6"])
 
 
-@pytest.mark.parametrize("checkpointing", [True, False])
+class CheckpointAround(torch.nn.Module):
+    """A block checkpointed from outside its module call, so that the recompute in backward runs
+    the unit's forward hooks a second time."""
+
+    def __init__(self, layer):
+        super().__init__()
+        self.layer = layer
+
+    def forward(self, x, cos, sin, _):
+        return torch.utils.checkpoint.checkpoint(self.layer, x, cos, sin, False, use_reentrant=False)
+
+
+@pytest.mark.parametrize("checkpointing", ["inside", "around", "off"])
 def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
     """Each unit is gathered by ONE all-gather before its forward and freed after it (the last
     unit, needed at once by backward, stays); backward gathers each block once more and
-    reduce-scatters its adapter gradients once; afterwards nothing stays gathered."""
+    reduce-scatters its adapter gradients once; afterwards nothing stays gathered. Checkpointing
+    inside the block (as Llama does), around the module call (its hooks run again in backward's
+    recompute), or off."""
     model = make_model()
-    model.checkpointing = checkpointing
+    model.checkpointing = checkpointing == "inside"
     calls, real = {"all_gather": 0, "reduce_scatter": 0}, qf._collective
 
     def counted(*a, reduce_scatter=False, **k):
@@ -458,9 +472,11 @@ def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
         return real(*a, reduce_scatter=reduce_scatter, **k)
     monkeypatch.setattr(qf, "_collective", counted)
     fsdp = qf.FSDP(model.units(), torch.device("cpu"), torch.float32)
+    if checkpointing == "around":
+        model.model.layers = torch.nn.ModuleList(CheckpointAround(layer) for layer in model.model.layers)
     x, y = torch.randint(256, (2, 16)), torch.randint(256, (2, 16))
     ref = make_model()  # the same weights, unsharded
-    ref.checkpointing = checkpointing
+    ref.checkpointing = checkpointing != "off"
     ref_loss = ref(x, y)
     ref_loss.backward()
     loss = model(x, y)
