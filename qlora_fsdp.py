@@ -693,7 +693,7 @@ class ShardedUnit:
 
     def _pre_forward(self, module, args):
         self.gather()
-        if self.in_backward:  # activation checkpointing recomputes the forward inside backward
+        if self.in_backward:  # a checkpoint around this module's call reruns it in backward: no more to do
             return args
         if self.index + 1 < len(self.fsdp.units):
             self.fsdp.units[self.index + 1].gather(wait=False)  # prefetch: it overlaps this unit's compute
@@ -1820,7 +1820,7 @@ def build(args, config, device):
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
     model.checkpointing = args.checkpointing
-    if args.compile:  # each block's forward (as torchtune's compile=True); the sharding hooks stay eager
+    if args.compile:  # each block's forward, its checkpoint included; the sharding hooks stay eager
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
     fsdp = FSDP(model.units(), device, dtype, offload=args.cpu_offload)
