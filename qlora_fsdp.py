@@ -878,19 +878,24 @@ class FSDP:
 
 
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
-    """While active, the saved tensor that is `self.input` -- a checkpointed block's input, all that
-    checkpointing keeps of it -- is copied to host memory (pinned, on `stream`) and brought back when
-    backward recomputes the block; the gradient through the block stays on the device."""
+    """While active, the saved tensor that is the input given to `start` -- a checkpointed block's
+    input, all that checkpointing keeps of it -- lives in host memory (pinned, copied on `stream`)
+    and comes back when backward recomputes the block; the gradient through the block stays on the
+    device. The copy starts before the block runs, to overlap its forward (a compiled block saves
+    its input only once its whole forward is queued)."""
 
     def __init__(self, stream=None):
-        self.stream, self.input = stream, None
+        self.stream, self.input, self.host = stream, None, None
         super().__init__(self._pack, self._unpack)
+
+    def start(self, x):  # the next block's input (None: no more blocks): copy it to the host now
+        self.input, self.host = x, None if x is None else _to_host(x, self.stream)
 
     def _pack(self, t):
         x = self.input
         if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
             return t  # not a block input (RoPE's cos and sin): kept as is
-        return t.device, _to_host(t, self.stream)
+        return t.device, self.host
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
@@ -1194,11 +1199,11 @@ class Llama(nn.Module):
         offload = self.offload_activations if self.checkpointing and torch.is_grad_enabled() else None
         for layer in self.model.layers:
             if offload:
-                offload.input = h
+                offload.start(h)
             with offload or contextlib.nullcontext():
                 h = layer(h, cos, sin, self.checkpointing)
         if offload:
-            offload.input = None  # so the hooks don't keep the last block's input alive
+            offload.start(None)  # so the hooks don't keep the last block's input alive
         h = self.model.norm(h)
         if targets is None:
             return linear_nf4(h, self.lm_head.weight)  # (B, T, vocab)
