@@ -779,6 +779,23 @@ def test_loss_equals_logits_cross_entropy():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
 
 
+def test_checkpointed_block_is_one_compiled_graph():
+    """What --compile compiles, a block's forward with its checkpoint, is one graph for dynamo (no
+    graph break, which would run the rest eagerly without a word) whose body is the checkpoint:
+    the recompute is part of the compiled backward."""
+    model = make_model(dtype=torch.bfloat16)
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = qf.rope_cos_sin(model.config, 16, torch.device("cpu"), torch.bfloat16)
+    graphs = []
+
+    def record(gm, example_inputs):  # a backend that keeps dynamo's graph and runs it as it is
+        graphs.append(gm)
+        return gm.forward
+    torch.compile(model.model.layers[0].forward, backend=record, fullgraph=True)(x, cos, sin, True)
+    calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and calls[0] is torch.ops.higher_order.tag_activation_checkpoint
+
+
 def test_tiny_model_overfits_a_batch():
     """QLoRA on the tiny model drives the loss on one fixed batch far down (5.5 -> < 1.5)."""
     model = make_model(dtype=torch.float32, lora_rank=16)
