@@ -884,9 +884,10 @@ def _step_memory(args):
 PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (compiled blocks, checkpointing)
 
 
-def _mem_worker(_, out_path):
+def _mem_worker(out_path):
     """Both MEM checks in a process of its own, as a training run compiles its blocks for one shape
     only (a block graph dynamo recompiles for a second shape saves other tensors)."""
+    torch.set_num_threads(1)  # memory is measured, not time: leave the other core to the tests
     qf.CONFIGS["mem"] = MEM
     out = {}
     for compile, checkpointing in PATHS:
@@ -899,10 +900,24 @@ def _mem_worker(_, out_path):
     torch.save(out, out_path)
 
 
-@pytest.fixture(scope="module")
-def mem_runs(tmp_path_factory):
+@pytest.fixture(scope="module", autouse=True)
+def _mem_process(tmp_path_factory):
+    """Starts the MEM checks' process with the module's first test, so that its compiling (most of
+    its time) overlaps the tests before them; a run that never reaches them stops it at the end."""
     path = str(tmp_path_factory.mktemp("mem") / "runs")
-    mp.spawn(_mem_worker, args=(path,), nprocs=1, join=True)
+    proc = mp.get_context("spawn").Process(target=_mem_worker, args=(path,), daemon=True)
+    proc.start()
+    yield proc, path
+    if proc.is_alive():
+        proc.terminate()
+    proc.join()
+
+
+@pytest.fixture(scope="module")
+def mem_runs(_mem_process):
+    proc, path = _mem_process
+    proc.join()
+    assert proc.exitcode == 0, f"the MEM checks' process failed (exit code {proc.exitcode}; its traceback is above)"
     return torch.load(path)
 
 
@@ -1277,8 +1292,9 @@ def last_json(out):
 
 def test_cli_loss_falls_on_default_data(capsys):
     """`python qlora_fsdp.py` trains the tiny model on its own bytes and the loss falls; the
-    last line is the JSON summary."""
-    qf.main(["--device", "cpu", "--steps", "60", "--seq_len", "64", "--log_every", "10", "--warmup_steps", "5"])
+    last line is the JSON summary. (fp32 at the shapes of the compiled tests above: their graphs.)"""
+    qf.main(["--device", "cpu", "--dtype", "fp32", "--batch_size", "2", "--seq_len", "32", "--steps", "60",
+             "--log_every", "10", "--warmup_steps", "5"])
     out = capsys.readouterr().out
     assert "step 60/60 | loss" in out and " tok/s | mem " in out
     s = last_json(out)
