@@ -779,21 +779,37 @@ def test_loss_equals_logits_cross_entropy():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_checkpointed_block_is_one_compiled_graph():
-    """What --compile compiles, a block's forward with its checkpoint, is one graph for dynamo (no
-    graph break, which would run the rest eagerly without a word) whose body is the checkpoint:
-    the recompute is part of the compiled backward."""
+def test_compiled_block_is_one_graph_holding_no_dense_weight():
+    """What --compile compiles, a block's forward with its checkpoint, is one graph for dynamo (a
+    graph break would run the rest eagerly without a word) whose body is the checkpoint, and the
+    forward and backward graphs made of it (the recompute inside backward's) hold no tensor shaped
+    like a dense base weight, not even for a moment: each NF4 weight is dequantized inside the
+    matmul op that uses it."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
     model = make_model(dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    dynamo_graphs, graphs = [], []
+
+    def keep(gm, example_inputs):  # record a graph and run it as it is
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+    aot = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+    backend = lambda gm, example_inputs: (dynamo_graphs.append(gm), aot(gm, example_inputs))[1]  # noqa: E731
     x = torch.randn(2, 16, 128, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = qf.rope_cos_sin(model.config, 16, torch.device("cpu"), torch.bfloat16)
-    graphs = []
-
-    def record(gm, example_inputs):  # a backend that keeps dynamo's graph and runs it as it is
-        graphs.append(gm)
-        return gm.forward
-    torch.compile(model.model.layers[0].forward, backend=record, fullgraph=True)(x, cos, sin, True)
-    calls = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
-    assert len(graphs) == 1 and calls[0] is torch.ops.higher_order.tag_activation_checkpoint
+    torch.compile(layer.forward, backend=backend, fullgraph=True)(x, cos, sin, True).float().sum().backward()
+    calls = [n.target for n in dynamo_graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(dynamo_graphs) == 1 and calls[0] is torch.ops.higher_order.tag_activation_checkpoint
+    shapes = {tuple(m.weight.shape) for m in layer.modules() if isinstance(m, qf.LoRALinear)}
+    shapes |= {s[::-1] for s in shapes} | {(math.prod(s),) for s in shapes}  # transposed, flat
+    shapes = {str(list(s)) for s in shapes}  # as text: a graph's shapes may hold (unhashable) SymInts
+    assert len(graphs) == 2  # forward, backward
+    for gm in graphs:
+        values = [n.meta.get("val") for n in gm.graph.nodes]
+        dense = [v.shape for v in values if isinstance(v, torch.Tensor) and v.dtype.is_floating_point
+                 and str(list(v.shape)) in shapes]
+        assert dense == [] and len(values) > 100
 
 
 def test_tiny_model_overfits_a_batch():
