@@ -854,7 +854,7 @@ def _saved_for_backward(args):
     """One real step of the MEM model: (plain tensors shaped like a base weight that autograd saved,
     the shapes of all it saved, whether every master has a gradient). With eager checkpointing, what
     each block's recompute saves is recorded too (compiled, the recompute is part of the block's
-    backward graph: its tensors are that graph's buffers, counted by the memory check below)."""
+    backward graph, which test_compiled_block_is_one_graph_holding_no_dense_weight reads)."""
     model, fsdp = qf.build(args, MEM, torch.device("cpu"))
     shapes = {s for s in fsdp.base_shapes().values() if len(s) == 2}  # RMSNorm's 1-D weights are dense
     shapes |= {s[::-1] for s in shapes}
