@@ -1500,10 +1500,10 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
     put = lambda state: model.load_state_dict(state, strict=False, assign=True)  # noqa: E731
-    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
-    load_checkpoint(path, config, {n: s for n, s in shapes.items() if "lora_" not in n},
-                    lambda name, tensor: put({name: tensor.to(device, dtype)}))
-    put({n: t.to(device) for n, t in init_adapters({n: s for n, s in shapes.items() if "lora_" in n}, seed).items()})
+    frozen = {n: tuple(p.shape) for n, p in model.named_parameters() if not p.requires_grad}
+    load_checkpoint(path, config, frozen, lambda name, tensor: put({name: tensor.to(device, dtype)}))
+    adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
+    put({n: t.to(device) for n, t in init_adapters(adapters, seed).items()})
     return model
 
 
