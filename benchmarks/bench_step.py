@@ -54,7 +54,7 @@ def config_name(shape):
 # ---- the floor -----------------------------------------------------------------------------------
 
 def floor_ops(c, B, T, checkpointing, dtype):
-    """[(category, calls per step, fn)]: the step's unavoidable dense work, as plain ops."""
+    """[(category, calls per step, fn, flops per call)]: the step's unavoidable dense work, as plain ops."""
     g = torch.Generator().manual_seed(0)
 
     def rand(*shape, grad=False):
@@ -68,20 +68,22 @@ def floor_ops(c, B, T, checkpointing, dtype):
                    "o_proj": (h * hd, d), "gate_proj": (d, f), "up_proj": (d, f), "down_proj": (f, d)}
     for name, (n_in, n_out) in projections.items():
         w, x, grad_y = rand(n_out, n_in), rand(BT, n_in), rand(BT, n_out)
-        ops.append(("matmul", passes * L, lambda x=x, w=w: F.linear(x, w)))  # (BT, in) -> (BT, out)
+        flops = 2 * BT * n_in * n_out
+        ops.append(("matmul", passes * L, lambda x=x, w=w: F.linear(x, w), flops))  # (BT, in) -> (BT, out)
         input_grads = L - 1 if name in ("q_proj", "k_proj", "v_proj") else L
-        ops.append(("matmul", input_grads, lambda g=grad_y, w=w: g @ w))  # (BT, out) -> (BT, in)
+        ops.append(("matmul", input_grads, lambda g=grad_y, w=w: g @ w, flops))  # (BT, out) -> (BT, in)
     q, k, v = rand(B, h, T, hd, grad=True), rand(B, kv, T, hd, grad=True), rand(B, kv, T, hd, grad=True)
 
     def attention():  # (B, h, T, hd), grouped-query when kv < h
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv != h)
     y = attention()
     grad_att = torch.randn_like(y)
-    ops.append(("attention", passes * L, attention))
-    ops.append(("attention", L, lambda: torch.autograd.grad(y, (q, k, v), grad_att, retain_graph=True)))
+    ops.append(("attention", passes * L, attention, None))
+    ops.append(("attention", L, lambda: torch.autograd.grad(y, (q, k, v), grad_att, retain_graph=True), None))
     w_head, x_head, grad_logits = rand(c.vocab_size, d), rand(BT, d), rand(BT, c.vocab_size)
-    ops.append(("matmul", 1, lambda: F.linear(x_head, w_head)))  # logits (BT, vocab)
-    ops.append(("matmul", 1, lambda: grad_logits @ w_head))  # their gradient -> (BT, d)
+    flops = 2 * BT * d * c.vocab_size
+    ops.append(("matmul", 1, lambda: F.linear(x_head, w_head), flops))  # logits (BT, vocab)
+    ops.append(("matmul", 1, lambda: grad_logits @ w_head, flops))  # their gradient -> (BT, d)
     return ops
 
 
@@ -91,7 +93,7 @@ def time_floor(ops, reps):
     out = []
     for _ in range(reps):
         per = {}
-        for cat, calls, fn in ops:
+        for cat, calls, fn, _ in ops:
             t0 = time.perf_counter()
             for _ in range(calls):
                 fn()
@@ -138,9 +140,11 @@ def worker(args):
         b = breakdown(json.load(f), args.lora_rank)
     floor = float(np.median([total for total, _ in reps]))
     parts = {cat: round(float(np.median([per[cat] for _, per in reps])), 2) for cat in reps[0][1]}
+    matmul_flops = sum(calls * flops for cat, calls, _, flops in ops if cat == "matmul")
     print(json.dumps(dict(shape=args.worker, model=name, world_size=summary["world_size"], batch_size=batch,
                           seq_len=seq, checkpointing=train_args.checkpointing, step_ms=summary["step_ms"],
                           floor_ms=round(floor, 2), floor_parts_ms=parts,
+                          floor_matmul_gflops=round(matmul_flops / parts["matmul"] / 1e6, 1),
                           floor_over_step=round(floor / summary["step_ms"], 3),
                           profiled_step_ms=round(b["step_ms"], 2), profiled_steps=b["steps"],
                           has_shapes=b["has_shapes"], breakdown_ms={k: round(v, 2) for k, v in b["ms"].items()},
@@ -161,7 +165,8 @@ def line(r):
     b, step = r["breakdown_ms"], r["profiled_step_ms"]
     parts = " + ".join(f"{k} {v:.1f}" for k, v in r["floor_parts_ms"].items())
     cats = ", ".join(f"{c} {b[c]:.1f} ({100 * b[c] / step:.0f}%)" for c in CATEGORIES)
-    return (f"{r['shape']:<12} step {r['step_ms']:7.1f} ms | floor {r['floor_ms']:7.1f} ms ({parts}) | "
+    return (f"{r['shape']:<12} step {r['step_ms']:7.1f} ms | floor {r['floor_ms']:7.1f} ms ({parts}; its matmuls at "
+            f"{r['floor_matmul_gflops']:.0f} GFLOP/s a rank) | "
             f"floor/step {r['floor_over_step']:.2f} | profiled step {step:.1f} ms: {cats}")
 
 
