@@ -392,6 +392,15 @@ def free_port():
         return s.getsockname()[1]
 
 
+# Ranks start from a forkserver that has imported torch and this file once: a rank costs a fork,
+# not a fresh interpreter's imports.
+mp.set_forkserver_preload([__name__])
+
+
+def spawn(fn, args, nprocs):
+    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+
+
 def _worker(rank, world, port, argv, out_path):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -412,7 +421,7 @@ def _worker(rank, world, port, argv, out_path):
 
 def run_sharded(world, argv, tmp_path):
     out = str(tmp_path / f"ws{world}")
-    mp.spawn(_worker, args=(world, free_port(), argv, out), nprocs=world, join=True)
+    spawn(_worker, (world, free_port(), argv, out), world)
     return [torch.load(f"{out}.{r}") for r in range(world)]
 
 
@@ -586,7 +595,7 @@ def test_shards_any_tensor_subclass(world, tmp_path):
         results = [int8_grads(0, 1)]
     else:
         out = str(tmp_path / "int8")
-        mp.spawn(_int8_worker, args=(world, free_port(), out), nprocs=world, join=True)
+        spawn(_int8_worker, (world, free_port(), out), world)
         results = [torch.load(f"{out}.{r}") for r in range(world)]
     for grads in results:
         for i in (0, 2):
