@@ -936,18 +936,20 @@ class AdamW(torch.optim.Optimizer):
         loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
             params = [p for p in group["params"] if p.grad is not None]
-            chunks, nbytes = [[]], 0  # consecutive params, about ADAM_CHUNK_BYTES each
+            if not params:
+                continue
+            chunks, nbytes = [], math.inf  # runs of consecutive params, one dtype and device, ~ADAM_CHUNK_BYTES each
             for p in params:
                 if not self.state[p]:
                     self.state[p] = dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 self.state[p]["step"] += 1
-                if nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf):
+                full = nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf)
+                if full or (p.dtype, p.device) != (chunks[-1][0].dtype, chunks[-1][0].device):
                     chunks, nbytes = chunks + [[]], 0
                 chunks[-1].append(p)
                 nbytes += p.nbytes
-            if not params:
-                continue
-            step = self.state[params[0]]["step"]  # parameters of a group step together
+            # one step count for the group: its parameters all get gradients, or none does (as FSDP's masters)
+            step = self.state[params[0]]["step"]
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
             c1, c2 = 1 - beta1**step, math.sqrt(1 - beta2**step)  # bias corrections of m and sqrt(v)
             for chunk in chunks:
@@ -961,8 +963,9 @@ class AdamW(torch.optim.Optimizer):
                 torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
                 # c2 folded into the constants, one pass fewer: m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2)
                 sizes = [v.numel() for v in exp_avg_sqs]
-                if self.scratch.numel() < sum(sizes) or self.scratch.device != chunk[0].device:
-                    self.scratch = torch.empty(sum(sizes), dtype=chunk[0].dtype, device=chunk[0].device)
+                like = chunk[0]
+                if self.scratch.numel() < sum(sizes) or (self.scratch.dtype, self.scratch.device) != (like.dtype, like.device):
+                    self.scratch = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
                 denom = [d.view_as(v) for d, v in zip(self.scratch[:sum(sizes)].split(sizes), exp_avg_sqs)]
                 torch._foreach_copy_(denom, exp_avg_sqs)
                 torch._foreach_sqrt_(denom)
