@@ -963,10 +963,10 @@ class AdamW(torch.optim.Optimizer):
                 torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
                 # c2 folded into the constants, one pass fewer: m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2)
                 sizes = [v.numel() for v in exp_avg_sqs]
-                like = chunk[0]
-                if self.scratch.numel() < sum(sizes) or (self.scratch.dtype, self.scratch.device) != (like.dtype, like.device):
-                    self.scratch = torch.empty(sum(sizes), dtype=like.dtype, device=like.device)
-                denom = [d.view_as(v) for d, v in zip(self.scratch[:sum(sizes)].split(sizes), exp_avg_sqs)]
+                n, like = sum(sizes), chunk[0]
+                if self.scratch.numel() < n or self.scratch.dtype != like.dtype or self.scratch.device != like.device:
+                    self.scratch = torch.empty(n, dtype=like.dtype, device=like.device)
+                denom = [d.view_as(v) for d, v in zip(self.scratch[:n].split(sizes), exp_avg_sqs)]
                 torch._foreach_copy_(denom, exp_avg_sqs)
                 torch._foreach_sqrt_(denom)
                 torch._foreach_add_(denom, eps * c2)
