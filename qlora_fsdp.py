@@ -33,7 +33,9 @@ import functools
 import json
 import math
 import os
+import random
 import resource
+import shutil
 import sys
 import tempfile
 import time
@@ -53,7 +55,8 @@ GiB = 1024**3
 # 1. Memory accounting: where the bytes go before a single activation exists
 # -----------------------------------------------------------------------------
 # Full fine-tuning in bf16 keeps, per parameter: the weight (2 B), its gradient (2 B) and
-# Adam's two moments (2 x 2 B): 8 B/param, so Llama-2-7B needs 14 + 14 + 28 = 56 GB.
+# Adam's two moments (2 x 2 B): 8 B/param, so a 7B model needs 56 GB (Llama-2-7B, 6.74 B
+# parameters: 13.5 + 13.5 + 27 = 54 GB).
 # QLoRA freezes the base in NF4 (~0.516 B/param, section 2) and trains only LoRA adapters,
 # kept in fp32 (4 B) with fp32 gradients (4 B) and two fp32 moments (8 B): 16 B per *adapter*
 # parameter, of which there are ~0.3% as many.
@@ -127,6 +130,19 @@ COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
 
 
+@functools.cache
+def compiled(fn):
+    """torch.compile(fn) for any shape, made at its first use (importing the compiler takes seconds)."""
+    return torch.compile(fn, dynamic=True)
+
+
+def _use_compiled(compile, t):
+    # False inside an outer torch.compile: quantize's plain function is traced into that graph
+    # (dequantize_nf4 keeps its bf16 custom op there); meta tensors have nothing to run.
+    compile = COMPILE if compile is None else compile
+    return compile and t.device.type != "meta" and not torch.compiler.is_compiling()
+
+
 def _quantize_blocks(w, block_size: int):
     """w: (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32.
     Each block is scaled by its exact absmax into [-1, 1] and rounded to the nearest NF4 value
@@ -155,6 +171,12 @@ def _double_quantize(absmax, scaler_block_size: int):
     return q, factor, mean
 
 
+def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
+    """The (n_blocks,) fp32 block scales back from their int8 codes: q / factor[group] + mean."""
+    group = torch.arange(scale_q.numel(), device=scale_q.device) // scaler_block_size
+    return scale_q.float() / scale_factor[group] + scale_mean
+
+
 _NF4_ON_DEVICE = {}  # the codebook, copied to each device once
 DEQUANT_CHUNK = 1 << 22  # elements per pass
 
@@ -179,11 +201,6 @@ def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
         values *= absmax[start // block_size:start // block_size + values.shape[0], None]
         out[start:start + values.numel()] = values.view(-1)
     return out
-
-
-def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
-    group = torch.arange(scale_q.numel(), device=scale_q.device) // scaler_block_size
-    return scale_q.float() / scale_factor[group] + scale_mean
 
 
 # What torch.compile gets for bf16 output: the same numbers, bit for bit, in a form the compiler
@@ -219,12 +236,6 @@ def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size
     return (first | (second << 16)).view(-1)
 
 
-@functools.cache
-def compiled(fn):
-    """torch.compile(fn) for any shape, made at its first use (importing the compiler takes seconds)."""
-    return torch.compile(fn, dynamic=True)
-
-
 # Inside a bigger compiled graph (a compiled block), the kernel above, traced into it, loses its
 # vectorization to the int32 -> bf16 view. As a custom op it stays one opaque call in such graphs,
 # running the separately compiled kernel.
@@ -241,17 +252,10 @@ def _(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size):
     return packed.new_empty(2 * packed.numel(), dtype=torch.bfloat16)
 
 
-def _use_compiled(compile, t):
-    # False inside an outer torch.compile: quantize's plain function is traced into that graph
-    # (dequantize_nf4 keeps its bf16 custom op there); meta tensors have nothing to run.
-    compile = COMPILE if compile is None else compile
-    return compile and t.device.type != "meta" and not torch.compiler.is_compiling()
-
-
 def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     """weight (any shape, numel % block_size == 0) -> (packed, scale_q, scale_factor, scale_mean)."""
     if weight.numel() % block_size or weight.numel() == 0:
-        raise ValueError(f"NF4 needs a number of elements divisible by block_size={block_size}; "
+        raise ValueError(f"NF4 needs a positive number of elements divisible by block_size={block_size}; "
                          f"got shape {tuple(weight.shape)} ({weight.numel()} elements)")
     if block_size % 2:
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
@@ -265,9 +269,11 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
 
 def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
                    scaler_block_size=256, dtype=torch.bfloat16, compile=None):
+    """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`. Compiled and bf16: the kernel
+    above, an opaque custom op (so also inside an outer torch.compile); else the eager reference."""
     args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
-    # bf16: the compiled kernel, an opaque custom op even inside an outer torch.compile; else eager
-    fast = _use_compiled(compile, packed) or (torch.compiler.is_compiling() and packed.device.type != "meta")
+    compile = COMPILE if compile is None else compile
+    fast = packed.device.type != "meta" and (compile or torch.compiler.is_compiling())
     with torch.no_grad():  # frozen weights: never part of the autograd graph
         if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
             return _dequantize_bf16(*args)
@@ -349,7 +355,8 @@ class NF4Tensor(torch.Tensor):
 
 
 def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
-    """.to(device) moves the packed bytes; .to(another dtype) dequantizes."""
+    """aten._to_copy, reached from .to(device), .cpu(), .cuda() (.to(dtype) is __torch_function__'s):
+    a move passes the tensor's own dtype and stays packed; another dtype dequantizes."""
     if device is not None and device != t.device:
         t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
     return t.dequantize(dtype) if dtype is not None and dtype != t.dtype else t
@@ -437,6 +444,12 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # Adapters are fp32 "master" weights, cast to the compute dtype in forward (FSDP: at all-gather).
 
 
+def seeded(*key):
+    """A CPU generator for one use, e.g. seeded(seed, "batch", step): the same draws on every rank and
+    device, and a stream of its own for each key (its seed is drawn from a SHA-512 of the key)."""
+    return torch.Generator().manual_seed(random.Random("/".join(map(str, key))).getrandbits(63))
+
+
 def random_weight(shape, generator=None):
     """A random base for an (out, in) weight with no checkpoint: N(0, 1/in)."""
     return torch.randn(shape, generator=generator) * shape[-1] ** -0.5
@@ -470,10 +483,10 @@ class NF4Linear(nn.Module):
 
 class LoRALinear(NF4Linear):
     def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, dtype=torch.bfloat16):
-        super().__init__(in_features, out_features, dtype)
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        self.rank, self.alpha, self.scaling = rank, alpha, alpha / rank
+        super().__init__(in_features, out_features, dtype)
+        self.rank, self.scaling = rank, alpha / rank
         self.lora_A = nn.Parameter(lora_A_init((rank, in_features)))  # fp32
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=torch.float32))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
@@ -508,7 +521,8 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every tensor
 # of a unit -- each inner tensor of an NF4 weight, each frozen weight, each adapter -- is flattened
-# and split into `world` pieces like torch.chunk, the last zero padded; rank r keeps piece r in the
+# and split into `world` pieces of ceil(numel / world) elements, zero padded at the end (a tensor
+# smaller than the world leaves some pieces all padding); rank r keeps piece r in the
 # tensor's dtype (FSDP2 splits dim 0: the same order, but a flat split takes any shape). One
 # collective moves a unit's pieces, side by side in one byte buffer:
 #
@@ -533,7 +547,9 @@ ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be 
 
 class _Slot:
     """One tensor of a unit, sharded: `world` pieces of shard_numel elements, this rank's kept
-    (`local`), and the full tensor, whose storage exists only while the unit is gathered."""
+    (`local`), and the full tensor, whose storage exists only while the unit is gathered. `dtype`
+    is the one it travels in; `local` views the unit's shard bytes in it (frozen tensors) or, for
+    an adapter, its fp32 master (cast to `dtype` when gathered)."""
 
     def __init__(self, name, tensor, dtype, fsdp):
         world, dev = fsdp.world, fsdp.device
@@ -546,7 +562,8 @@ class _Slot:
         self.full = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, self.shape)
         self.padded = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, (world, self.shard_numel))
         storage.resize_(0)
-        self.offset = self.local = None  # set by the unit: place in its shard bytes, this rank's piece
+        # set by the unit: place in its shard bytes, in its fp32 master (adapters), this rank's piece
+        self.offset = self.start = self.local = None
 
     def piece(self, full):
         """This rank's piece of a full tensor of this shape (on any device): flat, zero padded."""
@@ -608,7 +625,7 @@ def _collective(out, inp, group, reduce_scatter=False):
 
 @contextlib.contextmanager
 def _side(stream):
-    """Issue the block's work on the side `stream`, after all the compute stream has queued so
+    """Issue the `with` body's work on the side `stream`, after all the compute stream has queued so
     far, so that it overlaps what the compute stream does next. On the CPU (None): in order."""
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
@@ -662,23 +679,27 @@ class ShardedUnit:
         hook_module.register_forward_pre_hook(self._pre_forward)
         hook_module.register_forward_hook(self._post_forward)
 
-    def gather(self, wait=True):
-        """Issue this unit's all-gather unless it is in flight (wait=False, a prefetch, stops here:
-        on GPUs it returns at once, gloo runs it in a thread), wait for it, copy each tensor out."""
+    def prefetch(self):
+        """Issue this unit's all-gather, unless gathered or in flight, and return (on GPUs at once;
+        gloo runs it in a thread)."""
+        fsdp = self.fsdp
+        if self.gathered or self.inflight is not None:
+            return
+        # On the side stream (CUDA), after the optimizer's last update of the masters: the
+        # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
+        with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
+            send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
+            for s in self.adapters:  # the fp32 masters cast into the compute dtype
+                send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
+            out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
+            self.inflight = (_collective(out, send, fsdp.group), out)
+
+    def gather(self):
+        """Wait for this unit's all-gather (issued now unless prefetched) and copy each tensor out."""
         fsdp = self.fsdp
         if self.gathered:
             return
-        if self.inflight is None:
-            # On the side stream (CUDA), after the optimizer's last update of the masters: the
-            # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
-            with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
-                send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
-                for s in self.adapters:  # the fp32 masters cast into the compute dtype
-                    send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
-                out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
-                self.inflight = (_collective(out, send, fsdp.group), out)
-        if not wait:
-            return
+        self.prefetch()
         (work, out), self.inflight = self.inflight, None
         fsdp.wait(work, "fsdp::wait_all_gather")
         if out.is_cuda:  # made on the side stream, read on this one: not reused before that
@@ -699,7 +720,7 @@ class ShardedUnit:
         if self.in_backward:  # a checkpoint around this module's call reruns it in backward: no more to do
             return args
         if self.index + 1 < len(self.fsdp.units):
-            self.fsdp.units[self.index + 1].gather(wait=False)  # prefetch: it overlaps this unit's compute
+            self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
         x = args[0]
         if torch.is_grad_enabled():
             self.pending = len(self.adapters) + int(x.requires_grad)  # arrivals before post-backward
@@ -720,7 +741,7 @@ class ShardedUnit:
         self.in_backward = True
         self.gather()
         if self.index > 0 and self.fsdp.units[self.index - 1].pending > 0:
-            self.fsdp.units[self.index - 1].gather(wait=False)  # prefetch the unit whose backward is next
+            self.fsdp.units[self.index - 1].prefetch()  # the unit whose backward is next
 
     def _arrive(self):
         """An adapter's gradient or the input's arrived. At the last (post-backward): reduce-scatter
@@ -1157,6 +1178,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss):
         (grad_h,) = ctx.saved_tensors
+        # no gradient for the weight: lm_head is frozen
         return grad_h * (grad_loss / ctx.denominator).to(grad_h.dtype), None, None, None, None
 
 
@@ -1171,7 +1193,7 @@ def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"
     return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction)
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(nn.Module):  # a container that gives Hugging Face's "model." names; Llama.forward runs it
     def __init__(self, c, lora):
         super().__init__()
         self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=lora["dtype"])
@@ -1310,8 +1332,9 @@ def format_estimate(name, est, world, offload):
     rows += [("all-gather buffers (2 block units + 1 in flight)", est["gathers"]), *est["activations"].items(),
              ("predicted peak per GPU", est["gpu_peak"]),
              ("while loading (one weight at a time), per GPU", est["load_peak"])]
-    rows += [("predicted host memory for offloaded tensors", est["host_state"])] * (est["host_state"] > 0)
-    title = f"predicted memory per rank, {name}, world {world}" + (", state offloaded to the host" * offload)
+    if est["host_state"] > 0:
+        rows.append(("predicted host memory for offloaded tensors", est["host_state"]))
+    title = f"predicted memory per rank, {name}, world {world}" + (", state offloaded to the host" if offload else "")
     return "\n".join([title + ":"] + [f"  {k:<48} {v / GiB:8.3f} GiB" for k, v in rows])
 
 
@@ -1467,8 +1490,8 @@ def load_checkpoint(path, config, shapes, put):
         require(isinstance(weight_map, dict), f"{index}: not a safetensors index (no weight_map)")
         names = list(dict.fromkeys(weight_map.values()))
     # name -> (file, its name there); old checkpoints also store RoPE's constants, rotary_emb.inv_freq
-    sources = {name: (sf, name) for sf in (SafetensorsFile(os.path.join(path, n)) for n in names)
-               for name in sf.entries if not name.endswith("rotary_emb.inv_freq")}
+    files = [SafetensorsFile(os.path.join(path, n)) for n in names]
+    sources = {name: (sf, name) for sf in files for name in sf.entries if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
         sources["lm_head.weight"] = sources["model.embed_tokens.weight"]  # tied: the head is the embedding
     for name, (sf, key) in sources.items():
@@ -1487,9 +1510,8 @@ def load_checkpoint(path, config, shapes, put):
 def init_adapters(shapes, seed):
     """Fresh adapters as LoRALinear makes them (lora_A_init, B zero), from seeded CPU generators:
     the same full tensors on every rank."""
-    gen = lambda i: torch.Generator().manual_seed(seed * 1000 + 500 + i)  # noqa: E731
-    return {name: lora_A_init(shape, gen(i)) if name.endswith("lora_A") else torch.zeros(shape)
-            for i, (name, shape) in enumerate(shapes.items())}
+    return {name: lora_A_init(shape, seeded(seed, name)) if name.endswith("lora_A") else torch.zeros(shape)
+            for name, shape in shapes.items()}
 
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
@@ -1510,7 +1532,7 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
     return model
 
 
-Llama.from_pretrained = staticmethod(from_pretrained)
+Llama.from_pretrained = staticmethod(from_pretrained)  # Llama's (section 7), it needs this section's reader
 
 # PEFT's adapter format: what peft.PeftModel.from_pretrained(base, DIR) loads.
 PEFT_PREFIX, TARGET_MODULES = "base_model.model.", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
@@ -1546,7 +1568,6 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     adapters = fsdp.full_adapters()
     moments, adam_step = fsdp.full_optimizer_state(optimizer)
     if fsdp.rank == 0:
-        import shutil
         name = f"checkpoint-{step}"
         final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -1612,7 +1633,7 @@ def save_merged(out_dir, fsdp, model):
         atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
         save_safetensors(os.path.join(out_dir, "model.safetensors"),
                          [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get, metadata={"format": "pt"})
-    for _ in base:  # the other ranks join the same all-gathers
+    for _ in base:  # the other ranks join the same all-gathers; every rank frees the last unit
         pass
     if dist.is_initialized():
         dist.barrier()
@@ -1663,7 +1684,7 @@ def load_tokens(path, vocab_size, seq_len):
 def get_batch(data, step, micro, args, world, rank, vocab_size):
     """This rank's rows (inputs, targets), each (batch_size, seq_len) int64, of a global micro-batch that
     depends only on (seed, step, micro) and batch_size x world. data: load_tokens' pair, or None (random)."""
-    g = torch.Generator().manual_seed(args.seed * 1_000_003 + step * 1009 + micro)
+    g = seeded(args.seed, "batch", step, micro)
     n, T = args.batch_size * world, args.seq_len
     rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
     if data is None:
@@ -1697,7 +1718,7 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
     """n tokens continuing `prompt`: greedy (temperature 0) or drawn from softmax(logits / T) by a
     seeded CPU generator (the same draws on any device). No KV cache: forward re-runs on the last
     `window` tokens. Sharded, every rank runs the same forward and takes rank 0's token."""
-    g = torch.Generator().manual_seed(seed)
+    g = seeded(seed, "sample")
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
     model.eval()  # no LoRA dropout
     # Compiled blocks would compile again for every new length: run them eagerly; what is
@@ -1817,8 +1838,9 @@ def model_config(args):
 def predicted_memory(args, world, config=None):
     """estimate_memory (section 8) for this run's flags."""
     return estimate_memory(config or model_config(args)[1], world, args.batch_size, args.seq_len,
-                           2 if args.dtype == "bf16" else 4, args.lora_rank, args.checkpointing,
-                           args.cpu_offload, LOSS_CHUNK, args.offload_activations)
+                           dtype_bytes=2 if args.dtype == "bf16" else 4, lora_rank=args.lora_rank,
+                           checkpointing=args.checkpointing, offload=args.cpu_offload,
+                           offload_activations=args.offload_activations)
 
 
 def build(args, config, device):
@@ -1843,12 +1865,24 @@ def build(args, config, device):
     if args.checkpoint:
         load_checkpoint(args.checkpoint, config, fsdp.base_shapes(), put)
     else:  # as the modules initialize them, each from its own seeded CPU generator: the same on any world/device
-        for i, (name, shape) in enumerate(fsdp.base_shapes().items()):
-            g = torch.Generator().manual_seed(args.seed * 1000 + i)
-            put(name, torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
-                if "embed_tokens" in name else random_weight(shape, g))
+        for name, shape in fsdp.base_shapes().items():
+            if "norm" in name:
+                put(name, torch.ones(shape))
+            elif "embed_tokens" in name:
+                put(name, torch.randn(shape, generator=seeded(args.seed, name)))
+            else:
+                put(name, random_weight(shape, seeded(args.seed, name)))
     fsdp.load_full_state(init_adapters(fsdp.adapter_shapes(), args.seed))
     return model, fsdp
+
+
+def learning_rate(step, args):
+    """Linear warmup over --warmup_steps, then cosine decay to 10% of --lr at --steps."""
+    w = args.warmup_steps
+    if step < w:
+        return args.lr * ((step + 1) / w)
+    progress = min(1.0, (step - w) / max(1, args.steps - w))
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
@@ -1915,7 +1949,8 @@ def _train(args):
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     start = resume(args, fsdp, optimizer, device) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
-    require(start < last_step, f"nothing to do: --resume is at step {start}, --steps is {args.steps}")
+    require(start < last_step, f"nothing to do: --resume is at step {start}, the run ends at step {last_step} "
+                               f"(--steps {args.steps}, --stop_at {args.stop_at})")
     print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter params "
            f"(sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
            f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}")
@@ -1940,15 +1975,15 @@ def _train(args):
         profiler = None
 
     if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
-        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(activities=activities, profile_memory=True,
                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
         profiler.start()
     for step in range(start, last_step):
         t0 = time.perf_counter()
-        w = args.warmup_steps  # linear warmup, then cosine decay to 10% of --lr
-        progress = min(1.0, (step - w) / max(1, args.steps - w))
-        lr = args.lr * ((step + 1) / w if step < w else 0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+        lr = learning_rate(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
