@@ -243,7 +243,7 @@ def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size
 def _dequantize_bf16(packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
                      scale_mean: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
     pairs = compiled(_dequantize_bf16_pairs)(packed, scale_q, scale_factor, scale_mean, block_size,
-                                            scaler_block_size)
+                                             scaler_block_size)
     return pairs.view(torch.bfloat16)
 
 
