@@ -29,7 +29,6 @@ Run it:
 
 import argparse
 import contextlib
-import functools
 import json
 import math
 import os
@@ -128,12 +127,6 @@ NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 # The CLI flag --no-compile sets this to False; results are identical either way.
 COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
-
-
-@functools.cache
-def compiled(fn):
-    """torch.compile(fn) for any shape, made at its first use (importing the compiler takes seconds)."""
-    return torch.compile(fn, dynamic=True)
 
 
 def _use_compiled(compile, t):
@@ -236,14 +229,18 @@ def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size
     return (first | (second << 16)).view(-1)
 
 
+_quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
+_dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=True)
+
+
 # Inside a bigger compiled graph (a compiled block), the kernel above, traced into it, loses its
 # vectorization to the int32 -> bf16 view. As a custom op it stays one opaque call in such graphs,
 # running the separately compiled kernel.
 @torch.library.custom_op("qlora_fsdp::dequantize_nf4_bf16", mutates_args=())
 def _dequantize_bf16(packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
                      scale_mean: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    pairs = compiled(_dequantize_bf16_pairs)(packed, scale_q, scale_factor, scale_mean, block_size,
-                                             scaler_block_size)
+    pairs = _dequantize_bf16_pairs_compiled(packed, scale_q, scale_factor, scale_mean, block_size,
+                                            scaler_block_size)
     return pairs.view(torch.bfloat16)
 
 
@@ -259,7 +256,7 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
                          f"got shape {tuple(weight.shape)} ({weight.numel()} elements)")
     if block_size % 2:
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
-    kernel = compiled(_quantize_blocks) if _use_compiled(compile, weight) else _quantize_blocks
+    kernel = _quantize_blocks_compiled if _use_compiled(compile, weight) else _quantize_blocks
     flat, step = weight.detach().reshape(-1), max(block_size, QUANT_CHUNK // block_size * block_size)
     with torch.no_grad():  # chunked: a big matrix never has a whole fp32 copy
         chunks = [kernel(flat[i:i + step], block_size) for i in range(0, flat.numel(), step)]
@@ -1151,6 +1148,9 @@ def _cross_entropy_rows(logits, targets, need_grad: bool):
     return loss, x.div_(sumexp).add_(onehot, alpha=-1).mul_(keep).to(logits.dtype)
 
 
+_cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
+
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Cross entropy of h W^T against targets, `chunk` rows at a time (the sum over the counted
     targets, or their mean). Full logits for Llama-2-7B at T=2048 are 131 MB per sequence in bf16,
@@ -1161,7 +1161,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, targets, chunk, reduction):  # h (N, C), weight (V, C), targets (N,)
         W = weight.dequantize(h.dtype) if isinstance(weight, NF4Tensor) else weight.to(h.dtype)
         need_grad = ctx.needs_input_grad[0]
-        rows = compiled(_cross_entropy_rows) if _use_compiled(None, h) else _cross_entropy_rows
+        rows = _cross_entropy_rows_compiled if _use_compiled(None, h) else _cross_entropy_rows
         grad_h = torch.empty_like(h) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk):

@@ -137,6 +137,16 @@ def _allocations(fn):
     return out, [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
 
 
+def test_quantize_chunked_equals_whole(monkeypatch):
+    """quantize_nf4, a chunk of blocks at a time (here 35 blocks: 7 chunks, the last partial),
+    gives the same codes and scales as in one piece."""
+    w = torch.randn(96, 160)
+    whole = qf.quantize_nf4(w, compile=False)
+    monkeypatch.setattr(qf, "QUANT_CHUNK", 64 * 35)
+    for a, b in zip(qf.quantize_nf4(w, compile=False), whole):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_eager_dequantize_chunked_equals_reference(dtype, monkeypatch):
     """--no-compile's dequantize, a chunk of blocks at a time, gives the reference's values bit
@@ -246,6 +256,27 @@ def test_merged_weight_equals_forward():
     x = torch.randn(4, 128)
     torch.testing.assert_close(layer(x), x @ layer.merged_weight().T, rtol=1e-5, atol=1e-5)
     assert layer.scaling == 2.0
+
+
+def test_lora_dropout_a_mask_per_layer():
+    """With LoRA dropout, in training each layer's adapter path reads dropout(x) with a mask of its
+    own, also where layers share an input (q, k, v), and the base path reads x itself; in eval
+    mode nothing is dropped."""
+    torch.manual_seed(0)
+    layers = [qf.LoRALinear(64, 32, rank=4, dropout=0.5, dtype=torch.float32) for _ in range(3)]
+    for m in layers:
+        torch.nn.init.normal_(m.lora_B)
+    x = torch.randn(5, 64)
+    for training in (True, False):
+        for m in layers:
+            m.train(training)
+        torch.manual_seed(1)
+        ys = qf.LoRALinear.shared_input(x, *layers)
+        torch.manual_seed(1)  # the same draws, in the same order: one mask per layer
+        for m, y in zip(layers, ys):
+            xd = F.dropout(x, 0.5, training=training)
+            ref = F.linear(x, m.weight.dequantize()) + m.scaling * F.linear(F.linear(xd, m.lora_A), m.lora_B)
+            torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
 def test_compile_lora_linear_fullgraph():
@@ -591,7 +622,8 @@ def test_sharded_equals_single_process(world, tmp_path, single_run_tiny):
 
 def test_offload_accumulation_clipping_equal_single_process(tmp_path):
     """With --cpu_offload, gradient accumulation and (active) clipping, 2 ranks still equal one
-    process."""
+    process. (On the CPU the offloaded state stays where it is; the copies to and from a GPU are
+    test_cuda_training_equals_cpu's.)"""
     extra = ["--grad_accum", "2", "--grad_clip", "0.05", "--cpu_offload"]
     single = run_single(BASE + extra + ["--batch_size", "4"])
     results = run_sharded(2, BASE + extra + ["--batch_size", "2"], tmp_path)
@@ -991,7 +1023,7 @@ def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
 
 def write_st(path, tensors, header_patch=None):
     """An independent safetensors writer (length, JSON header, raw bytes) for the reader to face."""
-    names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16"}
+    names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int16: "I16"}
     header, blobs, offset = {}, [], 0
     for name, t in tensors.items():
         raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes()
@@ -1064,6 +1096,22 @@ def test_from_pretrained_equals_quantized_originals(shards, tmp_path, hf_dir):
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(model(tokens), reference_logits(ref, tokens), rtol=1e-4, atol=1e-4)
+
+
+def test_tied_embeddings_and_rope_constants_load(tmp_path):
+    """A checkpoint with tie_word_embeddings and no lm_head.weight loads its embedding as the head
+    (quantized like any NF4 weight), and the RoPE constants old checkpoints store
+    (rotary_emb.inv_freq) are skipped, not refused."""
+    config = dataclasses.replace(qf.CONFIGS["tiny"], tie_word_embeddings=True)
+    sd = hf_state_dict(config)
+    del sd["lm_head.weight"]
+    sd["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16, dtype=torch.bfloat16)
+    path = str(tmp_path / "tied")
+    write_hf_checkpoint(path, config, sd)
+    model = qf.Llama.from_pretrained(path, dtype=torch.float32)
+    embed = sd["model.embed_tokens.weight"].float()
+    assert torch.equal(model.model.embed_tokens.weight, embed)
+    assert torch.equal(model.lm_head.weight.dequantize(torch.float32), qf.to_nf4(embed).dequantize(torch.float32))
 
 
 def test_config_llama3_and_transformers5_layout():
@@ -1156,6 +1204,24 @@ def test_resume_at_another_world_size(tmp_path):
             torch.testing.assert_close(r["adapters"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
 
+def test_sharded_save_resumes_in_one_process_and_merges_alike(tmp_path):
+    """The checkpoint and merged model 2 ranks write equal one process's: the checkpoint resumes
+    in one process and ends where the uninterrupted run ends, and the merged weights equal those
+    the single-process run merges."""
+    argv = BASE + ["--steps", "4"]
+    full = run_single(argv + ["--batch_size", "4"])
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    stop = ["--stop_at", "2", "--out"]
+    train_run(argv + ["--batch_size", "4"] + stop + [one, "--merge_to", one + "-merged"])
+    run_sharded(2, argv + ["--batch_size", "2"] + stop + [two, "--merge_to", two + "-merged"], tmp_path)
+    merged = [qf.SafetensorsFile(os.path.join(d + "-merged", "model.safetensors")) for d in (one, two)]
+    assert merged[0].entries.keys() == merged[1].entries.keys()
+    for name in merged[0].entries:
+        torch.testing.assert_close(merged[1].get(name), merged[0].get(name), rtol=1e-5, atol=1e-6, msg=name)
+    resumed = train_run(argv + ["--batch_size", "4", "--out", two, "--resume"])
+    assert_same_run(resumed, dict(losses=full["losses"][2:], adapters=full["adapters"]))
+
+
 def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
     """A save that dies half-way (here: while writing the adapters of step 4) leaves the
     checkpoint of step 2 in place, named by `latest`, and resuming from it ends bitwise where the
@@ -1185,19 +1251,22 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 
 
 def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
-    """--merge_to writes config.json + model.safetensors with W' = W + (alpha/r) B A, which
-    from_pretrained loads back to the trained model's outputs."""
+    """--merge_to writes config.json + model.safetensors in which every projection is
+    W' = W + (alpha/r) B A (W the NF4 base, B and A the adapters --out wrote) and every other
+    weight is the checkpoint's own; from_pretrained reads it back."""
     path, sd = hf_dir
     out, merged = str(tmp_path / "out"), str(tmp_path / "merged")
     train_run(BASE + ["--steps", "2", "--batch_size", "2", "--checkpoint", path, "--out", out, "--merge_to", merged])
     adapters = qf.load_adapters(out)
     sf = qf.SafetensorsFile(os.path.join(merged, "model.safetensors"))
-    q = "model.layers.1.self_attn.q_proj"
-    expected = qf.to_nf4(sd[q + ".weight"].float()).dequantize(torch.float32) + 2.0 * (
-        adapters[q + ".lora_B"] @ adapters[q + ".lora_A"])
-    assert adapters[q + ".lora_B"].abs().max() > 0
-    torch.testing.assert_close(sf.get(q + ".weight"), expected, rtol=1e-6, atol=1e-6)
-    assert torch.equal(sf.get("model.norm.weight"), sd["model.norm.weight"].float())
+    assert sf.entries.keys() == sd.keys()
+    for name, w in sd.items():
+        module = name[:-len(".weight")]
+        expected = qf.to_nf4(w.float()).dequantize(torch.float32) if w.dim() == 2 and "embed" not in name else w.float()
+        if module + ".lora_A" in adapters:
+            assert adapters[module + ".lora_B"].abs().max() > 0  # trained: the merge changes the weight
+            expected = expected + 2.0 * (adapters[module + ".lora_B"] @ adapters[module + ".lora_A"])
+        torch.testing.assert_close(sf.get(name), expected, rtol=1e-6, atol=1e-6, msg=name)
     reloaded = qf.Llama.from_pretrained(merged, dtype=torch.float32)
     assert isinstance(reloaded.lm_head.weight, qf.NF4Tensor)
 
@@ -1228,6 +1297,8 @@ def _bad(tmp_path, hf_dir, case):
         return ckpt(sd={**sd, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}), "unexpected tensor"
     if case == "missing tensor":
         return ckpt(sd={k: v for k, v in sd.items() if k != "lm_head.weight"}), "missing from the checkpoint"
+    if case == "integer weight":
+        return ckpt(sd={**sd, "model.norm.weight": torch.ones(128, dtype=torch.int16)}), "is I16, not floating point"
     if case == "unknown dtype":
         return ckpt(patch=lambda h: h["model.norm.weight"].update(dtype="F8_E4M3")), "unsupported dtype F8_E4M3"
     if case == "header beyond file":
@@ -1261,6 +1332,9 @@ def _bad(tmp_path, hf_dir, case):
         f = tmp_path / "tokens.csv"
         f.write_text("1,2,3")
         return ["--data", str(f)], "unknown format .csv; use .npy, .npz, .bin, .txt or dummy"
+    if case == "negative token id":
+        np.save(tmp_path / "tokens.npy", np.full(500, -1, np.int32))
+        return ["--data", str(tmp_path / "tokens.npy")], "negative token id -1"
     if case == "float tokens":
         np.save(tmp_path / "tokens.npy", np.zeros(500))
         return ["--data", str(tmp_path / "tokens.npy")], "must be a 1-D integer array"
@@ -1270,6 +1344,9 @@ def _bad(tmp_path, hf_dir, case):
     if case == "mask counts nothing":
         np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.zeros(500, np.uint8))
         return ["--data", str(tmp_path / "sft.npz")], "loss_mask counts no target"
+    if case == "mask values":
+        np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.full(500, 2, np.uint8))
+        return ["--data", str(tmp_path / "sft.npz")], "loss_mask holds values other than 0 and 1"
     if case == "mask length":
         np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.ones(499, np.uint8))
         return ["--data", str(tmp_path / "sft.npz")], "loss_mask has shape (499,), tokens (500,)"
@@ -1286,9 +1363,10 @@ def _bad(tmp_path, hf_dir, case):
 
 
 BAD_CASES = ["missing dir", "missing config", "not a llama", "wrong shape", "unexpected name", "missing tensor",
-             "unknown dtype", "header beyond file", "truncated", "overlapping", "short data", "token id",
-             "bin for a big vocabulary", "unknown format", "float tokens", "not an array", "mask counts nothing",
-             "mask length", "prompt not ids", "resume other rank", "non-finite loss"]
+             "integer weight", "unknown dtype", "header beyond file", "truncated", "overlapping", "short data",
+             "token id", "negative token id", "bin for a big vocabulary", "unknown format", "float tokens",
+             "not an array", "mask counts nothing", "mask values", "mask length", "prompt not ids",
+             "resume other rank", "non-finite loss"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -1456,6 +1534,18 @@ def test_unwritable_output_refused_before_the_first_step(flag, tmp_path, capsys)
     assert "model tiny" not in out and "step 1/" not in out
 
 
+def test_profile_traces_steps_3_to_5(tmp_path):
+    """--profile DIR writes DIR/trace_rank0.json, a Chrome trace of three steps (3-5) with the
+    labelled regions the README lists."""
+    out = str(tmp_path / "prof")
+    run_single(BASE + ["--batch_size", "2", "--steps", "6", "--profile", out])
+    with open(os.path.join(out, "trace_rank0.json")) as f:
+        names = [e.get("name") for e in json.load(f)["traceEvents"]]
+    for label in ("forward", "backward", "optimizer"):
+        assert names.count(label) == 3, label
+    assert {"fsdp::all_gather", "fsdp::wait_all_gather", "fsdp::copy_out"} <= set(names)
+
+
 def test_output_paths_created_and_left_clean(tmp_path):
     """The startup check creates missing output directories and leaves no file behind in them."""
     dirs = [str(tmp_path / name / "deeper") for name in ("out", "merged", "prof")]
@@ -1463,19 +1553,24 @@ def test_output_paths_created_and_left_clean(tmp_path):
     assert all(os.listdir(d) == [] for d in dirs)
 
 
-def test_greedy_sample_equals_stepwise_argmax(monkeypatch):
-    """--sample N at temperature 0 continues --prompt (comma-separated ids for a model that is not
-    byte-level) by the argmax of forward's last logits, one token at a time over the last
-    seq_len tokens: as computed here from the trained adapters."""
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_sample_equals_stepwise_reference(temperature, monkeypatch):
+    """--sample N continues --prompt (comma-separated ids for a model that is not byte-level) one
+    token at a time over the last seq_len tokens: the argmax of forward's last logits at
+    temperature 0, else a draw from softmax(logits / T) by the --seed generator -- as computed
+    here from the trained adapters."""
     monkeypatch.setitem(qf.CONFIGS, "micro-ids", dataclasses.replace(qf.CONFIGS["micro"], vocab_size=320))
     argv = BASE + ["--model", "micro-ids", "--data", "dummy", "--batch_size", "2", "--steps", "2", "--seq_len", "8"]
-    summary, _, fsdp = qf.train(qf.parse_args(argv + ["--sample", "8", "--prompt", "5, 17,300"]))
+    sample = ["--sample", "8", "--prompt", "5, 17,300", "--temperature", str(temperature)]
+    summary, _, fsdp = qf.train(qf.parse_args(argv + sample))
     model, ref = qf.build(qf.parse_args(argv), qf.CONFIGS["micro-ids"], torch.device("cpu"))
     ref.load_full_state(fsdp.full_adapters())
-    ids = [5, 17, 300]
+    ids, g = [5, 17, 300], qf.seeded(qf.parse_args(argv).seed, "sample")
     with torch.no_grad():
         for _ in range(8):  # 3 + 8 tokens: the window of 8 slides
-            ids.append(int(model(torch.tensor([ids[-8:]]))[0, -1].argmax()))
+            logits = model(torch.tensor([ids[-8:]]))[0, -1].float()
+            probs = torch.softmax(logits / temperature, -1) if temperature else None
+            ids.append(int(torch.multinomial(probs, 1, generator=g)) if temperature else int(logits.argmax()))
     assert summary["sample"] == ids[3:]
 
 
@@ -1493,7 +1588,6 @@ def test_compile_notice_before_the_first_step(monkeypatch, capsys):
     """With --compile (the default) one line before the first step says it compiles and how to
     skip that; with --no-compile there is no such line."""
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the notice is tested, not the compiler
-    monkeypatch.setattr(qf, "compiled", lambda fn: fn)  # nor its cache of compiled kernels
     monkeypatch.setattr(qf, "COMPILE", qf.COMPILE)  # train sets it; restored after the test
     notice = "compiling the first step (about a minute on a CPU); --no-compile skips it"
     for flag in ("--compile", "--no-compile"):
@@ -1610,8 +1704,8 @@ def test_cuda_peak_memory_matches_estimate(extra, monkeypatch):
 
 @cuda
 def test_cuda_profile_writes_trace_and_memory_snapshot(tmp_path):
-    """--profile on CUDA writes the trace and a memory snapshot whose history starts at the first
-    profiled step (Python stacks)."""
+    """--profile on CUDA writes the trace and a memory snapshot of the allocator's history, with
+    Python stacks only."""
     out = str(tmp_path / "prof")
     run_single([a for a in BASE if a not in ("--device", "cpu")] + ["--device", "cuda", "--batch_size", "2",
                                                                      "--steps", "6", "--profile", out])
