@@ -2057,6 +2057,9 @@ def main(argv=None):
         raise SystemExit(2)
     print0(json.dumps(summary))
     if dist.is_initialized():
+        # gloo's worker threads outlive the process group and free each collective's tensors after it
+        # completes: the barrier lets them finish before the interpreter tears down (else it can abort)
+        dist.barrier()
         dist.destroy_process_group()
     return summary
 
