@@ -1503,6 +1503,30 @@ def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
         assert_same_run(r, single)
 
 
+def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(tmp_path):
+    """One training step over 2 micro-batches that count different numbers of targets moves the
+    adapters as torch.optim.AdamW does with the gradient of F.cross_entropy over the counted
+    targets of both, taken in one plain autograd pass through an unsharded copy of the model."""
+    ids = random_ids()
+    np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
+    argv = BASE + ["--data", str(tmp_path / "masked.npz"), "--grad_accum", "2", "--steps", "1", "--batch_size", "3",
+                   "--grad_clip", "0"]
+    args = qf.parse_args(argv)
+    trained = run_single(argv)["adapters"]
+    _, fsdp = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the run's starting weights, in full
+    model = make_model()
+    base = {name: t.clone() for name, t in fsdp.full_base()}  # each valid until the next unit is gathered
+    model.load_state_dict({**base, **fsdp.full_adapters()})
+    data = qf.load_tokens(str(tmp_path / "masked.npz"), 256, args.seq_len)
+    x, y = map(torch.cat, zip(*[qf.get_batch(data, 0, micro, args, 1, 0, 256) for micro in range(2)]))
+    counted = y != qf.IGNORE_INDEX
+    F.cross_entropy(model(x)[counted], y[counted]).backward()
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    torch.optim.AdamW(adapters.values(), lr=qf.learning_rate(0, args), eps=args.adam_eps, weight_decay=0.0).step()
+    for name, p in adapters.items():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
     """Steps whose global batch counts no target log loss 0 and leave the adapters exactly at
     their initial values: zero gradients, no 0/0."""
