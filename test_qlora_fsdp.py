@@ -1503,23 +1503,27 @@ def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
         assert_same_run(r, single)
 
 
-def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(tmp_path):
+@pytest.mark.parametrize("compile", ["--no-compile", "--compile"])
+def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(compile, tmp_path):
     """One training step over 2 micro-batches that count different numbers of targets moves the
     adapters as torch.optim.AdamW does with the gradient of F.cross_entropy over the counted
-    targets of both, taken in one plain autograd pass through an unsharded copy of the model."""
+    targets of both, taken in one plain autograd pass through an unsharded copy of the model;
+    eager and compiled (at the shapes of the compiled tests above: their graphs)."""
     ids = random_ids()
     np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
-    argv = BASE + ["--data", str(tmp_path / "masked.npz"), "--grad_accum", "2", "--steps", "1", "--batch_size", "3",
-                   "--grad_clip", "0"]
+    argv = [a for a in BASE if a != "--no-compile"] + [compile, "--data", str(tmp_path / "masked.npz"),
+                                                       "--grad_accum", "2", "--steps", "1", "--batch_size", "2",
+                                                       "--grad_clip", "0"]
     args = qf.parse_args(argv)
     trained = run_single(argv)["adapters"]
-    _, fsdp = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the run's starting weights, in full
-    model = make_model()
+    _, fsdp = qf.build(qf.parse_args(argv + ["--no-compile"]), qf.CONFIGS["tiny"], torch.device("cpu"))
+    model = make_model()  # the run's starting weights, in full, unsharded:
     base = {name: t.clone() for name, t in fsdp.full_base()}  # each valid until the next unit is gathered
     model.load_state_dict({**base, **fsdp.full_adapters()})
     data = qf.load_tokens(str(tmp_path / "masked.npz"), 256, args.seq_len)
     x, y = map(torch.cat, zip(*[qf.get_batch(data, 0, micro, args, 1, 0, 256) for micro in range(2)]))
-    counted = y != qf.IGNORE_INDEX
+    counted = y != qf.IGNORE_INDEX  # (4, 32): rows 0-1 the first micro-batch, 2-3 the second
+    assert counted[:2].sum() != counted[2:].sum()
     F.cross_entropy(model(x)[counted], y[counted]).backward()
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
     torch.optim.AdamW(adapters.values(), lr=qf.learning_rate(0, args), eps=args.adam_eps, weight_decay=0.0).step()
