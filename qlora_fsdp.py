@@ -764,7 +764,7 @@ class ShardedUnit:
 class FSDP:
     """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
     over `group`. The optimizer steps parameters(), a flat fp32 master shard per unit; finish_backward()
-    fills their .grad. full_* are collectives (the state in full); load_full* keep this rank's pieces."""
+    fills their .grad. full_* are collectives (the state in full); load_full keeps this rank's pieces."""
 
     def __init__(self, units, device, compute_dtype, offload=False, group=None):
         self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
@@ -777,7 +777,7 @@ class FSDP:
         self.units = [ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=i < len(units) - 1)
                       for i, (name, hook_module, modules) in enumerate(units)]
         self.trained = [u for u in self.units if u.master is not None]  # the units with adapters
-        self.param_of = {p.fqn: p for u in self.units for p in u.params}
+        self.param_of = {p.fqn: (u, p) for u in self.units for p in u.params}
 
     def parameters(self):
         return [u.master for u in self.trained]
@@ -837,49 +837,32 @@ class FSDP:
     def reshard(self):
         """Free every unit still gathered (the last one stays after a forward without backward)."""
         for u in self.units:
-            if u.inflight is not None:
-                u.gather()
             u.free()
 
     # ---- the state in full, for checkpoints: collectives, every rank gets (or gives) all of it --
-    def _gather_full(self, unit, flat):
-        """{name: full fp32 tensor, on the host} of a unit's adapters, from a tensor laid out
-        like its master on every rank (the master, its gradient, an AdamW moment)."""
-        out = torch.empty(self.world * flat.numel(), dtype=torch.float32, device=self.device)
-        work = _collective(out, flat.detach().to(self.device, torch.float32), self.group)
-        if work is not None:
-            work.wait()
-        out = out.view(self.world, -1)  # (world, master numel): an adapter's pieces in its columns
-        return {s.name: out[:, s.start:s.start + s.shard_numel].reshape(-1)[:s.numel].view(s.shape).cpu()
-                for s in unit.adapters}
-
-    def _local_flat(self, unit, full):  # inverse: this rank's pieces of {name: full adapter}, as the master
-        return torch.cat([s.piece(full[s.name]) for s in unit.adapters]).to(unit.master.device, torch.float32)
-
-    def full_adapters(self):
-        return {k: v for u in self.trained for k, v in self._gather_full(u, u.master).items()}
-
-    def full_optimizer_state(self, optimizer):
-        """({name: {exp_avg, exp_avg_sq}} in full, AdamW's step count)."""
-        moments, step = {}, 0
+    def full_adapters(self, of=None):
+        """{name: full fp32 tensor, on the host} of every adapter, gathered from its unit's master or
+        from of(master), a tensor laid out like it (its gradient, an AdamW moment)."""
+        full = {}
         for u in self.trained:
-            state = optimizer.state.get(u.master, {})
-            step = state.get("step", step)
-            for k in ("exp_avg", "exp_avg_sq"):
-                for name, t in self._gather_full(u, state.get(k, torch.zeros_like(u.master))).items():
-                    moments.setdefault(name, {})[k] = t
-        return moments, step
+            flat = u.master if of is None else of(u.master)
+            out = torch.empty(self.world * flat.numel(), dtype=torch.float32, device=self.device)
+            work = _collective(out, flat.detach().to(self.device, torch.float32), self.group)
+            if work is not None:
+                work.wait()
+            out = out.view(self.world, -1)  # (world, master numel): an adapter's pieces in its columns
+            full.update({s.name: out[:, s.start:s.start + s.shard_numel].reshape(-1)[:s.numel].view(s.shape).cpu()
+                         for s in u.adapters})
+        return full
 
-    def load_full_state(self, adapters, optimizer=None, moments=None, step=0):
-        """Inverse of the two above: keep this rank's pieces of full adapters (and moments)."""
-        for u in self.trained:
-            u.master.data.copy_(self._local_flat(u, adapters))
-            if optimizer is not None and step > 0:
-                full = {k: {n: m[k] for n, m in moments.items()} for k in ("exp_avg", "exp_avg_sq")}
-                optimizer.state[u.master] = dict(step=step, **{k: self._local_flat(u, v) for k, v in full.items()})
-
-    def load_full(self, fqn, tensor):  # a full frozen parameter, in the model's form: keep this rank's pieces
-        self.param_of[fqn].keep(tensor)
+    def load_full(self, fqn, tensor, of=None):
+        """Keep this rank's piece of one full parameter, given in the model's form (an NF4 weight as
+        an NF4Tensor); an adapter's goes into its master, or into of(master) (an AdamW moment)."""
+        unit, p = self.param_of[fqn]
+        if of is None:
+            return p.keep(tensor)
+        s = p.slots[0]
+        of(unit.master)[s.start:s.start + s.shard_numel].copy_(s.piece(tensor))
 
     def full_base(self):
         """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time."""
@@ -889,7 +872,7 @@ class FSDP:
             u.free()
 
     def base_shapes(self):  # of every frozen weight, as a Hugging Face checkpoint names them
-        return {fqn: p.shape for fqn, p in self.param_of.items() if not p.trainable}
+        return {fqn: p.shape for fqn, (_, p) in self.param_of.items() if not p.trainable}
 
     def adapter_shapes(self):
         return {s.name: s.shape for u in self.units for s in u.adapters}
@@ -1480,9 +1463,9 @@ def config_to_hf(config, dtype):
     return {k: v for k, v in d.items() if v is not None}
 
 
-def load_checkpoint(path, config, shapes, put):
-    """put(name, tensor) for every weight of the Hugging Face directory `path` (model.safetensors or
-    its shards), one at a time, once every header is checked against `shapes` {name: shape}."""
+def load_checkpoint(path, config, shapes):
+    """(name, full tensor) of every weight of the Hugging Face directory `path` (model.safetensors or
+    its shards), read one at a time, once every header is checked against `shapes` {name: shape}."""
     names = ["model.safetensors"]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -1504,7 +1487,7 @@ def load_checkpoint(path, config, shapes, put):
     if missing:
         raise UserError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[0]}")
     for name, (sf, key) in sources.items():
-        put(name, sf.get(key))
+        yield name, sf.get(key)
 
 
 def init_adapters(shapes, seed):
@@ -1512,6 +1495,16 @@ def init_adapters(shapes, seed):
     the same full tensors on every rank."""
     return {name: lora_A_init(shape, seeded(seed, name)) if name.endswith("lora_A") else torch.zeros(shape)
             for name, shape in shapes.items()}
+
+
+def random_base(shapes, seed):
+    """(name, full tensor) of a base with no checkpoint, as the modules initialize it (norms 1,
+    embeddings N(0, 1), linears random_weight), each weight from its own seeded CPU generator: the
+    same on any world size and device. Drawn one at a time, as a checkpoint is read."""
+    for name, shape in shapes.items():
+        g = seeded(seed, name)
+        yield name, (torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
+                     if "embed_tokens" in name else random_weight(shape, g))
 
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
@@ -1524,11 +1517,12 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
-    put = lambda state: model.load_state_dict(state, strict=False, assign=True)  # noqa: E731
+    load = lambda state: model.load_state_dict(state, strict=False, assign=True)  # noqa: E731
     frozen = {n: tuple(p.shape) for n, p in model.named_parameters() if not p.requires_grad}
-    load_checkpoint(path, config, frozen, lambda name, tensor: put({name: tensor.to(device, dtype)}))
+    for name, t in load_checkpoint(path, config, frozen):  # one at a time; NF4Linear quantizes its weight
+        load({name: t.to(device, dtype)})
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-    put({n: t.to(device) for n, t in init_adapters(adapters, seed).items()})
+    load({n: t.to(device) for n, t in init_adapters(adapters, seed).items()})
     return model
 
 
@@ -1566,7 +1560,8 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     name, renames it into place, then points out_dir/latest at it: a crash at any moment leaves the
     previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks."""
     adapters = fsdp.full_adapters()
-    moments, adam_step = fsdp.full_optimizer_state(optimizer)
+    moments = {k: fsdp.full_adapters(of=lambda m: optimizer.state[m][k]) for k in ("exp_avg", "exp_avg_sq")}
+    adam_step = optimizer.state[fsdp.parameters()[0]]["step"]  # one count: every master steps together
     if fsdp.rank == 0:
         name = f"checkpoint-{step}"
         final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
@@ -1602,7 +1597,13 @@ def resume(args, fsdp, optimizer, device):
     for key in RESUME_MUST_MATCH:
         require(state.get(key) == getattr(args, key),
                 f"--resume {ckpt}: saved with --{key} {state.get(key)}, this run has --{key} {getattr(args, key)}")
-    fsdp.load_full_state(load_adapters(ckpt), optimizer, state["moments"], state["adam_step"])
+    for name, t in load_adapters(ckpt).items():
+        fsdp.load_full(name, t)
+    for m in fsdp.parameters():
+        optimizer.state[m] = dict(step=state["adam_step"], exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
+    for k, full in state["moments"].items():  # {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
+        for name, t in full.items():
+            fsdp.load_full(name, t, of=lambda m: optimizer.state[m][k])
     torch.set_rng_state(state["rng"])
     if state.get("cuda_rng") is not None and device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng"])
@@ -1858,21 +1859,13 @@ def build(args, config, device):
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     model.offload_activations = OffloadedInputs(side) if args.offload_activations else None
 
-    def put(name, tensor):  # in the parameter's form: NF4 for an NF4Linear's weight, else the compute dtype
-        t = tensor.to(device, dtype)
+    shapes = fsdp.base_shapes()
+    base = load_checkpoint(args.checkpoint, config, shapes) if args.checkpoint else random_base(shapes, args.seed)
+    for name, t in base:  # in the parameter's form: NF4 for an NF4Linear's weight, else the compute dtype
+        t = t.to(device, dtype)
         fsdp.load_full(name, to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t)
-
-    if args.checkpoint:
-        load_checkpoint(args.checkpoint, config, fsdp.base_shapes(), put)
-    else:  # as the modules initialize them, each from its own seeded CPU generator: the same on any world/device
-        for name, shape in fsdp.base_shapes().items():
-            if "norm" in name:
-                put(name, torch.ones(shape))
-            elif "embed_tokens" in name:
-                put(name, torch.randn(shape, generator=seeded(args.seed, name)))
-            else:
-                put(name, random_weight(shape, seeded(args.seed, name)))
-    fsdp.load_full_state(init_adapters(fsdp.adapter_shapes(), args.seed))
+    for name, t in init_adapters(fsdp.adapter_shapes(), args.seed).items():
+        fsdp.load_full(name, t)
     return model, fsdp
 
 
@@ -1951,6 +1944,8 @@ def _train(args):
     last_step = min(args.steps, args.stop_at or args.steps)
     require(start < last_step, f"nothing to do: --resume is at step {start}, the run ends at step {last_step} "
                                f"(--steps {args.steps}, --stop_at {args.stop_at})")
+    require(not args.profile or last_step - start >= 3, f"--profile traces steps 3-5: this run has only "
+                                                       f"{last_step - start} steps")
     print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter params "
            f"(sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
            f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}")
@@ -1961,24 +1956,19 @@ def _train(args):
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
     profiler = None
 
-    def stop_profiling():  # after step 5, or at the end of a shorter run
-        nonlocal profiler
-        profiler.stop()
+    def export_profile(prof):  # after step 5, or at the end of a shorter run
         trace = os.path.join(args.profile, f"trace_rank{rank}.json")
-        profiler.export_chrome_trace(trace)
+        prof.export_chrome_trace(trace)
         print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
         if cuda:  # the allocator's history recorded so far, then no more recording
             path = os.path.join(args.profile, f"memory_rank{rank}.pickle")
             torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
             print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
-        profiler = None
 
     if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        profiler = torch.profiler.profile(activities=activities, profile_memory=True,
+        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+        profiler = torch.profiler.profile(activities=activities, profile_memory=True, on_trace_ready=export_profile,
                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
         profiler.start()
     for step in range(start, last_step):
@@ -2000,15 +1990,13 @@ def _train(args):
             if profiler.step_num == 2 and cuda:  # on CUDA also the allocator's history over steps 3-5, with
                 # Python stacks only (C++ stacks would be unwound at every allocation)
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-            if profiler.step_num == 5:
-                stop_profiling()
         if step % args.log_every == 0 or step + 1 == last_step:
             print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
                    f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
         if args.out and (step + 1 == last_step or args.save_every and (step + 1) % args.save_every == 0):
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
-        stop_profiling()
+        profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model)
         print0(f"merged model written to {args.merge_to}")

@@ -1592,7 +1592,8 @@ def test_sample_equals_stepwise_reference(temperature, monkeypatch):
     sample = ["--sample", "8", "--prompt", "5, 17,300", "--temperature", str(temperature)]
     summary, _, fsdp = qf.train(qf.parse_args(argv + sample))
     model, ref = qf.build(qf.parse_args(argv), qf.CONFIGS["micro-ids"], torch.device("cpu"))
-    ref.load_full_state(fsdp.full_adapters())
+    for name, t in fsdp.full_adapters().items():
+        ref.load_full(name, t)
     ids, g = [5, 17, 300], qf.seeded(qf.parse_args(argv).seed, "sample")
     with torch.no_grad():
         for _ in range(8):  # 3 + 8 tokens: the window of 8 slides
