@@ -573,7 +573,7 @@ def int8_grads(rank, world):
     x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))[rank * 6 // world:(rank + 1) * 6 // world]
     model(x).square().sum().mul(world / 6).backward()  # mean over the global batch, as AVG reduces
     fsdp.finish_backward()
-    return {k: v for u in fsdp.units for k, v in fsdp._gather_full(u, u.master.grad).items()}
+    return fsdp.full_adapters(of=lambda master: master.grad)
 
 
 def _int8_worker(rank, world, port, out_path):
