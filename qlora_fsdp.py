@@ -929,8 +929,6 @@ ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: on
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
-        # sqrt(v) of a chunk, kept between steps: a fresh buffer per chunk costs a page fault per 4 KiB on the CPU
-        self.scratch = torch.empty(0)
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: as every torch.optim optimizer takes it
@@ -939,13 +937,12 @@ class AdamW(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            chunks, nbytes = [], math.inf  # runs of consecutive params, one dtype and device, ~ADAM_CHUNK_BYTES each
+            chunks, nbytes = [], math.inf  # runs of consecutive params of ~ADAM_CHUNK_BYTES each
             for p in params:
                 if not self.state[p]:
                     self.state[p] = dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 self.state[p]["step"] += 1
-                full = nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf)
-                if full or (p.dtype, p.device) != (chunks[-1][0].dtype, chunks[-1][0].device):
+                if nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf):
                     chunks, nbytes = chunks + [[]], 0
                 chunks[-1].append(p)
                 nbytes += p.nbytes
@@ -963,13 +960,7 @@ class AdamW(torch.optim.Optimizer):
                 torch._foreach_mul_(exp_avg_sqs, beta2)
                 torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
                 # c2 folded into the constants, one pass fewer: m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2)
-                sizes = [v.numel() for v in exp_avg_sqs]
-                n, like = sum(sizes), chunk[0]
-                if self.scratch.numel() < n or self.scratch.dtype != like.dtype or self.scratch.device != like.device:
-                    self.scratch = torch.empty(n, dtype=like.dtype, device=like.device)
-                denom = [d.view_as(v) for d, v in zip(self.scratch[:n].split(sizes), exp_avg_sqs)]
-                torch._foreach_copy_(denom, exp_avg_sqs)
-                torch._foreach_sqrt_(denom)
+                denom = torch._foreach_sqrt(exp_avg_sqs)
                 torch._foreach_add_(denom, eps * c2)
                 torch._foreach_addcdiv_(chunk, exp_avgs, denom, -lr * c2 / c1)
         return loss
@@ -1142,7 +1133,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, reduction):  # h (N, C), weight (V, C), targets (N,)
-        W = weight.dequantize(h.dtype) if isinstance(weight, NF4Tensor) else weight.to(h.dtype)
+        W = weight.to(h.dtype)  # an NF4 lm_head dequantizes
         need_grad = ctx.needs_input_grad[0]
         rows = _cross_entropy_rows_compiled if _use_compiled(None, h) else _cross_entropy_rows
         grad_h = torch.empty_like(h) if need_grad else None
@@ -1250,8 +1241,8 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
         "frozen dense weights (shard)": dense * elt / world,
         "adapters fp32 + wire copy (shard)": lora * (4 + elt) / world,
         "adapter gradients fp32 (shard)": 4 * lora / world,
-        # m and v, plus AdamW's sqrt(v) scratch: all of it on a GPU (one chunk), ~1 MiB on the host
-        "AdamW state fp32 + scratch (shard)": (8 if offload else 12) * lora / world,
+        # m and v, plus sqrt(v) while AdamW steps: all of it on a GPU (one chunk), ~1 MiB on the host
+        "AdamW state fp32 + sqrt(v) (shard)": (8 if offload else 12) * lora / world,
     }
     # All-gathers: the block being computed, the next one's receive buffer (prefetch), and the
     # current one's receive buffer while it is copied out.
@@ -1395,11 +1386,8 @@ class SafetensorsFile:
 
     def get(self, name):
         dtype, shape, begin, end = self.entries[name]
-        raw = bytearray(end - begin)  # memory of its own, not a view of the file
-        with open(self.path, "rb") as f:
-            f.seek(self.data_start + begin)
-            f.readinto(raw)
-        return torch.frombuffer(raw, dtype=dtype).view(shape) if raw else torch.empty(shape, dtype=dtype)
+        raw = np.fromfile(self.path, np.uint8, end - begin, offset=self.data_start + begin)  # memory of its own
+        return torch.from_numpy(raw).view(dtype).view(shape) if raw.size else torch.empty(shape, dtype=dtype)
 
 
 def atomic_write(path, write, mode="wb"):
@@ -1412,15 +1400,13 @@ def atomic_write(path, write, mode="wb"):
     os.replace(tmp, path)
 
 
-def save_safetensors(path, specs, get, metadata=None):
+def save_safetensors(path, specs, get):
     """Write tensors to `path` one at a time (atomically): specs [(name, dtype, shape)], get(name) -> tensor."""
-    header, offset = {}, 0
+    header, offset = {"__metadata__": {"format": "pt"}}, 0  # "pt": what transformers' loader asks of a file
     for name, dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
         header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
 
@@ -1490,29 +1476,22 @@ def load_checkpoint(path, config, shapes):
         yield name, sf.get(key)
 
 
-def init_adapters(shapes, seed):
-    """Fresh adapters as LoRALinear makes them (lora_A_init, B zero), from seeded CPU generators:
-    the same full tensors on every rank."""
-    return {name: lora_A_init(shape, seeded(seed, name)) if name.endswith("lora_A") else torch.zeros(shape)
-            for name, shape in shapes.items()}
-
-
-def random_base(shapes, seed):
-    """(name, full tensor) of a base with no checkpoint, as the modules initialize it (norms 1,
-    embeddings N(0, 1), linears random_weight), each weight from its own seeded CPU generator: the
-    same on any world size and device. Drawn one at a time, as a checkpoint is read."""
+def initial_weights(shapes, seed):
+    """(name, full tensor) of parameters with no checkpoint, as the modules initialize them, each from
+    its own seeded CPU generator: the same on any world size and device. One at a time, as a checkpoint."""
     for name, shape in shapes.items():
         g = seeded(seed, name)
-        yield name, (torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
-                     if "embed_tokens" in name else random_weight(shape, g))
+        if name.endswith(("lora_A", "lora_B")):  # B zero: the model starts as the base
+            yield name, lora_A_init(shape, g) if name.endswith("lora_A") else torch.zeros(shape)
+        else:  # norms 1, embeddings N(0, 1), linears random_weight
+            yield name, (torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
+                         if "embed_tokens" in name else random_weight(shape, g))
 
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
-    """One process: a Llama with the weights of `path` quantized one tensor at a time as they are
-    read (host memory stays near the NF4 footprint, never a bf16 model), and fresh adapters. Both
-    go in as any state dict does (NF4Linear quantizes dense weights), each meta parameter giving
-    way to the loaded tensor."""
+    """One process: a Llama with the weights of `path` and fresh adapters, each loaded as a state dict is (a meta
+    parameter gives way to it) as it is read: host memory stays near the NF4 footprint, never a bf16 model."""
     config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
     device = torch.device(device or "cpu")
     with torch.device("meta"):
@@ -1522,7 +1501,7 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
     for name, t in load_checkpoint(path, config, frozen):  # one at a time; NF4Linear quantizes its weight
         load({name: t.to(device, dtype)})
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-    load({n: t.to(device) for n, t in init_adapters(adapters, seed).items()})
+    load({n: t.to(device) for n, t in initial_weights(adapters, seed)})
     return model
 
 
@@ -1538,8 +1517,7 @@ def save_adapters(out_dir, adapters, args):
     os.makedirs(out_dir, exist_ok=True)
     tensors = {PEFT_PREFIX + name + ".weight": t.float() for name, t in adapters.items()}
     save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"),
-                     [(k, torch.float32, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__,
-                     metadata={"format": "pt"})
+                     [(k, torch.float32, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
               "lora_dropout": args.lora_dropout, "target_modules": TARGET_MODULES, "bias": "none",
               "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""}
@@ -1620,12 +1598,10 @@ def save_merged(out_dir, fsdp, model):
     def get(name):
         got, w = next(base)
         assert got == name, (got, name)
-        prefix = name[:-len(".weight")]
-        if isinstance(w, NF4Tensor):
-            w = w.dequantize(torch.float32)
-            if prefix + ".lora_A" in adapters:
-                scaling = model.get_submodule(prefix).scaling
-                w = w + scaling * (adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]).to(w.device)
+        w, prefix = w.to(torch.float32), name[:-len(".weight")]  # an NF4 weight dequantizes
+        if prefix + ".lora_A" in adapters:
+            scaling = model.get_submodule(prefix).scaling
+            w = w + scaling * (adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]).to(w.device)
         return w.to(model.dtype)
 
     if fsdp.rank == 0:
@@ -1633,7 +1609,7 @@ def save_merged(out_dir, fsdp, model):
         config = {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # the head is written
         atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
         save_safetensors(os.path.join(out_dir, "model.safetensors"),
-                         [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get, metadata={"format": "pt"})
+                         [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get)
     for _ in base:  # the other ranks join the same all-gathers; every rank frees the last unit
         pass
     if dist.is_initialized():
@@ -1860,11 +1836,11 @@ def build(args, config, device):
     model.offload_activations = OffloadedInputs(side) if args.offload_activations else None
 
     shapes = fsdp.base_shapes()
-    base = load_checkpoint(args.checkpoint, config, shapes) if args.checkpoint else random_base(shapes, args.seed)
+    base = load_checkpoint(args.checkpoint, config, shapes) if args.checkpoint else initial_weights(shapes, args.seed)
     for name, t in base:  # in the parameter's form: NF4 for an NF4Linear's weight, else the compute dtype
         t = t.to(device, dtype)
         fsdp.load_full(name, to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t)
-    for name, t in init_adapters(fsdp.adapter_shapes(), args.seed).items():
+    for name, t in initial_weights(fsdp.adapter_shapes(), args.seed):
         fsdp.load_full(name, t)
     return model, fsdp
 
@@ -1946,8 +1922,7 @@ def _train(args):
                                f"(--steps {args.steps}, --stop_at {args.stop_at})")
     require(not args.profile or last_step - start >= 3, f"--profile traces steps 3-5: this run has only "
                                                        f"{last_step - start} steps")
-    print0(f"model {name}: {sum(math.prod(s) for s in fsdp.adapter_shapes().values()) / 1e6:.2f} M adapter params "
-           f"(sharded), {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
+    print0(f"model {name}: {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
            f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}")
     if args.compile:
         print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
@@ -1967,8 +1942,7 @@ def _train(args):
             print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
 
     if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
-        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
-        profiler = torch.profiler.profile(activities=activities, profile_memory=True, on_trace_ready=export_profile,
+        profiler = torch.profiler.profile(profile_memory=True, on_trace_ready=export_profile,  # CPU, and CUDA if any
                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
         profiler.start()
     for step in range(start, last_step):

@@ -1543,7 +1543,7 @@ def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
     assert all((qf.get_batch(data, step, 0, args, 1, 0, 256)[1] == -100).all() for step in range(2))
     _, losses, fsdp = qf.train(args)
     assert losses == [0.0, 0.0]
-    initial = qf.init_adapters(fsdp.adapter_shapes(), args.seed)
+    initial = dict(qf.initial_weights(fsdp.adapter_shapes(), args.seed))
     for k, v in fsdp.full_adapters().items():
         assert torch.equal(v, initial[k].float()), k
 
