@@ -154,11 +154,8 @@ def _double_quantize(absmax, scaler_block_size: int):
     256 scales factor = 127 / absmax(group), q = round(s * factor) (torchao uses 128 and clamps,
     clipping each group's largest scale a step; 127 never clips). A partial last group is zero padded for its absmax.
     Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32."""
-    n = absmax.numel()
-    mean = absmax.mean()
-    centered = absmax - mean
-    n_groups = -(-n // scaler_block_size)
-    padded = F.pad(centered, (0, n_groups * scaler_block_size - n)).view(n_groups, scaler_block_size)
+    n, mean = absmax.numel(), absmax.mean()
+    padded = F.pad(absmax - mean, (0, -n % scaler_block_size)).view(-1, scaler_block_size)  # (n_groups, 256)
     factor = 127.0 / padded.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
     q = (padded * factor[:, None]).round().clamp(-128, 127).to(torch.int8).view(-1)[:n]
     return q, factor, mean
@@ -184,16 +181,14 @@ def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
     if table is None:
         table = _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
     absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)  # (n_blocks,)
-    numel = 2 * packed.numel()
-    out = torch.empty(numel, dtype=dtype, device=packed.device)
-    step = max(block_size, min(DEQUANT_CHUNK, numel // 2) // block_size * block_size)
-    for start in range(0, numel, step):  # elements [start, start + step): whole blocks
-        byte = packed[start // 2:(start + step) // 2]
+    blocks = packed.view(-1, block_size // 2)  # (n_blocks, 32)
+    out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=packed.device)  # (n_blocks, 64)
+    step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)  # blocks per chunk
+    for byte, scale, chunk in zip(blocks.split(step), absmax.split(step), out.split(step)):
         codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()  # unpack the nibbles
         values = table.index_select(0, codes).view(-1, block_size)  # (blocks in the chunk, 64)
-        values *= absmax[start // block_size:start // block_size + values.shape[0], None]
-        out[start:start + values.numel()] = values.view(-1)
-    return out
+        chunk.copy_(values.mul_(scale[:, None]))
+    return out.view(-1)
 
 
 # What torch.compile gets for bf16 output: the same numbers, bit for bit, in a form the compiler
@@ -296,25 +291,22 @@ class NF4Tensor(torch.Tensor):
     INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
 
     @staticmethod
-    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype,
-                block_size=64, scaler_block_size=256):
-        return torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=packed.device, requires_grad=False)
+    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *block_sizes):
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=packed.device)
 
     def __init__(self, packed, scale_q, scale_factor, scale_mean, shape, dtype,
                  block_size=64, scaler_block_size=256):
         self.packed, self.scale_q, self.scale_factor, self.scale_mean = packed, scale_q, scale_factor, scale_mean
         self.block_size, self.scaler_block_size = block_size, scaler_block_size
 
-    def _with_inner(self, fn, dtype=None):
-        """A new NF4Tensor whose inner tensors are fn(inner); same shape and meta."""
-        return NF4Tensor(*(fn(getattr(self, n)) for n in self.INNER), self.shape, dtype or self.dtype,
+    def _with_inner(self, fn):
+        """A new NF4Tensor whose inner tensors are fn(inner); same shape, dtype and block sizes."""
+        return NF4Tensor(*(fn(getattr(self, n)) for n in self.INNER), self.shape, self.dtype,
                          self.block_size, self.scaler_block_size)
 
     def dequantize(self, dtype=None):
-        out = dequantize_nf4(self.packed, self.scale_q, self.scale_factor, self.scale_mean,
-                             self.block_size, self.scaler_block_size, dtype or self.dtype)
-        return out.view(self.shape)
+        return dequantize_nf4(self.packed, self.scale_q, self.scale_factor, self.scale_mean, self.block_size,
+                              self.scaler_block_size, dtype or self.dtype).view(self.shape)
 
     # torch.compile flattens the subclass into its inner tensors and rebuilds it from them.
     def __tensor_flatten__(self):
@@ -338,8 +330,7 @@ class NF4Tensor(torch.Tensor):
             return y if bias is None else y + bias
         if func is torch.Tensor.to:  # .to(dtype) dequantizes, even to the dtype it reports
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-            with torch._C.DisableTorchFunctionSubclass():  # a move: aten._to_copy, below
-                t = args[0].to(device, non_blocking=non_blocking) if device is not None else args[0]
+            t = _nf4_to_copy(args[0], device, non_blocking=non_blocking)  # a move stays packed
             return t.dequantize(dtype) if dtype is not None else t
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -352,8 +343,8 @@ class NF4Tensor(torch.Tensor):
 
 
 def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
-    """aten._to_copy, reached from .to(device), .cpu(), .cuda() (.to(dtype) is __torch_function__'s):
-    a move passes the tensor's own dtype and stays packed; another dtype dequantizes."""
+    """.to(device), .cpu(), .cuda() (aten._to_copy) move the packed data; another dtype (.float(),
+    .bfloat16(), ...) dequantizes. (.to(dtype) always dequantizes: __torch_function__.)"""
     if device is not None and device != t.device:
         t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
     return t.dequantize(dtype) if dtype is not None and dtype != t.dtype else t
@@ -470,13 +461,6 @@ class NF4Linear(nn.Module):
     def forward(self, x):
         return linear_nf4(x, self.weight)
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # Dense (Hugging Face) weights are quantized on the way in.
-        key = prefix + "weight"
-        if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
-            state_dict[key] = to_nf4(state_dict[key].to(self.weight.dtype))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
 
 class LoRALinear(NF4Linear):
     def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, dtype=torch.bfloat16):
@@ -592,21 +576,6 @@ class _Param:
             s.local.copy_(s.piece(t))
 
 
-class _Boundary(torch.autograd.Function):
-    """Identity in forward; in backward calls `hook`. On a unit's output its backward is the
-    first of the unit's (gather the weights); on its input, the last (the input grad is done)."""
-
-    @staticmethod
-    def forward(ctx, x, hook):
-        ctx.hook = hook
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.hook()
-        return grad, None
-
-
 def _collective(out, inp, group, reduce_scatter=False):
     """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter,
     out (n,) = rank r's piece of the mean of inp (world * n,); return its work. No process group: a copy."""
@@ -677,8 +646,7 @@ class ShardedUnit:
         hook_module.register_forward_hook(self._post_forward)
 
     def prefetch(self):
-        """Issue this unit's all-gather, unless gathered or in flight, and return (on GPUs at once;
-        gloo runs it in a thread)."""
+        """Issue this unit's all-gather, unless gathered or in flight; it runs asynchronously (gloo: in a thread)."""
         fsdp = self.fsdp
         if self.gathered or self.inflight is not None:
             return
@@ -693,18 +661,17 @@ class ShardedUnit:
 
     def gather(self):
         """Wait for this unit's all-gather (issued now unless prefetched) and copy each tensor out."""
-        fsdp = self.fsdp
         if self.gathered:
             return
         self.prefetch()
         (work, out), self.inflight = self.inflight, None
-        fsdp.wait(work, "fsdp::wait_all_gather")
+        self.fsdp.wait(work, "fsdp::wait_all_gather")
         if out.is_cuda:  # made on the side stream, read on this one: not reused before that
             out.record_stream(torch.cuda.current_stream(out.device))
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
             for s in self.frozen + self.adapters:  # out (world, unit_bytes): a column slice per tensor
                 s.full.untyped_storage().resize_(s.padded.nbytes)
-                s.padded.copy_(out.view(fsdp.world, -1)[:, s.offset:s.offset + s.nbytes].view(s.dtype))
+                s.padded.copy_(out.view(self.fsdp.world, -1)[:, s.offset:s.offset + s.nbytes].view(s.dtype))
         self.gathered = True
 
     def free(self):
@@ -721,15 +688,16 @@ class ShardedUnit:
         x = args[0]
         if torch.is_grad_enabled():
             self.pending = len(self.adapters) + int(x.requires_grad)  # arrivals before post-backward
-            if x.requires_grad:
-                x = _Boundary.apply(x, self._arrive)
+            if x.requires_grad:  # a view used only inside the unit: its gradient is the unit's last
+                x = x.view_as(x)
+                x.register_hook(lambda _: self._arrive())
         return (x,) + tuple(args[1:])
 
     def _post_forward(self, module, args, output):
         if self.in_backward:
             return output
-        if torch.is_grad_enabled() and self.pending > 0:
-            output = _Boundary.apply(output, self._pre_backward)
+        if self.pending > 0 and output.requires_grad:  # its gradient is the first of the unit's backward
+            output.register_hook(lambda _: self._pre_backward())
         if self.reshard_after_forward:
             self.free()
         return output
@@ -822,17 +790,14 @@ class FSDP:
             u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
 
     def clip_grad_norm_(self, max_norm):
-        """Clip by the global L2 norm: the shards' squared norms (padding is 0), summed over ranks."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        sq = torch.stack(torch._foreach_norm(grads)).square().sum() if grads else torch.zeros(())
+        """torch.nn.utils.clip_grad_norm_ over the whole model: each rank's squared norm of its shards
+        (padding is 0), summed over ranks, gives the global L2 norm that scales every shard."""
+        sq = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None]).square()
         if dist.is_initialized():
             sq = sq.to(self.device)
             dist.all_reduce(sq, group=self.group)
-        total = sq.sqrt().item()
-        coef = max_norm / (total + 1e-6)
-        if coef < 1 and grads:
-            torch._foreach_mul_(grads, coef)
-        return total
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, sq.sqrt())
+        return sq.sqrt().item()
 
     def reshard(self):
         """Free every unit still gathered (the last one stays after a forward without backward)."""
@@ -1497,9 +1462,11 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
     load = lambda state: model.load_state_dict(state, strict=False, assign=True)  # noqa: E731
-    frozen = {n: tuple(p.shape) for n, p in model.named_parameters() if not p.requires_grad}
-    for name, t in load_checkpoint(path, config, frozen):  # one at a time; NF4Linear quantizes its weight
-        load({name: t.to(device, dtype)})
+    params = dict(model.named_parameters())
+    frozen = {n: tuple(p.shape) for n, p in params.items() if not p.requires_grad}
+    for name, t in load_checkpoint(path, config, frozen):  # one at a time, quantized where the model is NF4
+        t = t.to(device, dtype)
+        load({name: to_nf4(t) if isinstance(params[name], NF4Tensor) else t})
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
     load({n: t.to(device) for n, t in initial_weights(adapters, seed)})
     return model
