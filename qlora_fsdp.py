@@ -450,7 +450,8 @@ def lora_A_init(shape, generator=None):
 
 
 class NF4Linear(nn.Module):
-    """A frozen bias-free linear layer whose weight is an NF4Tensor (used for lm_head)."""
+    """A frozen bias-free linear layer whose weight is an NF4Tensor (used for lm_head). A dense weight
+    loaded into it (load_state_dict, a Hugging Face checkpoint's) is quantized by NF4Tensor's copy_."""
 
     def __init__(self, in_features, out_features, dtype=torch.bfloat16):
         super().__init__()
