@@ -129,9 +129,9 @@ COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
 
 
-def _use_compiled(compile, t):
-    # False inside an outer torch.compile: quantize's plain function is traced into that graph
-    # (dequantize_nf4 keeps its bf16 custom op there); meta tensors have nothing to run.
+def use_compiled(compile, t):
+    """Whether to run a separately compiled kernel on t: `compile` (None: COMPILE), except inside an
+    outer torch.compile (the plain function is traced into that graph) and on meta tensors."""
     compile = COMPILE if compile is None else compile
     return compile and t.device.type != "meta" and not torch.compiler.is_compiling()
 
@@ -251,7 +251,7 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
                          f"got shape {tuple(weight.shape)} ({weight.numel()} elements)")
     if block_size % 2:
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
-    kernel = _quantize_blocks_compiled if _use_compiled(compile, weight) else _quantize_blocks
+    kernel = _quantize_blocks_compiled if use_compiled(compile, weight) else _quantize_blocks
     flat, step = weight.detach().reshape(-1), max(block_size, QUANT_CHUNK // block_size * block_size)
     with torch.no_grad():  # chunked: a big matrix never has a whole fp32 copy
         chunks = [kernel(flat[i:i + step], block_size) for i in range(0, flat.numel(), step)]
@@ -1101,7 +1101,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, targets, chunk, reduction):  # h (N, C), weight (V, C), targets (N,)
         W = weight.to(h.dtype)  # an NF4 lm_head dequantizes
         need_grad = ctx.needs_input_grad[0]
-        rows = _cross_entropy_rows_compiled if _use_compiled(None, h) else _cross_entropy_rows
+        rows = _cross_entropy_rows_compiled if use_compiled(None, h) else _cross_entropy_rows
         grad_h = torch.empty_like(h) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk):
