@@ -183,7 +183,7 @@ def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
     absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)  # (n_blocks,)
     blocks = packed.view(-1, block_size // 2)  # (n_blocks, 32)
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=packed.device)  # (n_blocks, 64)
-    step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)  # blocks per chunk
+    step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)  # blocks per chunk, at most half the weight
     for byte, scale, chunk in zip(blocks.split(step), absmax.split(step), out.split(step)):
         codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()  # unpack the nibbles
         values = table.index_select(0, codes).view(-1, block_size)  # (blocks in the chunk, 64)
@@ -280,7 +280,7 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
 # the bytes are the packed codes. Layout of a (out, in) weight, numel = out * in:
 #   packed        (numel/2,)  uint8   codes, row-major, first element of each pair in the high nibble
 #   scale_q       (numel/64,) int8    double-quantized absmax of each block of 64
-#   scale_factor  (numel/64/256,) fp32  per group of 256 scales
+#   scale_factor  (ceil(numel/64/256),) fp32  per group of 256 scales (the last zero padded)
 #   scale_mean    ()          fp32    mean subtracted from the scales
 # Everything is flat, so sharding (section 5) can split each inner tensor in its own dtype.
 
@@ -291,7 +291,7 @@ class NF4Tensor(torch.Tensor):
     INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
 
     @staticmethod
-    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *block_sizes):
+    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *block_sizes, **kw_block_sizes):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=packed.device)
 
     def __init__(self, packed, scale_q, scale_factor, scale_mean, shape, dtype,
@@ -343,20 +343,20 @@ class NF4Tensor(torch.Tensor):
 
 
 def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
-    """.to(device), .cpu(), .cuda() (aten._to_copy) move the packed data; another dtype (.float(),
-    .bfloat16(), ...) dequantizes. (.to(dtype) always dequantizes: __torch_function__.)"""
+    """A move (.to(device) from __torch_function__; .cpu(), .cuda() as aten._to_copy) keeps the data
+    packed; a cast to another dtype (.float(), .half(), ...) dequantizes."""
     if device is not None and device != t.device:
         t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
     return t.dequantize(dtype) if dtype is not None and dtype != t.dtype else t
 
 
-def _nf4_copy_(dst, src, **_):
-    """dst.copy_(src): src is an NF4Tensor with the same layout (exact), or dense (quantized)."""
+def _nf4_copy_(dst, src, non_blocking=False):
+    """dst.copy_(src): src is an NF4Tensor with the same layout (exact), or dense (quantized from dst's dtype)."""
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(f"copy_ into NF4Tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}")
-    src = src if isinstance(src, NF4Tensor) else to_nf4(src, dst.block_size, dst.scaler_block_size)
+    src = src if isinstance(src, NF4Tensor) else to_nf4(src.to(dst.dtype), dst.block_size, dst.scaler_block_size)
     for n in NF4Tensor.INNER:
-        getattr(dst, n).copy_(getattr(src, n))
+        getattr(dst, n).copy_(getattr(src, n), non_blocking=non_blocking)
     return dst
 
 
@@ -450,8 +450,7 @@ def lora_A_init(shape, generator=None):
 
 
 class NF4Linear(nn.Module):
-    """A frozen bias-free linear layer whose weight is an NF4Tensor (used for lm_head). A dense weight
-    loaded into it (load_state_dict, a Hugging Face checkpoint's) is quantized by NF4Tensor's copy_."""
+    """A frozen bias-free linear layer whose weight is an NF4Tensor (used for lm_head)."""
 
     def __init__(self, in_features, out_features, dtype=torch.bfloat16):
         super().__init__()
@@ -461,6 +460,13 @@ class NF4Linear(nn.Module):
 
     def forward(self, x):
         return linear_nf4(x, self.weight)
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        # A dense (Hugging Face) weight is quantized on the way in, with assign=True too (which skips copy_)
+        key = prefix + "weight"
+        if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
+            state_dict[key] = to_nf4(state_dict[key].to(self.weight.dtype))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class LoRALinear(NF4Linear):
@@ -682,23 +688,23 @@ class ShardedUnit:
 
     def _pre_forward(self, module, args):
         self.gather()
-        if self.in_backward:  # a checkpoint around this module's call reruns it in backward: no more to do
+        if self.in_backward:  # a checkpoint around the whole module reruns it in backward: no more to do
             return args
         if self.index + 1 < len(self.fsdp.units):
             self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
         x = args[0]
         if torch.is_grad_enabled():
             self.pending = len(self.adapters) + int(x.requires_grad)  # arrivals before post-backward
-            if x.requires_grad:  # a view used only inside the unit: its gradient is the unit's last
-                x = x.view_as(x)
+            if x.requires_grad:  # on a view of our own, so it runs before the hook the previous unit put
+                x = x.view_as(x)  # on x: this unit reduce-scatters and frees before that one gathers
                 x.register_hook(lambda _: self._arrive())
         return (x,) + tuple(args[1:])
 
     def _post_forward(self, module, args, output):
         if self.in_backward:
             return output
-        if self.pending > 0 and output.requires_grad:  # its gradient is the first of the unit's backward
-            output.register_hook(lambda _: self._pre_backward())
+        if torch.is_grad_enabled() and self.pending > 0 and output.requires_grad:  # its gradient: the first
+            output.register_hook(lambda _: self._pre_backward())  # of this unit's backward
         if self.reshard_after_forward:
             self.free()
         return output
@@ -733,7 +739,9 @@ class ShardedUnit:
 class FSDP:
     """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
     over `group`. The optimizer steps parameters(), a flat fp32 master shard per unit; finish_backward()
-    fills their .grad. full_* are collectives (the state in full); load_full keeps this rank's pieces."""
+    fills their .grad. The state in full, for checkpoints (collectives: every rank calls them):
+    full_adapters() (of=: any tensor laid out like the masters, e.g. of=lambda m: optimizer.state[m]["exp_avg"])
+    and full_base(); load_full(name, tensor) keeps this rank's piece of one full tensor."""
 
     def __init__(self, units, device, compute_dtype, offload=False, group=None):
         self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
@@ -797,8 +805,9 @@ class FSDP:
         if dist.is_initialized():
             sq = sq.to(self.device)
             dist.all_reduce(sq, group=self.group)
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, sq.sqrt())
-        return sq.sqrt().item()
+        norm = sq.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
+        return norm.item()
 
     def reshard(self):
         """Free every unit still gathered (the last one stays after a forward without backward)."""
@@ -887,7 +896,7 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # one foreach call over a few tensors (Loshchilov & Hutter 2019, decoupled weight decay):
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-# On the CPU these 8 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later
+# On the CPU these 7 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later
 # passes find them in cache; on a GPU, a kernel launch per pass and chunk, all tensors are one chunk.
 ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: one chunk
 
@@ -1353,6 +1362,7 @@ class SafetensorsFile:
     def get(self, name):
         dtype, shape, begin, end = self.entries[name]
         raw = np.fromfile(self.path, np.uint8, end - begin, offset=self.data_start + begin)  # memory of its own
+        require(raw.size == end - begin, f"{self.path}: tensor {name} is cut short (the file shrank?)")
         return torch.from_numpy(raw).view(dtype).view(shape) if raw.size else torch.empty(shape, dtype=dtype)
 
 
@@ -1447,27 +1457,28 @@ def initial_weights(shapes, seed):
     its own seeded CPU generator: the same on any world size and device. One at a time, as a checkpoint."""
     for name, shape in shapes.items():
         g = seeded(seed, name)
-        if name.endswith(("lora_A", "lora_B")):  # B zero: the model starts as the base
-            yield name, lora_A_init(shape, g) if name.endswith("lora_A") else torch.zeros(shape)
-        else:  # norms 1, embeddings N(0, 1), linears random_weight
-            yield name, (torch.ones(shape) if "norm" in name else torch.randn(shape, generator=g)
-                         if "embed_tokens" in name else random_weight(shape, g))
+        if name.endswith("lora_A"):
+            yield name, lora_A_init(shape, g)
+        elif name.endswith("lora_B"):  # B = 0: the model starts as the base
+            yield name, torch.zeros(shape)
+        elif "norm" in name:
+            yield name, torch.ones(shape)
+        else:  # embeddings N(0, 1), linears N(0, 1/in)
+            yield name, torch.randn(shape, generator=g) if "embed_tokens" in name else random_weight(shape, g)
 
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
-    """One process: a Llama with the weights of `path` and fresh adapters, each loaded as a state dict is (a meta
+    """One process: a Llama with the weights of `path` and fresh adapters, each loaded as a state dict (a meta
     parameter gives way to it) as it is read: host memory stays near the NF4 footprint, never a bf16 model."""
     config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
     device = torch.device(device or "cpu")
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
     load = lambda state: model.load_state_dict(state, strict=False, assign=True)  # noqa: E731
-    params = dict(model.named_parameters())
-    frozen = {n: tuple(p.shape) for n, p in params.items() if not p.requires_grad}
-    for name, t in load_checkpoint(path, config, frozen):  # one at a time, quantized where the model is NF4
-        t = t.to(device, dtype)
-        load({name: to_nf4(t) if isinstance(params[name], NF4Tensor) else t})
+    frozen = {n: tuple(p.shape) for n, p in model.named_parameters() if not p.requires_grad}
+    for name, t in load_checkpoint(path, config, frozen):  # one at a time; NF4Linear quantizes its weight
+        load({name: t.to(device, dtype)})
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
     load({n: t.to(device) for n, t in initial_weights(adapters, seed)})
     return model
@@ -1504,7 +1515,9 @@ RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha")
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training state) under a temporary
     name, renames it into place, then points out_dir/latest at it: a crash at any moment leaves the
-    previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks."""
+    previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks. Its
+    training_state.pt: the step, AdamW's step count and moments in full {"exp_avg": {name: tensor},
+    "exp_avg_sq": ...}, the RNG states and the flags --resume checks."""
     adapters = fsdp.full_adapters()
     moments = {k: fsdp.full_adapters(of=lambda m: optimizer.state[m][k]) for k in ("exp_avg", "exp_avg_sq")}
     adam_step = optimizer.state[fsdp.parameters()[0]]["step"]  # one count: every master steps together
@@ -1543,11 +1556,15 @@ def resume(args, fsdp, optimizer, device):
     for key in RESUME_MUST_MATCH:
         require(state.get(key) == getattr(args, key),
                 f"--resume {ckpt}: saved with --{key} {state.get(key)}, this run has --{key} {getattr(args, key)}")
-    for name, t in load_adapters(ckpt).items():
+    adapters = load_adapters(ckpt)
+    moments = state.get("moments", {})
+    require(adapters.keys() == fsdp.adapter_shapes().keys() and moments.keys() == {"exp_avg", "exp_avg_sq"},
+            f"--resume {ckpt}: its adapters or AdamW moments are not this model's (an older format?)")
+    for name, t in adapters.items():
         fsdp.load_full(name, t)
     for m in fsdp.parameters():
         optimizer.state[m] = dict(step=state["adam_step"], exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
-    for k, full in state["moments"].items():  # {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
+    for k, full in moments.items():  # {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
         for name, t in full.items():
             fsdp.load_full(name, t, of=lambda m: optimizer.state[m][k])
     torch.set_rng_state(state["rng"])
@@ -1888,8 +1905,8 @@ def _train(args):
     last_step = min(args.steps, args.stop_at or args.steps)
     require(start < last_step, f"nothing to do: --resume is at step {start}, the run ends at step {last_step} "
                                f"(--steps {args.steps}, --stop_at {args.stop_at})")
-    require(not args.profile or last_step - start >= 3, f"--profile traces steps 3-5: this run has only "
-                                                       f"{last_step - start} steps")
+    require(not args.profile or last_step - start >= 3, f"--profile traces this run's steps 3-5: it has only "
+                                                       f"{last_step - start}")
     print0(f"model {name}: {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
            f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}")
     if args.compile:
@@ -1910,7 +1927,8 @@ def _train(args):
             print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
 
     if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
-        profiler = torch.profiler.profile(profile_memory=True, on_trace_ready=export_profile,  # CPU, and CUDA if any
+        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
+        profiler = torch.profiler.profile(activities=activities, profile_memory=True, on_trace_ready=export_profile,
                                           schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
         profiler.start()
     for step in range(start, last_step):
@@ -1929,7 +1947,7 @@ def _train(args):
         timings.append((dt, fsdp.take_comm_wait_s(), optim_s))  # the step is done: so are its events
         if profiler is not None:
             profiler.step()
-            if profiler.step_num == 2 and cuda:  # on CUDA also the allocator's history over steps 3-5, with
+            if profiler.step_num == 2 and cuda:  # after step 2: on CUDA also the allocator's history over 3-5, with
                 # Python stacks only (C++ stacks would be unwound at every allocation)
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if step % args.log_every == 0 or step + 1 == last_step:

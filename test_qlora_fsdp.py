@@ -240,6 +240,25 @@ def test_nf4_save_load_roundtrip(tmp_path):
     assert torch.equal(u.dequantize(), t.dequantize())
 
 
+def test_dense_weight_enters_nf4_alike_by_every_route():
+    """A dense fp32 weight put into a bf16 NF4 weight -- by copy_, by load_state_dict, and by
+    load_state_dict(assign=True) onto a layer built on meta (as from_pretrained loads) -- is
+    to_nf4 of the weight in bf16, code for code."""
+    w = torch.randn(64, 128)
+    ref = qf.to_nf4(w.to(torch.bfloat16))
+    copied = qf.to_nf4(torch.zeros(64, 128, dtype=torch.bfloat16))
+    copied.copy_(w)
+    loaded = qf.NF4Linear(128, 64)
+    loaded.load_state_dict({"weight": w})
+    with torch.device("meta"):
+        assigned = qf.NF4Linear(128, 64)
+    assigned.load_state_dict({"weight": w}, assign=True)
+    for t in (copied, loaded.weight, assigned.weight):
+        assert isinstance(t, qf.NF4Tensor) and t.dtype == torch.bfloat16
+        for n in qf.NF4Tensor.INNER:
+            assert torch.equal(getattr(t, n), getattr(ref, n)), n
+
+
 def test_unsupported_op_names_it():
     """An op NF4Tensor does not implement raises NotImplementedError naming the op."""
     t = qf.to_nf4(torch.randn(64, 64))
