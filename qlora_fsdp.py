@@ -1216,8 +1216,8 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
         "frozen dense weights (shard)": dense * elt / world,
         "adapters fp32 + wire copy (shard)": lora * (4 + elt) / world,
         "adapter gradients fp32 (shard)": 4 * lora / world,
-        # m and v, plus sqrt(v) while AdamW steps: all of it on a GPU (one chunk), ~1 MiB on the host
-        "AdamW state fp32 + sqrt(v) (shard)": (8 if offload else 12) * lora / world,
+        # m and v (AdamW's sqrt(v) lives only during its step, when backward's buffers are gone)
+        "AdamW state fp32 (shard)": 8 * lora / world,
     }
     # All-gathers: the block being computed, the next one's receive buffer (prefetch), and the
     # current one's receive buffer while it is copied out.
@@ -1261,7 +1261,8 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
     # Host memory. CUDA's pinned allocator (what the GPU copies from and to without blocking)
     # rounds each allocation up to a power of two: each unit's shard, its fp32 master adapters
-    # and their gradient, each offloaded block input. AdamW's moments are pageable.
+    # and their gradient, each offloaded block input. AdamW's moments (and its sqrt(v) of a ~1 MiB
+    # chunk at a time) are pageable.
     pinned = lambda n: 2 ** math.ceil(math.log2(n)) if n >= 1 else 0  # noqa: E731
     host = 0
     if offload:
