@@ -735,6 +735,17 @@ class ShardedUnit:
         self.in_backward = False
         self.free()
 
+    def reduced_grad(self):
+        """After backward: wait for this unit's reduce-scatter and return the (master numel,) fp32
+        gradient shard it made, or None (no adapters, or no backward through the unit)."""
+        if self.in_backward or self.pending > 0:  # every unit that joined this backward has finished it
+            raise RuntimeError(f"unit {self.name} did not finish its backward")
+        if self.reduction is None:
+            return None
+        (work, grad, _), self.reduction = self.reduction, None
+        self.fsdp.wait(work, "fsdp::wait_reduce_scatter")
+        return grad
+
 
 class FSDP:
     """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
@@ -787,11 +798,8 @@ class FSDP:
         (fp32). With offload the shards go to pinned host memory, all queued before one wait."""
         arrived = []
         for u in self.units:
-            if u.in_backward or u.pending > 0:  # every unit that joined this backward has finished it
-                raise RuntimeError(f"unit {u.name} did not finish its backward")
-            if u.reduction is not None:
-                (work, grad, _), u.reduction = u.reduction, None
-                self.wait(work, "fsdp::wait_reduce_scatter")
+            grad = u.reduced_grad()
+            if grad is not None:  # with offload, each copied to the host as soon as it is reduced
                 arrived.append((u, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
