@@ -1045,7 +1045,7 @@ def write_st(path, tensors, header_patch=None):
     names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int16: "I16"}
     header, blobs, offset = {}, [], 0
     for name, t in tensors.items():
-        raw = t.contiguous().view(torch.uint8).numpy().tobytes() if t.dim() else t.reshape(1).view(torch.uint8).numpy().tobytes()
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # a 0-d tensor as 1 element
         header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
         blobs.append(raw)
         offset += len(raw)
