@@ -1375,6 +1375,17 @@ def _bad(tmp_path, hf_dir, case):
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
         return ["--out", out, "--resume", "--lora_rank", "4"], "saved with --lora_rank 8"
+    if case == "resume another layout":  # the moments as an older version saved them: {name: {exp_avg, ...}}
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
+        path = os.path.join(out, "checkpoint-1", "training_state.pt")
+        state = torch.load(path)
+        names = state["moments"]["exp_avg"].keys()
+        state["moments"] = {n: {k: state["moments"][k][n] for k in ("exp_avg", "exp_avg_sq")} for n in names}
+        torch.save(state, path)
+        return ["--out", out, "--resume"], "its adapters or AdamW moments are not this model's"
+    if case == "profile too short":
+        return ["--profile", str(tmp_path / "prof")], "--profile traces this run's steps 3-5: it has only 2"
     if case == "non-finite loss":
         return ckpt(sd={**sd, "model.norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)}), \
             "loss is nan at step 1"
@@ -1385,7 +1396,7 @@ BAD_CASES = ["missing dir", "missing config", "not a llama", "wrong shape", "une
              "integer weight", "unknown dtype", "header beyond file", "truncated", "overlapping", "short data",
              "token id", "negative token id", "bin for a big vocabulary", "unknown format", "float tokens",
              "not an array", "mask counts nothing", "mask values", "mask length", "prompt not ids",
-             "resume other rank", "non-finite loss"]
+             "resume other rank", "resume another layout", "profile too short", "non-finite loss"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
