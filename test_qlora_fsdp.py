@@ -240,12 +240,15 @@ def test_nf4_save_load_roundtrip(tmp_path):
     assert torch.equal(u.dequantize(), t.dequantize())
 
 
-def test_dense_weight_enters_nf4_alike_by_every_route():
+@pytest.mark.parametrize("compile", [True, False], ids=["compiled", "eager"])
+def test_dense_weight_enters_nf4_alike_by_every_route(compile, monkeypatch):
     """A dense fp32 weight put into a bf16 NF4 weight -- by copy_, by load_state_dict, and by
     load_state_dict(assign=True) onto a layer built on meta (as from_pretrained loads) -- is
-    to_nf4 of the weight in bf16, code for code."""
+    to_nf4 of the weight in bf16, code for code, with the quantize kernel compiled or eager."""
+    monkeypatch.setattr(qf, "COMPILE", compile)
     w = torch.randn(64, 128)
-    ref = qf.to_nf4(w.to(torch.bfloat16))
+    ref = qf.quantize_nf4(w.to(torch.bfloat16), compile=False)  # the eager reference
+    ref = qf.NF4Tensor(*ref, w.shape, torch.bfloat16)
     copied = qf.to_nf4(torch.zeros(64, 128, dtype=torch.bfloat16))
     copied.copy_(w)
     loaded = qf.NF4Linear(128, 64)
