@@ -64,7 +64,6 @@ GiB = 1024**3
 # 256 scales: 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
 
-
 def count_params(config, lora_rank=8):
     """Parameter counts of a Llama config: (linear weights of the blocks, lm_head,
     embeddings + norms, LoRA adapters on the 7 projections of every block)."""
@@ -78,7 +77,6 @@ def count_params(config, lora_rank=8):
     dense = config.vocab_size * d + (2 * layers + 1) * d  # embed_tokens + RMSNorm weights
     return linear, head, dense, lora
 
-
 def memory_budget(config, lora_rank=8):
     """Bytes of weights, gradients and optimizer state: full bf16 fine-tuning vs QLoRA."""
     linear, head, dense, lora = count_params(config, lora_rank)
@@ -90,13 +88,11 @@ def memory_budget(config, lora_rank=8):
         "n_params": total, "n_lora": lora,
     }
 
-
 def fmt_bytes(n):
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
-
 
 def format_budget(name, budget):
     rows = [f"memory before activations, {name} ({budget['n_params'] / 1e6:,.1f} M params, "
@@ -106,7 +102,6 @@ def format_budget(name, budget):
         rows.append(f"  {label:<21} params {fmt_bytes(b['params']):>9} + grads {fmt_bytes(b['grads']):>9}"
                     f" + Adam {fmt_bytes(b['optimizer']):>9} = {fmt_bytes(sum(b.values())):>9}")
     return "\n".join(rows)
-
 
 # -----------------------------------------------------------------------------
 # 2. NF4 quantization with double-quantized scales (QLoRA, Dettmers et al. 2023)
@@ -128,13 +123,11 @@ NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
 
-
 def use_compiled(compile, t):
     """Whether to run a separately compiled kernel on t: `compile` (None: COMPILE), except inside an
     outer torch.compile (the plain function is traced into that graph) and on meta tensors."""
     compile = COMPILE if compile is None else compile
     return compile and t.device.type != "meta" and not torch.compiler.is_compiling()
-
 
 def _quantize_blocks(w, block_size: int):
     """w: (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32.
@@ -148,7 +141,6 @@ def _quantize_blocks(w, block_size: int):
     packed = (codes[0::2] << 4) | codes[1::2]
     return packed, absmax
 
-
 def _double_quantize(absmax, scaler_block_size: int):
     """The fp32 block scales to int8, torchao's scheme: subtract the global mean, then per group of
     256 scales factor = 127 / absmax(group), q = round(s * factor) (torchao uses 128 and clamps,
@@ -160,16 +152,13 @@ def _double_quantize(absmax, scaler_block_size: int):
     q = (padded * factor[:, None]).round().clamp(-128, 127).to(torch.int8).view(-1)[:n]
     return q, factor, mean
 
-
 def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
     """The (n_blocks,) fp32 block scales back from their int8 codes: q / factor[group] + mean."""
     group = torch.arange(scale_q.numel(), device=scale_q.device) // scaler_block_size
     return scale_q.float() / scale_factor[group] + scale_mean
 
-
 _NF4_ON_DEVICE = {}  # the codebook, copied to each device once
 DEQUANT_CHUNK = 1 << 22  # elements per pass
-
 
 def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
                 scaler_block_size: int, dtype: torch.dtype):
@@ -190,7 +179,6 @@ def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
         chunk.copy_(values.mul_(scale[:, None]))
     return out.view(-1)
 
-
 # What torch.compile gets for bf16 output: the same numbers, bit for bit, in a form the compiler
 # vectorizes. The table lookup above compiles to a gather (a scalar load per element) and the
 # interleaving of the two nibbles to scalar stores. Instead: (1) the lookup is a tree of selects
@@ -206,12 +194,10 @@ def _nf4_lookup(code):
         values = [torch.where(take_upper, hi, lo) for lo, hi in zip(values[0::2], values[1::2])]
     return values[0]
 
-
 def _bf16_bits(x):
     """fp32 x -> the 16 bits of x.to(torch.bfloat16) (round to nearest even; finite x), in an int32."""
     bits = x.view(torch.int32)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-
 
 def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size: int,
                            scaler_block_size: int):
@@ -223,10 +209,8 @@ def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size
     second = _bf16_bits(_nf4_lookup(byte & 0xF) * absmax)  # elements 1, 3, 5, ...
     return (first | (second << 16)).view(-1)
 
-
 _quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
 _dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=True)
-
 
 # Inside a bigger compiled graph (a compiled block), the kernel above, traced into it, loses its
 # vectorization to the int32 -> bf16 view. As a custom op it stays one opaque call in such graphs,
@@ -238,11 +222,9 @@ def _dequantize_bf16(packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: 
                                             scaler_block_size)
     return pairs.view(torch.bfloat16)
 
-
 @_dequantize_bf16.register_fake
 def _(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size):
     return packed.new_empty(2 * packed.numel(), dtype=torch.bfloat16)
-
 
 def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     """weight (any shape, numel % block_size == 0) -> (packed, scale_q, scale_factor, scale_mean)."""
@@ -258,7 +240,6 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     packed, absmax = map(torch.cat, zip(*chunks))
     return (packed,) + _double_quantize(absmax, scaler_block_size)
 
-
 def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
                    scaler_block_size=256, dtype=torch.bfloat16, compile=None):
     """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`. Compiled and bf16: the kernel
@@ -270,7 +251,6 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
         if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
             return _dequantize_bf16(*args)
         return _dequantize(*args, dtype)
-
 
 # -----------------------------------------------------------------------------
 # 3. NF4Tensor: a tensor subclass so 4-bit weights behave like ordinary tensors
@@ -285,7 +265,6 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
 # Everything is flat, so sharding (section 5) can split each inner tensor in its own dtype.
 
 aten = torch.ops.aten
-
 
 class NF4Tensor(torch.Tensor):
     INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
@@ -341,14 +320,12 @@ class NF4Tensor(torch.Tensor):
             return _NF4_OPS[func](*args, **(kwargs or {}))
         raise NotImplementedError(f"NF4Tensor does not support {func}; call .dequantize() first")
 
-
 def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
     """A move (.to(device) from __torch_function__; .cpu(), .cuda() as aten._to_copy) keeps the data
     packed; a cast to another dtype (.float(), .half(), ...) dequantizes."""
     if device is not None and device != t.device:
         t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
     return t.dequantize(dtype) if dtype is not None and dtype != t.dtype else t
-
 
 def _nf4_copy_(dst, src, non_blocking=False):
     """dst.copy_(src): src is an NF4Tensor with the same layout (exact), or dense (quantized from dst's dtype)."""
@@ -358,7 +335,6 @@ def _nf4_copy_(dst, src, non_blocking=False):
     for n in NF4Tensor.INNER:
         getattr(dst, n).copy_(getattr(src, n), non_blocking=non_blocking)
     return dst
-
 
 # Every op an NF4Tensor supports: anything else raises, naming the op. A clone copies the codes
 # exactly (not a lossy re-quantization).
@@ -372,12 +348,10 @@ _NF4_OPS = {
     aten.copy_.default: _nf4_copy_,
 }
 
-
 def to_nf4(weight, block_size=64, scaler_block_size=256):
     """Quantize a float tensor to an NF4Tensor that reports weight's shape and dtype."""
     inner = quantize_nf4(weight, block_size, scaler_block_size)
     return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
-
 
 # y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same op
 # (W dequantized again). Saved for backward: the four packed inner tensors, never a dense W.
@@ -394,35 +368,28 @@ def _matmul_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, sc
     w = w.view(out_features, -1)
     return x @ (w.T if transpose else w)
 
-
 @_matmul_nf4.register_fake
 def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size, transpose):
     return x.new_empty(*x.shape[:-1], out_features if transpose else 2 * packed.numel() // out_features)
 
-
 def _matmul_nf4_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[1:5])  # packed, scale_q, scale_factor, scale_mean
     ctx.meta = inputs[5:]  # out_features, block_size, scaler_block_size, transpose
-
 
 def _matmul_nf4_backward(ctx, grad):
     *meta, transpose = ctx.meta
     grad_x = _matmul_nf4(grad, *ctx.saved_tensors, *meta, not transpose) if ctx.needs_input_grad[0] else None
     return (grad_x,) + (None,) * 8
 
-
 _matmul_nf4.register_autograd(_matmul_nf4_backward, setup_context=_matmul_nf4_setup)
-
 
 def linear_nf4(x, weight):
     """y = x W^T for an NF4Tensor W; autograd gives a gradient to x only."""
     return _matmul_nf4(x, weight.packed, weight.scale_q, weight.scale_factor, weight.scale_mean,
                        weight.shape[0], weight.block_size, weight.scaler_block_size, True)
 
-
 # torch.load's safe (weights_only) unpickler must be told the class may be rebuilt.
 torch.serialization.add_safe_globals([NF4Tensor])
-
 
 # -----------------------------------------------------------------------------
 # 4. LoRA over a frozen NF4 base (QLoRA)
@@ -431,23 +398,19 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # B starts at zero, so the model starts exactly at the base model (Hu et al. 2021).
 # Adapters are fp32 "master" weights, cast to the compute dtype in forward (FSDP: at all-gather).
 
-
 def seeded(*key):
     """A CPU generator for one use, e.g. seeded(seed, "batch", step): the same draws on every rank and
     device, and a stream of its own for each key (its seed is drawn from a SHA-512 of the key)."""
     return torch.Generator().manual_seed(random.Random("/".join(map(str, key))).getrandbits(63))
 
-
 def random_weight(shape, generator=None):
     """A random base for an (out, in) weight with no checkpoint: N(0, 1/in)."""
     return torch.randn(shape, generator=generator) * shape[-1] ** -0.5
-
 
 def lora_A_init(shape, generator=None):
     """LoRA's A (rank, in) as nn.Linear and PEFT initialize it: kaiming-uniform(a=sqrt(5)),
     which is U(-1/sqrt(in), 1/sqrt(in)). (B starts at zero.)"""
     return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
-
 
 class NF4Linear(nn.Module):
     """A frozen bias-free linear layer whose weight is an NF4Tensor (used for lm_head)."""
@@ -467,7 +430,6 @@ class NF4Linear(nn.Module):
         if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
             state_dict[key] = to_nf4(state_dict[key].to(self.weight.dtype))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-
 
 class LoRALinear(NF4Linear):
     def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, dtype=torch.bfloat16):
@@ -503,7 +465,6 @@ class LoRALinear(NF4Linear):
         w = self.weight.dequantize(torch.float32) + self.scaling * (self.lora_B.float() @ self.lora_A.float())
         return w.to(dtype)
 
-
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
@@ -532,7 +493,6 @@ class LoRALinear(NF4Linear):
 
 ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
 
-
 class _Slot:
     """One tensor of a unit, sharded: `world` pieces of shard_numel elements, this rank's kept
     (`local`), and the full tensor, whose storage exists only while the unit is gathered. `dtype`
@@ -558,7 +518,6 @@ class _Slot:
         flat = full.detach().reshape(-1)[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
         return F.pad(flat, (0, self.shard_numel - flat.numel()))
 
-
 class _Param:
     """A module's parameter as slots: one for a plain tensor (own dtype; an adapter: compute dtype),
     one per inner tensor, in its own dtype, for a wrapper tensor subclass (an NF4 weight, say;
@@ -582,7 +541,6 @@ class _Param:
         for s, t in zip(self.slots, self.flatten(full)):
             s.local.copy_(s.piece(t))
 
-
 def _collective(out, inp, group, reduce_scatter=False):
     """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter,
     out (n,) = rank r's piece of the mean of inp (world * n,); return its work. No process group: a copy."""
@@ -595,7 +553,6 @@ def _collective(out, inp, group, reduce_scatter=False):
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=True)
 
-
 @contextlib.contextmanager
 def _side(stream):
     """Issue the `with` body's work on the side `stream`, after all the compute stream has queued so
@@ -605,7 +562,6 @@ def _side(stream):
     with torch.cuda.stream(stream):
         yield
 
-
 def _to_host(t, stream):
     """A copy of t in host memory, made on the side stream: pinned when t is on a GPU, so that the
     copy is asynchronous, and t's memory is not reused before the copy has read it."""
@@ -613,7 +569,6 @@ def _to_host(t, stream):
         if t.is_cuda:
             t.record_stream(stream)
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
-
 
 class ShardedUnit:
     """The parameters of some modules, sharded; hooks on `hook_module` gather and free them."""
@@ -746,7 +701,6 @@ class ShardedUnit:
         self.fsdp.wait(work, "fsdp::wait_reduce_scatter")
         return grad
 
-
 class FSDP:
     """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
     over `group`. The optimizer steps parameters(), a flat fp32 master shard per unit; finish_backward()
@@ -863,7 +817,6 @@ class FSDP:
     def local_bytes(self):  # kept between steps: shard bytes + fp32 master adapters
         return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.units)
 
-
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
     """While active, the saved tensor that is the input given to `start` -- a checkpointed block's
     input, all that checkpointing keeps of it -- lives in host memory (pinned, copied on `stream`)
@@ -895,7 +848,6 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
             torch.cuda.current_stream(device).wait_stream(self.stream)
         return t
 
-
 # -----------------------------------------------------------------------------
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
@@ -907,7 +859,6 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # On the CPU these 7 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later
 # passes find them in cache; on a GPU, a kernel launch per pass and chunk, all tensors are one chunk.
 ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: one chunk
-
 
 class AdamW(torch.optim.Optimizer):
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
@@ -948,11 +899,9 @@ class AdamW(torch.optim.Optimizer):
                 torch._foreach_addcdiv_(chunk, exp_avgs, denom, -lr * c2 / c1)
         return loss
 
-
 # -----------------------------------------------------------------------------
 # 7. Llama, module for module as Hugging Face's LlamaForCausalLM
 # -----------------------------------------------------------------------------
-
 
 @dataclass
 class LlamaConfig:  # field names are Hugging Face config.json's
@@ -976,7 +925,6 @@ class LlamaConfig:  # field names are Hugging Face config.json's
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
 
-
 # One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is tiny's bigger
 # sibling, whose shapes torchao's NF4 can shard over 2 ranks (benchmarks/).
 CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv heads, context (theta: keyword)
@@ -989,7 +937,6 @@ CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv hea
     "llama3-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8, 8192, rope_theta=500000.0),
 }
 
-
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps, dtype):
         super().__init__()
@@ -1000,7 +947,6 @@ class RMSNorm(nn.Module):
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
-
 
 def rope_inv_freq(config):
     """theta^(-2i/d) for i < d/2, with Llama 3.1's frequency-dependent scaling if configured."""
@@ -1017,7 +963,6 @@ def rope_inv_freq(config):
         inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
     return inv_freq.float()
 
-
 def rope_cos_sin(config, T, device, dtype):
     """cos, sin of shape (T, head_dim) in Hugging Face's layout: the frequencies twice."""
     inv_freq = rope_inv_freq(config).to(device)
@@ -1025,11 +970,9 @@ def rope_cos_sin(config, T, device, dtype):
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, d)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
-
 def apply_rope(x, cos, sin):  # x (B, n_heads, T, head_dim); rotate_half splits the head in two
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
-
 
 class LlamaAttention(nn.Module):
     def __init__(self, c, lora):
@@ -1051,7 +994,6 @@ class LlamaAttention(nn.Module):
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
 
-
 class LlamaMLP(nn.Module):
     def __init__(self, c, lora):
         super().__init__()
@@ -1062,7 +1004,6 @@ class LlamaMLP(nn.Module):
     def forward(self, x):  # SwiGLU (Shazeer 2020)
         gate, up = LoRALinear.shared_input(x, self.gate_proj, self.up_proj)
         return self.down_proj(F.silu(gate) * up)
-
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, c, lora):
@@ -1083,9 +1024,7 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-
 IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
-
 
 def _cross_entropy_rows(logits, targets, need_grad: bool):
     """logits (n, V), targets (n,) -> (the sum of the counted rows' losses, fp32; and if need_grad
@@ -1104,9 +1043,7 @@ def _cross_entropy_rows(logits, targets, need_grad: bool):
     onehot = torch.arange(x.shape[1], device=x.device) == t  # (n, V)
     return loss, x.div_(sumexp).add_(onehot, alpha=-1).mul_(keep).to(logits.dtype)
 
-
 _cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
-
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
     """Cross entropy of h W^T against targets, `chunk` rows at a time (the sum over the counted
@@ -1138,9 +1075,7 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
         # no gradient for the weight: lm_head is frozen
         return grad_h * (grad_loss / ctx.denominator).to(grad_h.dtype), None, None, None, None
 
-
 LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
-
 
 def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"):
     """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
@@ -1149,7 +1084,6 @@ def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction)
 
-
 class LlamaModel(nn.Module):  # a container that gives Hugging Face's "model." names; Llama.forward runs it
     def __init__(self, c, lora):
         super().__init__()
@@ -1157,7 +1091,6 @@ class LlamaModel(nn.Module):  # a container that gives Hugging Face's "model." n
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers))
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
-
 
 class Llama(nn.Module):
     """LlamaForCausalLM with every projection a LoRALinear over NF4 and an NF4 lm_head."""
@@ -1200,14 +1133,12 @@ class Llama(nn.Module):
         units.append(("head", m.norm, [("model.norm", m.norm), ("lm_head", self.lm_head)]))
         return units
 
-
 # -----------------------------------------------------------------------------
 # 8. Predicting the peak: every buffer of a training step, counted from the pieces above
 # -----------------------------------------------------------------------------
 # Section 1 counted the state that lives between steps. A step adds the all-gather buffers of
 # section 5 and the activations autograd keeps for backward, whose peak comes in the loss or in the
 # first block backward runs: every checkpointed block input is alive, plus the loss or that block.
-
 
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
                     checkpointing=True, offload=False, loss_chunk=LOSS_CHUNK, offload_activations=False):
@@ -1283,7 +1214,6 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
                 gpu_state=gpu_state, host_state=host, gpu_peak=gpu_state + gathers + act_peak,
                 load_peak=load_peak)
 
-
 def format_estimate(name, est, world, offload):
     where = "host" if offload else "GPU"
     rows = [(f"{k} ({where})", v) for k, v in est["state"].items()]
@@ -1295,7 +1225,6 @@ def format_estimate(name, est, world, offload):
     title = f"predicted memory per rank, {name}, world {world}" + (", state offloaded to the host" if offload else "")
     return "\n".join([title + ":"] + [f"  {k:<48} {v / GiB:8.3f} GiB" for k, v in rows])
 
-
 # -----------------------------------------------------------------------------
 # 9. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
 # -----------------------------------------------------------------------------
@@ -1303,26 +1232,21 @@ def format_estimate(name, est, world, offload):
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
 # then the raw little-endian bytes, offsets relative to the end of the header.
 
-
 class UserError(Exception):
     """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
-
 
 def require(ok, message):
     if not ok:
         raise UserError(message)
 
-
 def print0(*args, **kwargs):  # rank 0 speaks for all
     if not dist.is_initialized() or dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
-
 
 SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                       "U8": torch.uint8, "BOOL": torch.bool}
 DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
-
 
 def read_json(path, raw=None, what="file"):
     """The JSON object in file `path`, or in `raw` (bytes read from it)."""
@@ -1336,7 +1260,6 @@ def read_json(path, raw=None, what="file"):
         raise UserError(f"{path}: {what} is not valid JSON ({getattr(e, 'msg', e)})")
     require(isinstance(obj, dict), f"{path}: {what} is not a JSON object")
     return obj
-
 
 class SafetensorsFile:
     """The header of one .safetensors file, every offset checked before a byte is read:
@@ -1374,7 +1297,6 @@ class SafetensorsFile:
         require(raw.size == end - begin, f"{self.path}: tensor {name} is cut short (the file shrank?)")
         return torch.from_numpy(raw).view(dtype).view(shape) if raw.size else torch.empty(shape, dtype=dtype)
 
-
 def atomic_write(path, write, mode="wb"):
     """write(f) into path.tmp, then rename: readers see the old file or the new one, never half of one."""
     tmp = f"{path}.tmp"
@@ -1383,7 +1305,6 @@ def atomic_write(path, write, mode="wb"):
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
 
 def save_safetensors(path, specs, get):
     """Write tensors to `path` one at a time (atomically): specs [(name, dtype, shape)], get(name) -> tensor."""
@@ -1402,7 +1323,6 @@ def save_safetensors(path, specs, get):
             assert tuple(t.shape) == tuple(shape), name
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     atomic_write(path, write)
-
 
 def config_from_hf(d, where="config.json"):
     """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
@@ -1426,13 +1346,11 @@ def config_from_hf(d, where="config.json"):
     require(rope_type in ("llama3", "default"), f"{where}: rope_scaling type {rope_type!r} is not supported")
     return config
 
-
 def config_to_hf(config, dtype):
     d = {f.name: getattr(config, f.name) for f in fields(LlamaConfig)}
     d.update(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=str(dtype).split(".")[-1],
              hidden_act="silu", attention_bias=False, mlp_bias=False, head_dim=config.head_dim)
     return {k: v for k, v in d.items() if v is not None}
-
 
 def load_checkpoint(path, config, shapes):
     """(name, full tensor) of every weight of the Hugging Face directory `path` (model.safetensors or
@@ -1460,7 +1378,6 @@ def load_checkpoint(path, config, shapes):
     for name, (sf, key) in sources.items():
         yield name, sf.get(key)
 
-
 def initial_weights(shapes, seed):
     """(name, full tensor) of parameters with no checkpoint, as the modules initialize them, each from
     its own seeded CPU generator: the same on any world size and device. One at a time, as a checkpoint."""
@@ -1474,7 +1391,6 @@ def initial_weights(shapes, seed):
             yield name, torch.ones(shape)
         else:  # embeddings N(0, 1), linears N(0, 1/in)
             yield name, torch.randn(shape, generator=g) if "embed_tokens" in name else random_weight(shape, g)
-
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
@@ -1492,13 +1408,11 @@ def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lo
     load({n: t.to(device) for n, t in initial_weights(adapters, seed)})
     return model
 
-
 Llama.from_pretrained = staticmethod(from_pretrained)  # Llama's (section 7), it needs this section's reader
 
 # PEFT's adapter format: what peft.PeftModel.from_pretrained(base, DIR) loads.
 PEFT_PREFIX, TARGET_MODULES = "base_model.model.", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
                                                      "up_proj", "down_proj"]
-
 
 def save_adapters(out_dir, adapters, args):
     """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight) + adapter_config.json."""
@@ -1511,15 +1425,12 @@ def save_adapters(out_dir, adapters, args):
               "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""}
     atomic_write(os.path.join(out_dir, "adapter_config.json"), lambda f: json.dump(config, f, indent=2), "w")
 
-
 def load_adapters(path):
     """{name: tensor} from a PEFT adapter directory (the inverse of save_adapters)."""
     sf = SafetensorsFile(os.path.join(path, "adapter_model.safetensors"))
     return {k[len(PEFT_PREFIX):-len(".weight")]: sf.get(k) for k in sf.entries}
 
-
 RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha")
-
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training state) under a temporary
@@ -1549,7 +1460,6 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         save_adapters(out_dir, adapters, args)
     if dist.is_initialized():
         dist.barrier()
-
 
 def resume(args, fsdp, optimizer, device):
     """Load the checkpoint --out/latest names into the shards and AdamW, restore the RNG; returns its step."""
@@ -1582,7 +1492,6 @@ def resume(args, fsdp, optimizer, device):
     print0(f"resumed from {args.out} at step {state['step']} (saved by world size {state['world_size']})")
     return state["step"]
 
-
 def save_merged(out_dir, fsdp, model):
     """Collective. A Hugging Face checkpoint of the base with the adapters merged in,
     W' = W + (alpha/rank) B A, written unit by unit by rank 0 (config.json + model.safetensors)."""
@@ -1609,11 +1518,9 @@ def save_merged(out_dir, fsdp, model):
     if dist.is_initialized():
         dist.barrier()
 
-
 # -----------------------------------------------------------------------------
 # 10. Data, training loop, command line
 # -----------------------------------------------------------------------------
-
 
 def load_tokens(path, vocab_size, seq_len):
     """(tokens, loss_mask or None) from a --data file (formats: see --help), checked: at least
@@ -1651,7 +1558,6 @@ def load_tokens(path, vocab_size, seq_len):
         mask = mask.astype(bool)  # token 0 is never a target: mask[0] is not used
     return tokens, mask
 
-
 def get_batch(data, step, micro, args, world, rank, vocab_size):
     """This rank's rows (inputs, targets), each (batch_size, seq_len) int64, of a global micro-batch that
     depends only on (seed, step, micro) and batch_size x world. data: load_tokens' pair, or None (random)."""
@@ -1670,7 +1576,6 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
         targets = targets.masked_fill(~counted, IGNORE_INDEX)
     return tokens[:, :-1], targets
 
-
 def encode_prompt(text, vocab_size):
     """--prompt as token ids: its UTF-8 bytes for a byte-level model (default a newline), else comma-separated ids."""
     try:
@@ -1682,7 +1587,6 @@ def encode_prompt(text, vocab_size):
             f"comma-separated token ids below {vocab_size}, e.g. 128000,791")
     require(ids and all(0 <= i < vocab_size for i in ids), f"--prompt {text!r}: this model's prompt is {want}")
     return ids
-
 
 @torch.no_grad()
 def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
@@ -1707,7 +1611,6 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
     model.train()
     return ids[0, len(prompt):].tolist()
 
-
 def check_writable(args, rank):
     """Create --out, --merge_to (rank 0 writes them) and --profile (every rank) and write a file in
     each now, so that a bad path stops every rank before the first step, not at the end."""
@@ -1726,7 +1629,6 @@ def check_writable(args, rank):
         problem = next((p for p in problems if p), None)
     require(problem is None, problem)
 
-
 def peak_memory_gib(device, reserved=False):
     """Max over ranks: GPU memory allocated (or reserved) on CUDA, the resident set on the CPU."""
     if device.type == "cuda":
@@ -1737,7 +1639,6 @@ def peak_memory_gib(device, reserved=False):
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
-
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1796,7 +1697,6 @@ def parse_args(argv=None):
         args.checkpoint = os.path.abspath(args.checkpoint)  # as saved in, and compared by, --resume
     return args
 
-
 def model_config(args):
     """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
     if not args.checkpoint:
@@ -1805,14 +1705,12 @@ def model_config(args):
     path = os.path.join(args.checkpoint, "config.json")
     return os.path.basename(os.path.normpath(args.checkpoint)), config_from_hf(read_json(path), path)
 
-
 def predicted_memory(args, world, config=None):
     """estimate_memory (section 8) for this run's flags."""
     return estimate_memory(config or model_config(args)[1], world, args.batch_size, args.seq_len,
                            dtype_bytes=2 if args.dtype == "bf16" else 4, lora_rank=args.lora_rank,
                            checkpointing=args.checkpointing, offload=args.cpu_offload,
                            offload_activations=args.offload_activations)
-
 
 def build(args, config, device):
     """Model (meta) -> units -> real, zeroed shards, then each base weight made (read from --checkpoint or
@@ -1838,7 +1736,6 @@ def build(args, config, device):
         fsdp.load_full(name, t)
     return model, fsdp
 
-
 def learning_rate(step, args):
     """Linear warmup over --warmup_steps, then cosine decay to 10% of --lr at --steps."""
     w = args.warmup_steps
@@ -1846,7 +1743,6 @@ def learning_rate(step, args):
         return args.lr * ((step + 1) / w)
     progress = min(1.0, (step - w) / max(1, args.steps - w))
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
-
 
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
     """One AdamW step over this rank's micro-batches [(inputs, targets)] -> (loss, optimizer seconds). The
@@ -1879,7 +1775,6 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
                 torch.cuda.synchronize(device)
     return loss, time.perf_counter() - t0
 
-
 def train(args):
     """Train; returns (summary dict, per-step losses, the FSDP object). The NF4 kernels follow
     --compile for this run only: the module's COMPILE is restored when it ends."""
@@ -1889,7 +1784,6 @@ def train(args):
         return _train(args)
     finally:
         COMPILE = saved
-
 
 def _train(args):
     # the device (cuda:LOCAL_RANK on GPUs) and, under torchrun (RANK set), a process group: NCCL or gloo
@@ -1993,7 +1887,6 @@ def _train(args):
         summary["sample"] = sample
     return summary, losses, fsdp
 
-
 def main(argv=None):
     args = parse_args(argv)
     try:
@@ -2019,7 +1912,6 @@ def main(argv=None):
         dist.barrier()
         dist.destroy_process_group()
     return summary
-
 
 if __name__ == "__main__":
     main()
