@@ -82,11 +82,9 @@ def memory_budget(config, lora_rank=8):
     linear, head, dense, lora = count_params(config, lora_rank)
     total = linear + head + dense
     nf4 = (linear + head) * NF4_BITS_PER_PARAM / 8
-    return {
-        "full_bf16": {"params": 2 * total, "grads": 2 * total, "optimizer": 4 * total},
-        "qlora": {"params": nf4 + 2 * dense + 4 * lora, "grads": 4 * lora, "optimizer": 8 * lora},
-        "n_params": total, "n_lora": lora,
-    }
+    return {"full_bf16": {"params": 2 * total, "grads": 2 * total, "optimizer": 4 * total},
+            "qlora": {"params": nf4 + 2 * dense + 4 * lora, "grads": 4 * lora, "optimizer": 8 * lora},
+            "n_params": total, "n_lora": lora}
 
 def fmt_bytes(n):
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -218,9 +216,8 @@ _dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=
 @torch.library.custom_op("qlora_fsdp::dequantize_nf4_bf16", mutates_args=())
 def _dequantize_bf16(packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
                      scale_mean: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    pairs = _dequantize_bf16_pairs_compiled(packed, scale_q, scale_factor, scale_mean, block_size,
-                                            scaler_block_size)
-    return pairs.view(torch.bfloat16)
+    args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
+    return _dequantize_bf16_pairs_compiled(*args).view(torch.bfloat16)
 
 @_dequantize_bf16.register_fake
 def _(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size):
@@ -245,8 +242,7 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
     """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`. Compiled and bf16: the kernel
     above, an opaque custom op (so also inside an outer torch.compile); else the eager reference."""
     args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
-    compile = COMPILE if compile is None else compile
-    fast = packed.device.type != "meta" and (compile or torch.compiler.is_compiling())
+    fast = use_compiled(compile, packed) or torch.compiler.is_compiling() and packed.device.type != "meta"
     with torch.no_grad():  # frozen weights: never part of the autograd graph
         if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
             return _dequantize_bf16(*args)
@@ -365,7 +361,7 @@ def _matmul_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, sc
                 transpose: bool) -> torch.Tensor:
     """x W^T, (..., in) -> (..., out), if transpose (forward), else x W, (..., out) -> (..., in)."""
     w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, x.dtype)
-    w = w.view(out_features, -1)
+    w = w.view(out_features, -1)  # (out, in)
     return x @ (w.T if transpose else w)
 
 @_matmul_nf4.register_fake
