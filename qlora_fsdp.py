@@ -1024,9 +1024,9 @@ IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default i
 
 def _cross_entropy_rows(logits, targets, need_grad: bool):
     """logits (n, V), targets (n,) -> (the sum of the counted rows' losses, fp32; and if need_grad
-    its gradient wrt the logits, softmax - onehot, zero on ignored rows, in logits' dtype). In
-    place on one fp32 copy of the logits: eager keeps one (n, V) fp32 buffer; compiled, the passes
-    fuse (max, sum of exp, gradient) and the fp32 copy is never made."""
+    its gradient wrt the logits, softmax - onehot, zero on ignored rows, in logits' dtype). Eager:
+    in place on one fp32 copy of the logits, with the one-hot made as bool and cast to fp32 for the
+    subtraction; compiled, the passes fuse (max, sum of exp, gradient) and neither is ever made."""
     keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
     t = targets.clamp(min=0)[:, None]  # ignored rows look up class 0, then count 0
     x = logits.float()
@@ -1137,9 +1137,9 @@ class Llama(nn.Module):
 # first block backward runs: every checkpointed block input is alive, plus the loss or that block.
 
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
-                    checkpointing=True, offload=False, loss_chunk=LOSS_CHUNK, offload_activations=False):
-    """Predicted bytes per rank of a QLoRA training step as this file runs it. Sharded state is
-    1/world of the whole; activations are for one rank's batch_size x seq_len tokens, counted
+                    checkpointing=True, offload=False, loss_chunk=LOSS_CHUNK, offload_activations=False, compiled=True):
+    """Predicted bytes per rank of a QLoRA training step as this file runs it (compiled: with --compile). Sharded
+    state is 1/world of the whole; activations are for one rank's batch_size x seq_len tokens, counted
     from what each op of a block saves for backward (as eager autograd does)."""
     c, elt, tokens = config, dtype_bytes, batch_size * seq_len
     d, ffn, vocab, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
@@ -1162,7 +1162,8 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     # its output (the LoRA A of the projections it feeds); attention its RoPE'd q and k, v, its
     # output and an fp32 log-sum-exp per head; o_proj's LoRA its input (a reshaped copy); SwiGLU
     # the gate, both factors of the product and the product (down_proj's LoRA); each projection's
-    # (rank,) LoRA intermediate. The NF4 linears save only their 4-bit weight; RoPE cos and sin.
+    # (rank,) LoRA intermediate. The NF4 linears save only their packed weight (in the all-gather
+    # buffers); RoPE's cos and sin, (T, head_dim) for all blocks, are not counted.
     norms = 2 * (4 * d + elt * d)
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * c.num_attention_heads
     mlp = elt * 4 * ffn
@@ -1181,12 +1182,12 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     else:
         act["saved activations, all blocks"] = kept = layers * tokens * block_saved
         act["block backward gradients"] = block = tokens * block_backward
-    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and their
-    # gradient (the compiled loss makes no fp32 copy; --no-compile's keeps one more, 4 B a logit),
-    # and the gradient wrt the hidden states.
+    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and, compiled,
+    # their gradient; eager, at its peak, the fp32 copy of bf16 logits and the one-hot (bool, and cast
+    # to fp32) instead; and the gradient wrt the hidden states.
+    per_logit = 2 * elt if compiled else elt + 4 * (elt != 4) + 1 + 4
     act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
-        tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * 2 * elt
-        + tokens * d * elt)
+        tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * per_logit + tokens * d * elt)
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient
     # (tokens x d) joins the recomputed block.
     act_peak = kept + max(block + tokens * d * elt, loss)
@@ -1196,13 +1197,13 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
     # Host memory. CUDA's pinned allocator (what the GPU copies from and to without blocking)
     # rounds each allocation up to a power of two: each unit's shard, its fp32 master adapters
-    # and their gradient, each offloaded block input. AdamW's moments (and its sqrt(v) of a ~1 MiB
-    # chunk at a time) are pageable.
+    # and their gradient, each offloaded block input. AdamW's moments (and its sqrt(v), one
+    # ADAM_CHUNK_BYTES chunk at a time) are pageable.
     pinned = lambda n: 2 ** math.ceil(math.log2(n)) if n >= 1 else 0  # noqa: E731
     host = 0
     if offload:
         embed_shard, head_shard = vocab * d * elt / world, (nf4(head) + d * elt) / world
-        host = (pinned(embed_shard) + pinned(head_shard) + 8 * lora / world + 2**20
+        host = (pinned(embed_shard) + pinned(head_shard) + 8 * lora / world + ADAM_CHUNK_BYTES["cpu"]
                 + layers * (pinned(block_unit / world) + 2 * pinned(4 * lora / layers / world)))
     if checkpointing and offload_activations:
         host += layers * pinned(tokens * elt * d)
@@ -1213,7 +1214,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
 def format_estimate(name, est, world, offload):
     where = "host" if offload else "GPU"
     rows = [(f"{k} ({where})", v) for k, v in est["state"].items()]
-    rows += [("all-gather buffers (2 block units + 1 in flight)", est["gathers"]), *est["activations"].items(),
+    rows += [("all-gather buffers (1 gathered block + 2 receive)", est["gathers"]), *est["activations"].items(),
              ("predicted peak per GPU", est["gpu_peak"]),
              ("while loading (one weight at a time), per GPU", est["load_peak"])]
     if est["host_state"] > 0:
@@ -1706,7 +1707,7 @@ def predicted_memory(args, world, config=None):
     return estimate_memory(config or model_config(args)[1], world, args.batch_size, args.seq_len,
                            dtype_bytes=2 if args.dtype == "bf16" else 4, lora_rank=args.lora_rank,
                            checkpointing=args.checkpointing, offload=args.cpu_offload,
-                           offload_activations=args.offload_activations)
+                           offload_activations=args.offload_activations, compiled=args.compile)
 
 def build(args, config, device):
     """Model (meta) -> units -> real, zeroed shards, then each base weight made (read from --checkpoint or

@@ -974,9 +974,8 @@ def _mem_worker(out_path):
     for compile, checkpointing in PATHS:
         args = qf.parse_args(MEM_ARGV + ["--compile" if compile else "--no-compile",
                                          "--checkpointing" if checkpointing else "--no-checkpointing"])
-        qf.COMPILE = compile
+        qf.COMPILE = compile  # as train() sets it: the NF4 kernels and the loss follow --compile too
         out["saved", compile, checkpointing] = _saved_for_backward(args)
-        qf.COMPILE = True  # the estimate assumes fused (compiled) dequantization
         out["memory", compile, checkpointing] = _step_memory(args)
     torch.save(out, out_path)
 
