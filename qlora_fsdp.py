@@ -1434,7 +1434,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     name, renames it into place, then points out_dir/latest at it: a crash at any moment leaves the
     previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks. Its
     training_state.pt: the step, AdamW's step count and moments in full {"exp_avg": {name: tensor},
-    "exp_avg_sq": ...}, the RNG states and the flags --resume checks."""
+    "exp_avg_sq": ...} and the flags --resume checks. (No RNG state: each step seeds its own dropout.)"""
     adapters = fsdp.full_adapters()
     moments = {k: fsdp.full_adapters(of=lambda m: optimizer.state[m][k]) for k in ("exp_avg", "exp_avg_sq")}
     adam_step = optimizer.state[fsdp.parameters()[0]]["step"]  # one count: every master steps together
@@ -1443,10 +1443,8 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save_adapters(tmp, adapters, args)
-        state = dict(step=step, adam_step=adam_step, moments=moments, rng=torch.get_rng_state(),
-                     cuda_rng=torch.cuda.get_rng_state() if torch.cuda.is_available() else None,
-                     dtype=args.dtype, world_size=fsdp.world, seed=args.seed,
-                     **{k: getattr(args, k) for k in RESUME_MUST_MATCH})
+        state = dict(step=step, adam_step=adam_step, moments=moments, dtype=args.dtype, world_size=fsdp.world,
+                     seed=args.seed, **{k: getattr(args, k) for k in RESUME_MUST_MATCH})
         atomic_write(os.path.join(tmp, "training_state.pt"), lambda f: torch.save(state, f))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -1458,8 +1456,8 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     if dist.is_initialized():
         dist.barrier()
 
-def resume(args, fsdp, optimizer, device):
-    """Load the checkpoint --out/latest names into the shards and AdamW, restore the RNG; returns its step."""
+def resume(args, fsdp, optimizer):
+    """Load the checkpoint --out/latest names into the shards and AdamW; returns its step."""
     latest = os.path.join(args.out, "latest")  # parse_args: --resume needs --out
     require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {args.out}")
     with open(latest) as f:
@@ -1483,9 +1481,6 @@ def resume(args, fsdp, optimizer, device):
     for k, full in moments.items():  # {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
         for name, t in full.items():
             fsdp.load_full(name, t, of=lambda m: optimizer.state[m][k])
-    torch.set_rng_state(state["rng"])
-    if state.get("cuda_rng") is not None and device.type == "cuda":
-        torch.cuda.set_rng_state(state["cuda_rng"])
     print0(f"resumed from {args.out} at step {state['step']} (saved by world size {state['world_size']})")
     return state["step"]
 
@@ -1801,7 +1796,7 @@ def _train(args):
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)  # the peak of training, not of loading (--estimate has both)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    start = resume(args, fsdp, optimizer, device) if args.resume else 0
+    start = resume(args, fsdp, optimizer) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
     require(start < last_step, f"nothing to do: --resume is at step {start}, the run ends at step {last_step} "
                                f"(--steps {args.steps}, --stop_at {args.stop_at})")
@@ -1834,6 +1829,7 @@ def _train(args):
     for step in range(start, last_step):
         t0 = time.perf_counter()
         lr = learning_rate(step, args)
+        torch.manual_seed(seeded(args.seed, "dropout", rank, step).initial_seed())  # LoRA dropout: (seed, rank, step)
         for group in optimizer.param_groups:
             group["lr"] = lr
         batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)

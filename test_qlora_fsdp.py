@@ -1197,10 +1197,11 @@ def test_peft_adapter_files(tmp_path):
         assert torch.equal(loaded[k], v), k
 
 
-def test_resume_equals_uninterrupted(tmp_path):
+@pytest.mark.parametrize("dropout", ["0", "0.2"])
+def test_resume_equals_uninterrupted(tmp_path, dropout):
     """Stopped after step 3 and resumed with --resume, a run ends with bitwise the same adapters
-    (and losses) as an uninterrupted one (CPU, fp32, same world size)."""
-    argv = BASE + ["--steps", "6", "--batch_size", "2", "--lr", "0.5", "--adam_eps", "1e-8"]
+    (and losses) as an uninterrupted one (CPU, fp32, same world size), with LoRA dropout too."""
+    argv = BASE + ["--steps", "6", "--batch_size", "2", "--lr", "0.5", "--adam_eps", "1e-8", "--lora_dropout", dropout]
     full = train_run(argv)
     out = str(tmp_path / "run")
     first = train_run(argv + ["--out", out, "--save_every", "3", "--stop_at", "3"])
