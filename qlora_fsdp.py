@@ -117,7 +117,7 @@ NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 
 # torch.compile turns the plain-Python kernels below into fused loops (CUDA: Triton, CPU: C++).
-# The CLI flag --no-compile sets this to False; results are identical either way.
+# train() sets this from --compile / --no-compile for its run; the NF4 kernels give the same bits either way.
 COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
 
@@ -170,7 +170,8 @@ def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
     absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)  # (n_blocks,)
     blocks = packed.view(-1, block_size // 2)  # (n_blocks, 32)
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=packed.device)  # (n_blocks, 64)
-    step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)  # blocks per chunk, at most half the weight
+    # blocks per chunk: DEQUANT_CHUNK elements, at most half the weight (packed.numel() is numel / 2)
+    step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)
     for byte, scale, chunk in zip(blocks.split(step), absmax.split(step), out.split(step)):
         codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()  # unpack the nibbles
         values = table.index_select(0, codes).view(-1, block_size)  # (blocks in the chunk, 64)
@@ -242,7 +243,7 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
     """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`. Compiled and bf16: the kernel
     above, an opaque custom op (so also inside an outer torch.compile); else the eager reference."""
     args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
-    fast = use_compiled(compile, packed) or torch.compiler.is_compiling() and packed.device.type != "meta"
+    fast = (use_compiled(compile, packed) or torch.compiler.is_compiling()) and packed.device.type != "meta"
     with torch.no_grad():  # frozen weights: never part of the autograd graph
         if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
             return _dequantize_bf16(*args)
@@ -256,7 +257,7 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
 # the bytes are the packed codes. Layout of a (out, in) weight, numel = out * in:
 #   packed        (numel/2,)  uint8   codes, row-major, first element of each pair in the high nibble
 #   scale_q       (numel/64,) int8    double-quantized absmax of each block of 64
-#   scale_factor  (ceil(numel/64/256),) fp32  per group of 256 scales (the last zero padded)
+#   scale_factor  (ceil(numel/64/256),) fp32  per group of 256 scales (a partial last group too)
 #   scale_mean    ()          fp32    mean subtracted from the scales
 # Everything is flat, so sharding (section 5) can split each inner tensor in its own dtype.
 
@@ -303,9 +304,11 @@ class NF4Tensor(torch.Tensor):
             x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
             y = linear_nf4(x, w)
             return y if bias is None else y + bias
-        if func is torch.Tensor.to:  # .to(dtype) dequantizes, even to the dtype it reports
+        # .to(dtype) dequantizes, even to the dtype it reports: it is how a caller asks for the dense
+        # weight (weight.to(h.dtype) in the loss). A move, .to(device), keeps the data packed.
+        if func is torch.Tensor.to:
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-            t = _nf4_to_copy(args[0], device, non_blocking=non_blocking)  # a move stays packed
+            t = _nf4_to_copy(args[0], device, non_blocking=non_blocking)
             return t.dequantize(dtype) if dtype is not None else t
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -390,7 +393,7 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # -----------------------------------------------------------------------------
 # 4. LoRA over a frozen NF4 base (QLoRA)
 # -----------------------------------------------------------------------------
-# y = W x + (alpha / rank) * B A dropout(x), W frozen in NF4, A (rank, in), B (out, rank).
+# y = x W^T + (alpha / rank) * dropout(x) A^T B^T; W (out, in) frozen in NF4, A (rank, in), B (out, rank).
 # B starts at zero, so the model starts exactly at the base model (Hu et al. 2021).
 # Adapters are fp32 "master" weights, cast to the compute dtype in forward (FSDP: at all-gather).
 
@@ -409,7 +412,7 @@ def lora_A_init(shape, generator=None):
     return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
 
 class NF4Linear(nn.Module):
-    """A frozen bias-free linear layer whose weight is an NF4Tensor (used for lm_head)."""
+    """A frozen bias-free linear layer whose weight is an NF4Tensor (lm_head as is; LoRALinear adds adapters)."""
 
     def __init__(self, in_features, out_features, dtype=torch.bfloat16):
         super().__init__()
@@ -441,8 +444,8 @@ class LoRALinear(NF4Linear):
         if xA is None:
             xA = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # (..., rank)
         y = linear_nf4(x, self.weight)  # (..., out)
-        # y + scaling xA B^T in one addmm whose output is the sum: a compiled backward that recomputes
-        # this keeps one (..., out) tensor, not its two terms apart for a later fused kernel
+        # y + scaling * xA B^T as one addmm: a compiled backward that recomputes it keeps only the
+        # (..., out) sum, not y and xA B^T apart
         return torch.addmm(y.view(-1, y.shape[-1]), xA.view(-1, self.rank), self.lora_B.to(x.dtype).T,
                            alpha=self.scaling).view(y.shape)
 
@@ -450,7 +453,7 @@ class LoRALinear(NF4Linear):
     def shared_input(x, *layers):
         """[m(x) for m in layers] for LoRALinears that read the same x (q, k, v; gate, up), with
         one x [A_1; A_2; ...]^T matmul for all instead of one per layer: one pass over x, here and
-        for the gradients. Without the sharing when dropout draws each layer its own mask."""
+        for the gradients. With dropout each layer draws its own mask, so each runs alone."""
         if any(not isinstance(m.dropout, nn.Identity) for m in layers):
             return [m(x) for m in layers]
         xA = F.linear(x, torch.cat([m.lora_A for m in layers]).to(x.dtype))  # (..., sum of ranks)
@@ -559,8 +562,8 @@ def _side(stream):
         yield
 
 def _to_host(t, stream):
-    """A copy of t in host memory, made on the side stream: pinned when t is on a GPU, so that the
-    copy is asynchronous, and t's memory is not reused before the copy has read it."""
+    """A host copy of t, made on the side stream. For a GPU t: pinned, so that the copy is asynchronous,
+    and t recorded on that stream, so that its memory is not reused before the copy has read it."""
     with _side(stream):
         if t.is_cuda:
             t.record_stream(stream)
@@ -639,23 +642,28 @@ class ShardedUnit:
 
     def _pre_forward(self, module, args):
         self.gather()
-        if self.in_backward:  # a checkpoint around the whole module reruns it in backward: no more to do
+        # A checkpoint wrapped around the whole module (not this file's, inside forward) reruns it in
+        # backward, already gathered: nothing more to do.
+        if self.in_backward:
             return args
         if self.index + 1 < len(self.fsdp.units):
             self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
         x = args[0]
         if torch.is_grad_enabled():
             self.pending = len(self.adapters) + int(x.requires_grad)  # arrivals before post-backward
-            if x.requires_grad:  # on a view of our own, so it runs before the hook the previous unit put
-                x = x.view_as(x)  # on x: this unit reduce-scatters and frees before that one gathers
+            # The hook goes on a view of x, not on x: it then runs before the hook the previous unit
+            # put on x, so this unit reduce-scatters and frees before that one gathers.
+            if x.requires_grad:
+                x = x.view_as(x)
                 x.register_hook(lambda _: self._arrive())
         return (x,) + tuple(args[1:])
 
     def _post_forward(self, module, args, output):
         if self.in_backward:
             return output
-        if torch.is_grad_enabled() and self.pending > 0 and output.requires_grad:  # its gradient: the first
-            output.register_hook(lambda _: self._pre_backward())  # of this unit's backward
+        # The output's gradient is the first event of this unit's backward: gather there.
+        if torch.is_grad_enabled() and self.pending > 0 and output.requires_grad:
+            output.register_hook(lambda _: self._pre_backward())
         if self.reshard_after_forward:
             self.free()
         return output
@@ -853,7 +861,7 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 # On the CPU these 7 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later
-# passes find them in cache; on a GPU, a kernel launch per pass and chunk, all tensors are one chunk.
+# passes find them in cache; on a GPU all tensors form one chunk: one kernel launch per pass.
 ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: one chunk
 
 class AdamW(torch.optim.Optimizer):
@@ -921,8 +929,8 @@ class LlamaConfig:  # field names are Hugging Face config.json's
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
 
-# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is tiny's bigger
-# sibling, whose shapes torchao's NF4 can shard over 2 ranks (benchmarks/).
+# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small`: the smallest shapes
+# torchao's NF4 can also shard over 2 ranks, to compare against it.
 CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv heads, context (theta: keyword)
     "tiny": LlamaConfig(256, 128, 384, 4, 4, 2, 1024),
     "small": LlamaConfig(256, 256, 768, 4, 4, 4, 1024),
@@ -1011,8 +1019,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, checkpointing=False):
         if checkpointing and torch.is_grad_enabled():
-            # Keep only the block's input (B, T, C); recompute the rest in backward. Inside the block's
-            # compiled function, so the compiler fuses the recompute into the backward's own kernels.
+            # Keep only the block's input (B, T, C); recompute the rest in backward. The checkpoint sits
+            # inside forward so that, when forward is compiled, the recompute fuses into backward's kernels.
             return checkpoint(self.block, x, cos, sin, use_reentrant=False)
         return self.block(x, cos, sin)
 
@@ -1391,8 +1399,8 @@ def initial_weights(shapes, seed):
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
-    """One process: a Llama with the weights of `path` and fresh adapters, each loaded as a state dict (a meta
-    parameter gives way to it) as it is read: host memory stays near the NF4 footprint, never a bf16 model."""
+    """Unsharded: a meta Llama whose parameters are replaced one by one as the checkpoint is read
+    (assign=True; NF4Linear quantizes), plus fresh adapters: memory stays near the NF4 size, never a bf16 model."""
     config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
     device = torch.device(device or "cpu")
     with torch.device("meta"):
