@@ -486,7 +486,7 @@ class LoRALinear(NF4Linear):
 #   pre-backward:  all-gather again (a hook on the unit's output), prefetch the previous unit
 #   backward:      recompute the forward (checkpointing), backward; adapter grads land on full tensors
 #   post-backward: once every adapter has its gradient and the unit's input gradient is done:
-#                  one reduce-scatter (fp32, averaged) of the adapter gradients, free the weights
+#                  one reduce-scatter (fp32, averaged over ranks) of the adapter gradients, free the weights
 # CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. Plain
 # tensors, not FSDP2's DTensors, whose dispatch every optimizer op would pay (section 6).
 
@@ -542,13 +542,13 @@ class _Param:
 
 def _collective(out, inp, group, reduce_scatter=False):
     """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter,
-    out (n,) = rank r's piece of the mean of inp (world * n,); return its work. No process group: a copy."""
+    out (n,) = rank r's piece of the sum of inp (world * n,); return its work. No process group: a copy."""
     if not dist.is_initialized():
         out.copy_(inp)
         return None
     if reduce_scatter:
         fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # its older name
-        return fn(out, inp, op=dist.ReduceOp.AVG, group=group, async_op=True)
+        return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)  # AVG: not in older gloo
     fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     return fn(out, inp, group=group, async_op=True)
 
@@ -703,7 +703,7 @@ class ShardedUnit:
             return None
         (work, grad, _), self.reduction = self.reduction, None
         self.fsdp.wait(work, "fsdp::wait_reduce_scatter")
-        return grad
+        return grad.div_(self.fsdp.world)  # the sum over ranks -> their mean, as FSDP2's gradients
 
 class FSDP:
     """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
@@ -1747,18 +1747,19 @@ def learning_rate(step, args):
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
     """One AdamW step over this rank's micro-batches [(inputs, targets)] -> (loss, optimizer seconds). The
     loss is the mean over the global batch's counted targets: any split of the batch gives the same
-    loss and gradients. A non-finite loss returns before the update."""
+    loss and gradients. A non-finite loss skips the update, and its gradients are dropped."""
     count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
     if dist.is_initialized():
         dist.all_reduce(count)
-    count = count.clamp(min=1)  # a batch that counts nothing: loss 0 and zero gradients
+    count = max(1, count.item())  # a batch that counts nothing: loss 0 and zero gradients
     loss_sum = torch.zeros((), device=device)
     for x, y in batches:
         with torch.profiler.record_function("forward"):
             loss = model(x.to(device), y.to(device), reduction="sum")
         with torch.profiler.record_function("backward"):
-            # x world: the reduce-scatter averages over ranks, so the gradient is d(global sum) / count
-            (loss * (fsdp.world / count)).backward()
+            # x world: the reduce-scatter averages over ranks, so the masters get d(global sum); the
+            # 1 / count comes after, in fp32 (a bf16 backward would round it)
+            (loss * fsdp.world).backward()
             fsdp.finish_backward()  # each unit's gradients were reduce-scattered as its backward ended
         loss_sum += loss.detach()
     if dist.is_initialized():
@@ -1767,12 +1768,15 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
     t0 = time.perf_counter()
     if math.isfinite(loss):
         with torch.profiler.record_function("optimizer"):
+            for p in fsdp.parameters():  # d(global sum) -> d(global mean), in fp32
+                if p.grad is not None:
+                    p.grad.div_(count)
             if grad_clip > 0:
                 fsdp.clip_grad_norm_(grad_clip)
             optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
+    optimizer.zero_grad(set_to_none=True)  # also after a skipped step: the next one starts from none
     return loss, time.perf_counter() - t0
 
 def train(args):

@@ -1581,6 +1581,56 @@ def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
         assert torch.equal(v, initial[k].float()), k
 
 
+class GradRecorder:
+    """In place of the optimizer: keeps the gradients train_step hands it."""
+
+    def __init__(self, params):
+        self.params, self.grads = params, None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def test_step_gradient_is_the_summed_loss_gradient_over_the_count_in_fp32():
+    """In bf16, train_step hands the optimizer exactly the gradient of the summed loss divided in fp32
+    by the number of counted targets (63: its inverse is no bf16 number), the reference taken by a
+    plain backward of the summed loss through the same sharded model."""
+    args = qf.parse_args(["bf16" if a == "fp32" else a for a in BASE] + ["--batch_size", "2"])
+    model, fsdp = qf.build(args, qf.CONFIGS[args.model], torch.device("cpu"))
+    x, y = qf.get_batch(None, 0, 0, args, 1, 0, qf.CONFIGS[args.model].vocab_size)
+    y = y.clone()  # a view of the tokens x holds too
+    y[0, 0] = qf.IGNORE_INDEX
+    model(x, y, reduction="sum").backward()
+    fsdp.finish_backward()
+    reference = [p.grad / 63 for p in fsdp.parameters()]
+    recorder = GradRecorder(fsdp.parameters())
+    recorder.zero_grad()
+    qf.train_step(model, fsdp, recorder, [(x, y)], 0.0, torch.device("cpu"))
+    assert len(reference) >= 2 and any(g.abs().sum() > 0 for g in reference)
+    for got, want in zip(recorder.grads, reference):
+        assert torch.equal(got, want)
+
+
+def test_skipped_step_updates_nothing_and_leaves_no_gradient():
+    """A step whose loss is not finite leaves the adapters as they were and no gradient behind,
+    which the next step would otherwise add its own to."""
+    args = qf.parse_args(BASE + ["--batch_size", "2"])
+    config = qf.CONFIGS[args.model]
+    model, fsdp = qf.build(args, config, torch.device("cpu"))
+    before = fsdp.full_adapters()
+    fsdp.load_full("model.norm.weight", torch.full((config.hidden_size,), float("nan")))
+    batch = qf.get_batch(None, 0, 0, args, 1, 0, config.vocab_size)
+    loss, _ = qf.train_step(model, fsdp, qf.AdamW(fsdp.parameters()), [batch], 1.0, torch.device("cpu"))
+    assert math.isnan(loss)
+    assert all(p.grad is None for p in fsdp.parameters())
+    for name, t in fsdp.full_adapters().items():
+        assert torch.equal(t, before[name]), name
+
+
 @pytest.mark.parametrize("flag", ["--out", "--merge_to", "--profile"])
 def test_unwritable_output_refused_before_the_first_step(flag, tmp_path, capsys):
     """An output path that cannot be written (here one under a regular file, which fails even as
