@@ -875,20 +875,20 @@ class AdamW(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
-            chunks, nbytes = [], math.inf  # runs of consecutive params of ~ADAM_CHUNK_BYTES each
+            # [(step count, params)]: runs of consecutive params of ~ADAM_CHUNK_BYTES each, sharing their step
+            # count (one that had no gradient at some step has fewer; FSDP's masters always share theirs)
+            chunks, nbytes = [], math.inf
             for p in params:
                 if not self.state[p]:
                     self.state[p] = dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
                 self.state[p]["step"] += 1
-                if nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf):
-                    chunks, nbytes = chunks + [[]], 0
-                chunks[-1].append(p)
+                if nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf) or self.state[p]["step"] != chunks[-1][0]:
+                    chunks, nbytes = chunks + [(self.state[p]["step"], [])], 0
+                chunks[-1][1].append(p)
                 nbytes += p.nbytes
-            # one step count for the group: its parameters all get gradients, or none does (as FSDP's masters)
-            step = self.state[params[0]]["step"]
             lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-            c1, c2 = 1 - beta1**step, math.sqrt(1 - beta2**step)  # bias corrections of m and sqrt(v)
-            for chunk in chunks:
+            for step, chunk in chunks:
+                c1, c2 = 1 - beta1**step, math.sqrt(1 - beta2**step)  # bias corrections of m and sqrt(v)
                 grads = [p.grad for p in chunk]
                 exp_avgs = [self.state[p]["exp_avg"] for p in chunk]
                 exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in chunk]
