@@ -146,7 +146,7 @@ def _double_quantize(absmax, scaler_block_size: int):
     Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32."""
     n, mean = absmax.numel(), absmax.mean()
     padded = F.pad(absmax - mean, (0, -n % scaler_block_size)).view(-1, scaler_block_size)  # (n_groups, 256)
-    factor = 127.0 / padded.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny)
+    factor = 127.0 / padded.abs().amax(dim=1).clamp_min(1e-30)  # finite for a group of equal scales (0s)
     q = (padded * factor[:, None]).round().clamp(-128, 127).to(torch.int8).view(-1)[:n]
     return q, factor, mean
 
@@ -236,6 +236,8 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     with torch.no_grad():  # chunked: a big matrix never has a whole fp32 copy
         chunks = [kernel(flat[i:i + step], block_size) for i in range(0, flat.numel(), step)]
     packed, absmax = map(torch.cat, zip(*chunks))
+    if absmax.device.type != "meta" and not absmax.isfinite().all():  # through the scales' mean: every block
+        raise ValueError(f"NF4 cannot quantize a weight holding inf or NaN (shape {tuple(weight.shape)})")
     return (packed,) + _double_quantize(absmax, scaler_block_size)
 
 def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
@@ -1731,6 +1733,7 @@ def build(args, config, device):
     base = load_checkpoint(args.checkpoint, config, shapes) if args.checkpoint else initial_weights(shapes, args.seed)
     for name, t in base:  # in the parameter's form: NF4 for an NF4Linear's weight, else the compute dtype
         t = t.to(device, dtype)
+        require(t.isfinite().all(), f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN")
         fsdp.load_full(name, to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t)
     for name, t in initial_weights(fsdp.adapter_shapes(), args.seed):
         fsdp.load_full(name, t)

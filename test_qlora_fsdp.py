@@ -177,7 +177,7 @@ def test_padded_scale_groups(shape):
     assert torch.all((approx - absmax).abs() <= 0.5 / factor[group] + 1e-6)
     for g in range(factor.numel()):  # each group, the partial last one too, by its own largest scale
         largest = (absmax - absmax.mean())[group == g].abs().max()  # 0 for a single block
-        torch.testing.assert_close(factor[g], 127 / largest.clamp_min(torch.finfo(torch.float32).tiny))
+        torch.testing.assert_close(factor[g], 127 / largest.clamp_min(1e-30))  # equal scales: q = 0, finite
         assert scale_q[group == g].abs().max() == (127 if largest > 0 else 0)
     expected = qf.NF4[unpack_codes(packed)].view(-1, 64) * approx[:, None]
     out = qf.to_nf4(w).dequantize(torch.float32)
@@ -189,6 +189,22 @@ def test_bad_shape_raises():
     """A tensor whose element count is not a multiple of block_size is refused, saying why."""
     with pytest.raises(ValueError, match="divisible by block_size=64"):
         qf.to_nf4(torch.randn(3, 7))
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_constant_and_non_finite_weights(compile, monkeypatch):
+    """A constant weight (every block scale equal) gets finite scale factors and dequantizes exactly;
+    a weight holding inf or NaN is refused, since through the scales' mean it would spoil every block."""
+    monkeypatch.setattr(qf, "COMPILE", compile)
+    for value in (0.0, 1.0, -0.5):
+        w = torch.full((300, 64), value)
+        nf4 = qf.to_nf4(w)
+        assert nf4.scale_factor.isfinite().all()
+        assert torch.equal(nf4.dequantize(torch.float32), w)
+    for bad in (float("inf"), float("nan")):
+        w[7, 3] = bad
+        with pytest.raises(ValueError, match="inf or NaN"):
+            qf.to_nf4(w)
 
 
 # ---- 3. NF4Tensor -----------------------------------------------------------------------------
@@ -1391,9 +1407,11 @@ def _bad(tmp_path, hf_dir, case):
         return ["--out", out, "--resume"], "its adapters or AdamW moments are not this model's"
     if case == "profile too short":
         return ["--profile", str(tmp_path / "prof")], "--profile traces this run's steps 3-5: it has only 2"
-    if case == "non-finite loss":
+    if case == "non-finite weight":
         return ckpt(sd={**sd, "model.norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)}), \
-            "loss is nan at step 1"
+            "tensor model.norm.weight holds inf or NaN"
+    if case == "non-finite loss":  # step 1's update, at this learning rate, overflows the adapters
+        return ["--lr", "1e38"], "loss is nan at step 2; stopped before updating"
     raise AssertionError(case)
 
 
@@ -1401,7 +1419,8 @@ BAD_CASES = ["missing dir", "missing config", "not a llama", "wrong shape", "une
              "integer weight", "unknown dtype", "header beyond file", "truncated", "overlapping", "short data",
              "token id", "negative token id", "bin for a big vocabulary", "unknown format", "float tokens",
              "not an array", "mask counts nothing", "mask values", "mask length", "prompt not ids",
-             "resume other rank", "resume another layout", "profile too short", "non-finite loss"]
+             "resume other rank", "resume another layout", "profile too short", "non-finite weight",
+             "non-finite loss"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
