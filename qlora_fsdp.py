@@ -1038,7 +1038,7 @@ def _cross_entropy_rows(logits, targets, need_grad: bool):
     in place on one fp32 copy of the logits, with the one-hot made as bool and cast to fp32 for the
     subtraction; compiled, the passes fuse (max, sum of exp, gradient) and neither is ever made."""
     keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
-    t = targets.clamp(min=0)[:, None]  # ignored rows look up class 0, then count 0
+    t = targets.masked_fill(targets == IGNORE_INDEX, 0)[:, None]  # ignored rows look up class 0, count 0
     x = logits.float()
     target_logit = x.gather(1, t)
     m = x.amax(dim=-1, keepdim=True)

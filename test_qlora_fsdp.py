@@ -862,6 +862,18 @@ def test_loss_equals_logits_cross_entropy():
     torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compile", [False, True])
+def test_loss_refuses_negative_targets(compile, monkeypatch):
+    """A negative target other than IGNORE_INDEX (-100) is an error, as in F.cross_entropy, not
+    silently class 0."""
+    monkeypatch.setattr(qf, "COMPILE", compile)
+    h, W, y = torch.randn(6, 32), torch.randn(50, 32), torch.tensor([1, 2, -1, 4, -100, 6])
+    with pytest.raises(IndexError):
+        F.cross_entropy(h @ W.T, y)
+    with pytest.raises(RuntimeError):
+        qf.chunked_cross_entropy(h, W, y)
+
+
 def test_compiled_block_is_one_graph_holding_no_dense_weight():
     """What --compile compiles, a block's forward with its checkpoint, is one graph for dynamo (a
     graph break would run the rest eagerly without a word) whose body is the checkpoint, and the
