@@ -1808,8 +1808,11 @@ def _train(args):
     prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
     model, fsdp = build(args, config, device)
+    # The peaks of training, not of loading (--estimate has both). The reserved peak restarts from what
+    # is reserved now, so the blocks loading left in the cache go back first.
     if cuda:
-        torch.cuda.reset_peak_memory_stats(device)  # the peak of training, not of loading (--estimate has both)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     start = resume(args, fsdp, optimizer) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
