@@ -613,13 +613,15 @@ class ShardedUnit:
         fsdp = self.fsdp
         if self.gathered or self.inflight is not None:
             return
+        # The receive buffer belongs to the compute stream, which reads and frees it: made on the side
+        # stream, its memory could not be reused until the GPU had caught up with the copy-out.
+        out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
         # On the side stream (CUDA), after the optimizer's last update of the masters: the
         # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
         with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
             send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
             for s in self.adapters:  # the fp32 masters cast into the compute dtype
                 send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
-            out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
             self.inflight = (_collective(out, send, fsdp.group), out)
 
     def gather(self):
@@ -629,8 +631,6 @@ class ShardedUnit:
         self.prefetch()
         (work, out), self.inflight = self.inflight, None
         self.fsdp.wait(work, "fsdp::wait_all_gather")
-        if out.is_cuda:  # made on the side stream, read on this one: not reused before that
-            out.record_stream(torch.cuda.current_stream(out.device))
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
             for s in self.frozen + self.adapters:  # out (world, unit_bytes): a column slice per tensor
                 s.full.untyped_storage().resize_(s.padded.nbytes)
