@@ -1494,9 +1494,10 @@ def resume(args, fsdp, optimizer):
     print0(f"resumed from {args.out} at step {state['step']} (saved by world size {state['world_size']})")
     return state["step"]
 
-def save_merged(out_dir, fsdp, model):
+def save_merged(out_dir, fsdp, model, source=None):
     """Collective. A Hugging Face checkpoint of the base with the adapters merged in,
-    W' = W + (alpha/rank) B A, written unit by unit by rank 0 (config.json + model.safetensors)."""
+    W' = W + (alpha/rank) B A, written unit by unit by rank 0: model.safetensors, then config.json (keeping
+    the `source` checkpoint's other keys, such as its token ids) and the source's generation_config.json."""
     adapters = fsdp.full_adapters()
     base = fsdp.full_base()  # (name, full tensor), unit by unit, in the order of base_shapes()
 
@@ -1511,10 +1512,14 @@ def save_merged(out_dir, fsdp, model):
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        config = {**config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # the head is written
-        atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
         save_safetensors(os.path.join(out_dir, "model.safetensors"),
                          [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get)
+        kept = {k: v for k, v in read_json(os.path.join(source, "config.json")).items()
+                if k not in ("dtype", "quantization_config")} if source else {}
+        config = {**kept, **config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # head written
+        atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
+        if source and os.path.isfile(os.path.join(source, "generation_config.json")):
+            shutil.copy(os.path.join(source, "generation_config.json"), out_dir)
     for _ in base:  # the other ranks join the same all-gathers; every rank frees the last unit
         pass
     if dist.is_initialized():
@@ -1872,7 +1877,7 @@ def _train(args):
     if profiler is not None:
         profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
     if args.merge_to:
-        save_merged(args.merge_to, fsdp, model)
+        save_merged(args.merge_to, fsdp, model, args.checkpoint)
         print0(f"merged model written to {args.merge_to}")
     if args.sample:  # after the saves: what was trained is on disk whatever happens here
         ids = generate(model, prompt, args.sample, min(args.seq_len, config.max_position_embeddings), device,

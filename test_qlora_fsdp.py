@@ -1305,8 +1305,16 @@ def test_interrupted_save_keeps_previous_checkpoint(tmp_path, monkeypatch):
 def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
     """--merge_to writes config.json + model.safetensors in which every projection is
     W' = W + (alpha/r) B A (W the NF4 base, B and A the adapters --out wrote) and every other
-    weight is the checkpoint's own; from_pretrained reads it back."""
-    path, sd = hf_dir
+    weight is the checkpoint's own; from_pretrained reads it back. The config keeps the source's
+    other keys (its token ids), and its generation_config.json comes along."""
+    path, sd = str(tmp_path / "base"), hf_dir[1]
+    shutil.copytree(hf_dir[0], path)
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = {**json.load(f), "bos_token_id": 1, "eos_token_id": [2, 3]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    with open(os.path.join(path, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [2, 3]}, f)
     out, merged = str(tmp_path / "out"), str(tmp_path / "merged")
     train_run(BASE + ["--steps", "2", "--batch_size", "2", "--checkpoint", path, "--out", out, "--merge_to", merged])
     adapters = qf.load_adapters(out)
@@ -1321,6 +1329,11 @@ def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
         torch.testing.assert_close(sf.get(name), expected, rtol=1e-6, atol=1e-6, msg=name)
     reloaded = qf.Llama.from_pretrained(merged, dtype=torch.float32)
     assert isinstance(reloaded.lm_head.weight, qf.NF4Tensor)
+    with open(os.path.join(merged, "config.json")) as f:
+        merged_cfg = json.load(f)
+    assert merged_cfg["bos_token_id"] == 1 and merged_cfg["eos_token_id"] == [2, 3]
+    assert merged_cfg["hidden_size"] == cfg["hidden_size"] and merged_cfg["tie_word_embeddings"] is False
+    assert os.path.isfile(os.path.join(merged, "generation_config.json"))
 
 
 def _bad(tmp_path, hf_dir, case):
