@@ -1307,11 +1307,16 @@ class SafetensorsFile:
 def atomic_write(path, write, mode="wb"):
     """write(f) into path.tmp, then rename: readers see the old file or the new one, never half of one."""
     tmp = f"{path}.tmp"
-    with open(tmp, mode) as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, mode) as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except (OSError, RuntimeError) as e:  # a full disk (torch.save's is a RuntimeError), a directory in the way
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise UserError(f"{path}: cannot be written ({getattr(e, 'strerror', None) or type(e).__name__})")
 
 def save_safetensors(path, specs, get):
     """Write tensors to `path` one at a time (atomically): specs [(name, dtype, shape)], get(name) -> tensor."""
@@ -1348,9 +1353,18 @@ def config_from_hf(d, where="config.json"):
     head_dim, rest = divmod(config.hidden_size, config.num_attention_heads)
     require(rest == 0 and d.get("head_dim", head_dim) == head_dim,
             f"{where}: head_dim must be hidden_size / num_attention_heads")
+    require(isinstance(config.rope_scaling, (dict, type(None))), f"{where}: rope_scaling must be an object")
     scaling = config.rope_scaling or {"rope_type": "default"}
     rope_type = scaling.get("rope_type", scaling.get("type"))  # "type": older transformers
     require(rope_type in ("llama3", "default"), f"{where}: rope_scaling type {rope_type!r} is not supported")
+    require(rope_type != "llama3" or isinstance(scaling.get("factor"), (int, float)), f"{where}: llama3 rope_scaling "
+                                                                                      f"needs a numeric factor")
+    for key in ("rms_norm_eps", "rope_theta"):
+        value = getattr(config, key)
+        require(isinstance(value, (int, float)) and value > 0, f"{where}: {key} must be a positive number")
+    require(config.num_key_value_heads >= 1 and config.num_attention_heads % config.num_key_value_heads == 0,
+            f"{where}: num_key_value_heads must divide num_attention_heads")
+    require(config.hidden_size % 64 == 0, f"{where}: hidden_size must be a multiple of 64 (NF4's block)")
     return config
 
 def config_to_hf(config, dtype):
@@ -1366,7 +1380,8 @@ def load_checkpoint(path, config, shapes):
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index).get("weight_map")
-        require(isinstance(weight_map, dict), f"{index}: not a safetensors index (no weight_map)")
+        require(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()),
+                f"{index}: not a safetensors index (no weight_map of file names)")
         names = list(dict.fromkeys(weight_map.values()))
     # name -> (file, its name there); old checkpoints also store RoPE's constants, rotary_emb.inv_freq
     files = [SafetensorsFile(os.path.join(path, n)) for n in names]
@@ -1446,6 +1461,8 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     training_state.pt: the step, AdamW's step count and moments in full {"exp_avg": {name: tensor},
     "exp_avg_sq": ...} and the flags --resume checks. (No RNG state: each step seeds its own dropout.)"""
     adapters = fsdp.full_adapters()
+    require(all(t.isfinite().all() for t in adapters.values()),
+            f"step {step}: the adapters hold inf or NaN, not saved; the last checkpoint in {out_dir} is intact")
     moments = {k: fsdp.full_adapters(of=lambda m: optimizer.state[m][k]) for k in ("exp_avg", "exp_avg_sq")}
     adam_step = optimizer.state[fsdp.parameters()[0]]["step"]  # one count: every master steps together
     if fsdp.rank == 0:
@@ -1477,12 +1494,15 @@ def resume(args, fsdp, optimizer):
         state = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- any unreadable file is the same user error
         raise UserError(f"{path}: cannot be read ({type(e).__name__})")
+    require(isinstance(state, dict), f"{path}: not a training state")
     for key in RESUME_MUST_MATCH:
         require(state.get(key) == getattr(args, key),
                 f"--resume {ckpt}: saved with --{key} {state.get(key)}, this run has --{key} {getattr(args, key)}")
-    adapters = load_adapters(ckpt)
-    moments = state.get("moments", {})
-    require(adapters.keys() == fsdp.adapter_shapes().keys() and moments.keys() == {"exp_avg", "exp_avg_sq"},
+    adapters, moments, shapes = load_adapters(ckpt), state.get("moments"), fsdp.adapter_shapes()
+    fits = lambda d: (isinstance(d, dict) and d.keys() == shapes.keys()  # noqa: E731
+                      and all(tuple(d[n].shape) == tuple(shapes[n]) for n in shapes))
+    require(fits(adapters) and isinstance(moments, dict) and moments.keys() == {"exp_avg", "exp_avg_sq"}
+            and all(map(fits, moments.values())),
             f"--resume {ckpt}: its adapters or AdamW moments are not this model's (an older format?)")
     for name, t in adapters.items():
         fsdp.load_full(name, t)
@@ -1609,7 +1629,8 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
         for _ in range(n):
             logits = model(ids[:, -window:])[0, -1].float()  # (V,): the last position's
             if temperature > 0:
-                nxt = torch.multinomial(torch.softmax(logits / temperature, -1).cpu(), 1, generator=g).to(device)
+                probs = torch.softmax(logits.double() / temperature, -1)  # float64: no overflow for a tiny T
+                nxt = torch.multinomial(probs.cpu(), 1, generator=g).to(device)
             else:
                 nxt = logits.argmax().view(1)
             if dist.is_initialized():
@@ -1620,8 +1641,14 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
 
 def check_writable(args, rank):
     """Create --out, --merge_to (rank 0 writes them) and --profile (every rank) and write a file in
-    each now, so that a bad path stops every rank before the first step, not at the end."""
+    each now, so that a bad path stops every rank before the first step, not at the end. Nothing is
+    overwritten: an --out holding a run's checkpoint needs --resume, a --merge_to holding a model is refused."""
     problem = None
+    if rank == 0 and args.out and not args.resume and os.path.isfile(os.path.join(args.out, "latest")):
+        problem = f"--out {args.out}: holds a run's checkpoint; --resume continues it, or choose another --out"
+    if rank == 0 and args.merge_to and any(os.path.exists(os.path.join(args.merge_to, n)) for n in
+                                           ("config.json", "model.safetensors", "model.safetensors.index.json")):
+        problem = f"--merge_to {args.merge_to}: holds a model already; choose a new directory"
     for flag, path in (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile)):
         if path and (rank == 0 or flag == "--profile") and problem is None:
             try:
@@ -1694,6 +1721,11 @@ def parse_args(argv=None):
                         ("temperature", 0)]:
         if getattr(args, flag) < least:
             p.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
+    for flag in ("lr", "weight_decay", "adam_eps", "grad_clip", "lora_alpha", "lora_dropout", "temperature"):
+        if not math.isfinite(getattr(args, flag)):
+            p.error(f"--{flag} must be a finite number, got {getattr(args, flag)}")
+    if not 0 <= args.lora_dropout < 1:
+        p.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
     if args.model not in CONFIGS and not args.checkpoint:
         p.error(f"--model {args.model}: unknown, choose from {', '.join(CONFIGS)}")
     if (args.save_every or args.resume) and not args.out:

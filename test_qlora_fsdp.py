@@ -7,6 +7,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -1351,6 +1352,22 @@ def _bad(tmp_path, hf_dir, case):
 
     if case == "missing dir":
         return ["--checkpoint", d], "no such directory"
+    if case == "llama3 rope without factor":
+        return ckpt(cfg={**cfg, "rope_scaling": {"rope_type": "llama3"}}), "llama3 rope_scaling needs a numeric factor"
+    if case == "eps as text":
+        return ckpt(cfg={**cfg, "rms_norm_eps": "1e-5"}), "rms_norm_eps must be a positive number"
+    if case == "kv heads":
+        return ckpt(cfg={**cfg, "num_key_value_heads": 3}), "num_key_value_heads must divide num_attention_heads"
+    if case == "hidden size":
+        return ckpt(cfg={**{k: v for k, v in cfg.items() if k != "head_dim"}, "hidden_size": 96}), \
+            "hidden_size must be a multiple of 64"
+    if case == "index of numbers":
+        args = ckpt()
+        with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {"lm_head.weight": 3}}, f)
+        return args, "not a safetensors index (no weight_map of file names)"
+    if case == "merge onto the base":
+        return ["--checkpoint", path, "--merge_to", path], "holds a model already; choose a new directory"
     if case == "missing config":
         os.makedirs(d)
         return ["--checkpoint", d], "config.json: no such file"
@@ -1430,6 +1447,30 @@ def _bad(tmp_path, hf_dir, case):
         state["moments"] = {n: {k: state["moments"][k][n] for k in ("exp_avg", "exp_avg_sq")} for n in names}
         torch.save(state, path)
         return ["--out", out, "--resume"], "its adapters or AdamW moments are not this model's"
+    if case == "out holds a checkpoint":  # a new run there, without --resume, would replace it
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
+        return ["--out", out], "holds a run's checkpoint; --resume continues it, or choose another --out"
+    if case == "resume other shapes":
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
+        path = os.path.join(out, "checkpoint-1", "training_state.pt")
+        state = torch.load(path)
+        name = next(iter(state["moments"]["exp_avg"]))
+        state["moments"]["exp_avg"][name] = torch.zeros(3)
+        torch.save(state, path)
+        return ["--out", out, "--resume"], "its adapters or AdamW moments are not this model's"
+    if case == "training state not a dict":
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
+        torch.save([1, 2], os.path.join(out, "checkpoint-1", "training_state.pt"))
+        return ["--out", out, "--resume"], "training_state.pt: not a training state"
+    if case == "save blocked":  # a directory where the checkpoint's pointer goes
+        os.makedirs(tmp_path / "out" / "latest")
+        return ["--out", str(tmp_path / "out")], "latest: cannot be written (Is a directory)"
+    if case == "non-finite update":  # step 1's loss is finite, its weight decay overflows: never saved
+        return ["--lr", "1e38", "--weight_decay", "10", "--steps", "1", "--out", str(tmp_path / "out")], \
+            "step 1: the adapters hold inf or NaN, not saved"
     if case == "profile too short":
         return ["--profile", str(tmp_path / "prof")], "--profile traces this run's steps 3-5: it has only 2"
     if case == "non-finite weight":
@@ -1445,7 +1486,9 @@ BAD_CASES = ["missing dir", "missing config", "not a llama", "wrong shape", "une
              "token id", "negative token id", "bin for a big vocabulary", "unknown format", "float tokens",
              "not an array", "mask counts nothing", "mask values", "mask length", "prompt not ids",
              "resume other rank", "resume another layout", "profile too short", "non-finite weight",
-             "non-finite loss"]
+             "non-finite loss", "llama3 rope without factor", "eps as text", "kv heads", "hidden size",
+             "index of numbers", "merge onto the base", "out holds a checkpoint", "resume other shapes",
+             "training state not a dict", "save blocked", "non-finite update"]
 
 
 @pytest.mark.parametrize("case", BAD_CASES)
@@ -1459,6 +1502,18 @@ def test_bad_input_one_line_error(case, tmp_path, hf_dir, capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and words in err[0], err
+
+
+@pytest.mark.parametrize("argv,words", [(["--lr", "nan"], "--lr must be a finite number, got nan"),
+                                        (["--temperature", "inf"], "--temperature must be a finite number"),
+                                        (["--lora_dropout", "1.5"], "--lora_dropout must be in [0, 1), got 1.5"),
+                                        (["--batch_size", "0"], "--batch_size must be >= 1, got 0")])
+def test_bad_flag_refused_by_the_parser(argv, words, capsys):
+    """A flag out of its range stops the run before anything is read or built: exit status 2 and
+    argparse's error line naming the flag."""
+    with pytest.raises(SystemExit) as exc:
+        qf.parse_args(argv)
+    assert exc.value.code == 2 and words in capsys.readouterr().err
 
 
 def test_bad_input_no_traceback_in_a_real_process(tmp_path):
@@ -1740,6 +1795,14 @@ def test_sample_same_on_two_ranks(tmp_path):
     assert isinstance(single["sample"], str) and single["sample"]
     for r in run_sharded(2, argv + ["--batch_size", "2"], tmp_path):
         assert r["summary"]["sample"] == single["sample"]
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy():
+    """Drawing at temperature 1e-40 picks the most likely token every time, as greedy decoding
+    does (the logits / T overflow float32; the softmax runs in float64)."""
+    model = make_model()
+    greedy = qf.generate(model, [10, 20, 30], 8, 32, torch.device("cpu"))
+    assert qf.generate(model, [10, 20, 30], 8, 32, torch.device("cpu"), temperature=1e-40) == greedy
 
 
 def test_compile_notice_before_the_first_step(monkeypatch, capsys):
