@@ -1224,7 +1224,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
 def format_estimate(name, est, world, offload):
     where = "host" if offload else "GPU"
     rows = [(f"{k} ({where})", v) for k, v in est["state"].items()]
-    rows += [("all-gather buffers (1 gathered block + 2 receive)", est["gathers"]), *est["activations"].items(),
+    rows += [("all-gather buffers (1 gathered + 2 receiving)", est["gathers"]), *est["activations"].items(),
              ("predicted peak per GPU", est["gpu_peak"]),
              ("while loading (one weight at a time), per GPU", est["load_peak"])]
     if est["host_state"] > 0:
@@ -1908,6 +1908,8 @@ def _train(args):
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
         profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
+    # The peaks of training, before the merge and the sample allocate their own.
+    peak_gib, reserved_gib = peak_memory_gib(device), peak_memory_gib(device, reserved=True) if cuda else None
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model, args.checkpoint)
         print0(f"merged model written to {args.merge_to}")
@@ -1924,13 +1926,13 @@ def _train(args):
     step_s, wait_s, optim_s = (np.median(np.array(timings[1:] or timings), axis=0) * 1000).tolist()
     summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1], first_loss=losses[0],
                    step_ms=round(step_s, 2), tokens_per_s=round(tokens_per_step / (step_s / 1000), 1),
-                   peak_mem_gib=round(peak_memory_gib(device), 4),
+                   peak_mem_gib=round(peak_gib, 4),
                    predicted_peak_gib=round(predicted_memory(args, world, config)["gpu_peak"] / GiB, 4),
                    batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
                    dtype=args.dtype, device=device.type, compute_ms=round(step_s - wait_s - optim_s, 2),
                    comm_wait_ms=round(wait_s, 2), optimizer_ms=round(optim_s, 2))
     if cuda:
-        summary["peak_reserved_gib"] = round(peak_memory_gib(device, reserved=True), 4)
+        summary["peak_reserved_gib"] = round(reserved_gib, 4)
     if args.sample:
         summary["sample"] = sample
     return summary, losses, fsdp
