@@ -29,6 +29,7 @@ Run it:
 
 import argparse
 import contextlib
+import io
 import json
 import math
 import os
@@ -1313,7 +1314,7 @@ def atomic_write(path, write, mode="wb"):
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError) as e:  # a full disk (torch.save's is a RuntimeError), a directory in the way
+    except OSError as e:  # a full disk, a directory in the way
         if os.path.isfile(tmp):
             os.remove(tmp)
         raise UserError(f"{path}: cannot be written ({getattr(e, 'strerror', None) or type(e).__name__})")
@@ -1357,14 +1358,17 @@ def config_from_hf(d, where="config.json"):
     scaling = config.rope_scaling or {"rope_type": "default"}
     rope_type = scaling.get("rope_type", scaling.get("type"))  # "type": older transformers
     require(rope_type in ("llama3", "default"), f"{where}: rope_scaling type {rope_type!r} is not supported")
-    require(rope_type != "llama3" or isinstance(scaling.get("factor"), (int, float)), f"{where}: llama3 rope_scaling "
-                                                                                      f"needs a numeric factor")
+    positive = lambda x: isinstance(x, (int, float)) and math.isfinite(x) and x > 0  # noqa: E731
+    require(rope_type != "llama3" or positive(scaling.get("factor")), f"{where}: llama3 rope_scaling needs a "
+                                                                     f"positive factor")
     for key in ("rms_norm_eps", "rope_theta"):
-        value = getattr(config, key)
-        require(isinstance(value, (int, float)) and value > 0, f"{where}: {key} must be a positive number")
-    require(config.num_key_value_heads >= 1 and config.num_attention_heads % config.num_key_value_heads == 0,
+        require(positive(getattr(config, key)), f"{where}: {key} must be a positive number")
+    kv = config.num_key_value_heads
+    require(isinstance(kv, int) and kv >= 1 and config.num_attention_heads % kv == 0,
             f"{where}: num_key_value_heads must divide num_attention_heads")
-    require(config.hidden_size % 64 == 0, f"{where}: hidden_size must be a multiple of 64 (NF4's block)")
+    d, kv_dim = config.hidden_size, kv * config.head_dim
+    require(all(d * n % 64 == 0 for n in (d, kv_dim, config.intermediate_size, config.vocab_size)),
+            f"{where}: every weight's size must be a multiple of 64 (NF4's block)")
     return config
 
 def config_to_hf(config, dtype):
@@ -1452,7 +1456,7 @@ def load_adapters(path):
     sf = SafetensorsFile(os.path.join(path, "adapter_model.safetensors"))
     return {k[len(PEFT_PREFIX):-len(".weight")]: sf.get(k) for k in sf.entries}
 
-RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha")
+RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha", "lora_dropout", "seed")
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training state) under a temporary
@@ -1461,8 +1465,9 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     training_state.pt: the step, AdamW's step count and moments in full {"exp_avg": {name: tensor},
     "exp_avg_sq": ...} and the flags --resume checks. (No RNG state: each step seeds its own dropout.)"""
     adapters = fsdp.full_adapters()
+    kept = "; its last checkpoint is intact" if os.path.isfile(os.path.join(out_dir, "latest")) else ""
     require(all(t.isfinite().all() for t in adapters.values()),
-            f"step {step}: the adapters hold inf or NaN, not saved; the last checkpoint in {out_dir} is intact")
+            f"--out {out_dir}: the adapters hold inf or NaN after step {step}, not saved{kept}")
     moments = {k: fsdp.full_adapters(of=lambda m: optimizer.state[m][k]) for k in ("exp_avg", "exp_avg_sq")}
     adam_step = optimizer.state[fsdp.parameters()[0]]["step"]  # one count: every master steps together
     if fsdp.rank == 0:
@@ -1471,8 +1476,10 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         shutil.rmtree(tmp, ignore_errors=True)
         save_adapters(tmp, adapters, args)
         state = dict(step=step, adam_step=adam_step, moments=moments, dtype=args.dtype, world_size=fsdp.world,
-                     seed=args.seed, **{k: getattr(args, k) for k in RESUME_MUST_MATCH})
-        atomic_write(os.path.join(tmp, "training_state.pt"), lambda f: torch.save(state, f))
+                     **{k: getattr(args, k) for k in RESUME_MUST_MATCH})
+        buffer = io.BytesIO()  # so that a full disk is an OSError of the write, not torch.save's RuntimeError
+        torch.save(state, buffer)
+        atomic_write(os.path.join(tmp, "training_state.pt"), lambda f: f.write(buffer.getvalue()))
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         atomic_write(os.path.join(out_dir, "latest"), lambda f: f.write(name), "w")
@@ -1539,7 +1546,9 @@ def save_merged(out_dir, fsdp, model, source=None):
         config = {**kept, **config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # head written
         atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
         if source and os.path.isfile(os.path.join(source, "generation_config.json")):
-            shutil.copy(os.path.join(source, "generation_config.json"), out_dir)
+            with open(os.path.join(source, "generation_config.json"), "rb") as f:
+                raw = f.read()
+            atomic_write(os.path.join(out_dir, "generation_config.json"), lambda f: f.write(raw))
     for _ in base:  # the other ranks join the same all-gathers; every rank frees the last unit
         pass
     if dist.is_initialized():
@@ -1629,7 +1638,7 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
         for _ in range(n):
             logits = model(ids[:, -window:])[0, -1].float()  # (V,): the last position's
             if temperature > 0:
-                probs = torch.softmax(logits.double() / temperature, -1)  # float64: no overflow for a tiny T
+                probs = torch.softmax((logits - logits.max()).double() / temperature, -1)  # no overflow, any T
                 nxt = torch.multinomial(probs.cpu(), 1, generator=g).to(device)
             else:
                 nxt = logits.argmax().view(1)
@@ -1946,7 +1955,7 @@ def main(argv=None):
             print0(format_budget(name, memory_budget(config, args.lora_rank)))
             print0(format_estimate(name, est, world, args.cpu_offload))
             flags = ("batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload",
-                     "offload_activations")
+                     "offload_activations", "compile")
             summary = dict(model=name, world_size=world, **{k: getattr(args, k) for k in flags},
                            predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
                            predicted_host_gib=round(est["host_state"] / GiB, 3))

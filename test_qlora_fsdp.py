@@ -1353,14 +1353,19 @@ def _bad(tmp_path, hf_dir, case):
     if case == "missing dir":
         return ["--checkpoint", d], "no such directory"
     if case == "llama3 rope without factor":
-        return ckpt(cfg={**cfg, "rope_scaling": {"rope_type": "llama3"}}), "llama3 rope_scaling needs a numeric factor"
+        return ckpt(cfg={**cfg, "rope_scaling": {"rope_type": "llama3"}}), "llama3 rope_scaling needs a positive factor"
+    if case == "infinite theta":
+        return ckpt(cfg={**cfg, "rope_theta": float("inf")}), "rope_theta must be a positive number"
+    if case == "kv heads as text":
+        return ckpt(cfg={**cfg, "num_key_value_heads": "2"}), "num_key_value_heads must divide num_attention_heads"
     if case == "eps as text":
         return ckpt(cfg={**cfg, "rms_norm_eps": "1e-5"}), "rms_norm_eps must be a positive number"
     if case == "kv heads":
         return ckpt(cfg={**cfg, "num_key_value_heads": 3}), "num_key_value_heads must divide num_attention_heads"
     if case == "hidden size":
-        return ckpt(cfg={**{k: v for k, v in cfg.items() if k != "head_dim"}, "hidden_size": 96}), \
-            "hidden_size must be a multiple of 64"
+        return ckpt(cfg={**{k: v for k, v in cfg.items() if k != "head_dim"}, "hidden_size": 4, "vocab_size": 10,
+                         "num_attention_heads": 1, "num_key_value_heads": 1}), \
+            "every weight's size must be a multiple of 64"
     if case == "index of numbers":
         args = ckpt()
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
@@ -1470,7 +1475,7 @@ def _bad(tmp_path, hf_dir, case):
         return ["--out", str(tmp_path / "out")], "latest: cannot be written (Is a directory)"
     if case == "non-finite update":  # step 1's loss is finite, its weight decay overflows: never saved
         return ["--lr", "1e38", "--weight_decay", "10", "--steps", "1", "--out", str(tmp_path / "out")], \
-            "step 1: the adapters hold inf or NaN, not saved"
+            "out: the adapters hold inf or NaN after step 1, not saved"
     if case == "profile too short":
         return ["--profile", str(tmp_path / "prof")], "--profile traces this run's steps 3-5: it has only 2"
     if case == "non-finite weight":
@@ -1486,7 +1491,8 @@ BAD_CASES = ["missing dir", "missing config", "not a llama", "wrong shape", "une
              "token id", "negative token id", "bin for a big vocabulary", "unknown format", "float tokens",
              "not an array", "mask counts nothing", "mask values", "mask length", "prompt not ids",
              "resume other rank", "resume another layout", "profile too short", "non-finite weight",
-             "non-finite loss", "llama3 rope without factor", "eps as text", "kv heads", "hidden size",
+             "non-finite loss", "llama3 rope without factor", "infinite theta", "eps as text", "kv heads",
+             "kv heads as text", "hidden size",
              "index of numbers", "merge onto the base", "out holds a checkpoint", "resume other shapes",
              "training state not a dict", "save blocked", "non-finite update"]
 

@@ -94,7 +94,8 @@ def main(argv=None):
         opt.step()
         opt.zero_grad()
         loss = loss.detach()
-        dist.all_reduce(loss, op=dist.ReduceOp.AVG)
+        dist.all_reduce(loss)  # the mean over ranks: SUM / world (gloo before 2025 has no AVG)
+        loss /= world
         loss.item()
         sync()
         times.append(time.perf_counter() - t0)
