@@ -498,6 +498,27 @@ class CheckpointAround(torch.nn.Module):
         return torch.utils.checkpoint.checkpoint(self.layer, x, cos, sin, False, use_reentrant=False)
 
 
+def test_full_base_gathers_one_unit_at_a_time():
+    """At world 1 every shard is its whole tensor (no padding); full_base() streams the frozen weights,
+    each equal to the module's before sharding, with one unit gathered at a time and none after; and
+    after a forward whose backward never ran, finish_backward() refuses, naming the unit."""
+    model = make_model()
+    before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    fsdp = qf.FSDP(model.units(), torch.device("cpu"), torch.float32)
+    assert all(s.shard_numel == s.numel for u in fsdp.units for s in u.frozen + u.adapters)
+    names = []
+    for name, t in fsdp.full_base():
+        gathered = [u for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.frozen)]
+        assert len(gathered) == 1, name
+        dense = (lambda w: w.dequantize(torch.float32)) if isinstance(t, qf.NF4Tensor) else (lambda w: w)
+        assert torch.equal(dense(t), dense(before[name])), name
+        names.append(name)
+    assert names == list(before) and all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.frozen)
+    model(torch.randint(256, (1, 8)), torch.randint(256, (1, 8)))
+    with pytest.raises(RuntimeError, match="did not finish its backward"):
+        fsdp.finish_backward()
+
+
 @pytest.mark.parametrize("checkpointing", ["inside", "around", "off"])
 def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
     """Each unit is gathered by ONE all-gather before its forward and freed after it (the last
@@ -1072,6 +1093,20 @@ def test_estimate_bounds_compiled_blocks_without_checkpointing(mem_runs):
     assert predicted >= measured, (predicted / 2**20, measured / 2**20)
 
 
+def test_estimate_counts_the_real_all_gather_buffers():
+    """The estimate's all-gather row is three of a block unit's all-gathered buffers, each the bytes
+    FSDP actually lays out for the unit (within the 16-byte alignment of each tensor); its sharded
+    rows at world 2 are half of world 1's."""
+    args = qf.parse_args(BASE + ["--batch_size", "2"])  # fp32
+    _, fsdp = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
+    unit = fsdp.units[1]  # a block
+    est = qf.estimate_memory(qf.CONFIGS["tiny"], world=1, dtype_bytes=4)
+    assert abs(est["gathers"] / 3 - unit.unit_bytes) <= len(unit.frozen + unit.adapters) * qf.ALIGN
+    half = qf.estimate_memory(qf.CONFIGS["tiny"], world=2, dtype_bytes=4)
+    for row, v in est["state"].items():
+        assert half["state"][row] == pytest.approx(v / 2), row
+
+
 def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
     """--estimate answers from the config alone (WORLD_SIZE from the environment, no process
     group): the 7B talk benchmark at world 2 ends with a JSON line holding predicted_peak_gib;
@@ -1215,6 +1250,9 @@ def test_config_llama3_and_transformers5_layout():
             band += 1
     assert band > 0
     torch.testing.assert_close(scaled, torch.tensor(meta, dtype=torch.float32), rtol=1e-6, atol=0)
+    # Older transformers name the type "type"; the three other keys have Meta's defaults (1, 4, 8192).
+    older = qf.config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0}})
+    assert torch.equal(qf.rope_inv_freq(older), scaled)
 
 
 def train_run(argv):
@@ -1385,6 +1423,16 @@ def _bad(tmp_path, hf_dir, case):
         return ["--checkpoint", d], "no such directory"
     if case == "llama3 rope without factor":
         return ckpt(cfg={**cfg, "rope_scaling": {"rope_type": "llama3"}}), "llama3 rope_scaling needs a positive factor"
+    if case == "head dim":
+        return ckpt(cfg={**cfg, "head_dim": 64}), "head_dim must be hidden_size / num_attention_heads"
+    if case == "rope yarn":
+        return ckpt(cfg={**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}), \
+            "rope_scaling type 'yarn' is not supported"
+    if case == "bytes for shape":
+        return ckpt(patch=lambda h: h["model.norm.weight"].update(shape=[64])), "bytes for shape [64]"
+    if case == "negative offsets":
+        return ckpt(patch=lambda h: h["model.norm.weight"].update(data_offsets=[-16, 0])), \
+            "offsets [-16, 0] run past"
     if case == "infinite theta":
         return ckpt(cfg={**cfg, "rope_theta": float("inf")}), "rope_theta must be a positive number"
     if case == "kv heads as text":
@@ -1523,7 +1571,8 @@ def _bad(tmp_path, hf_dir, case):
 
 BAD_CHECKPOINT_CASES = [  # section 9: checkpoints, their config.json, resuming, saving
     "missing dir", "missing config", "not a llama", "wrong shape", "unexpected name", "missing tensor",
-    "integer weight", "unknown dtype", "header beyond file", "truncated", "overlapping", "non-finite weight",
+    "integer weight", "unknown dtype", "header beyond file", "truncated", "overlapping", "bytes for shape",
+    "negative offsets", "non-finite weight", "head dim", "rope yarn",
     "llama3 rope without factor", "infinite theta", "eps as text", "kv heads", "kv heads as text", "hidden size",
     "index of numbers", "merge onto the base", "out holds a checkpoint", "resume other rank", "resume another layout",
     "resume other seed", "resume other shapes", "training state not a dict", "save blocked", "non-finite update"]
@@ -1655,6 +1704,17 @@ def test_data_formats_read_the_same_ids(tmp_path):
     np.save(tmp_path / "llama3.npy", llama3)
     tokens, _ = qf.load_tokens(str(tmp_path / "llama3.npy"), 128256, 32)
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, llama3)
+
+
+def test_ranks_split_the_global_batch(tmp_path):
+    """The global micro-batch depends only on (seed, step, micro) and batch_size x world: the rows of
+    2 ranks with batch 2, side by side, are 1 rank's with batch 4 -- random (dummy) tokens and a file's."""
+    np.save(tmp_path / "ids.npy", random_ids())
+    for data in (None, qf.load_tokens(str(tmp_path / "ids.npy"), 256, 32)):
+        one = qf.get_batch(data, 3, 1, qf.parse_args(BASE + ["--batch_size", "4"]), 1, 0, 256)
+        two = [qf.get_batch(data, 3, 1, qf.parse_args(BASE + ["--batch_size", "2"]), 2, r, 256) for r in range(2)]
+        for i in range(2):  # inputs, targets
+            assert torch.equal(torch.cat([two[0][i], two[1][i]]), one[i])
 
 
 def test_all_ones_mask_trains_as_bare_tokens(tmp_path):
