@@ -50,6 +50,17 @@ def test_memory_budget_7b():
     assert b["qlora"]["grads"] == 4 * b["n_lora"] and b["qlora"]["optimizer"] == 8 * b["n_lora"]
 
 
+def test_count_params_equals_the_model():
+    """count_params gives the parameter counts of a built model (GQA's smaller k and v included):
+    the NF4 projections, the NF4 lm_head, the frozen dense embeddings and norms, the adapters."""
+    model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
+    linear, head, dense, lora = qf.count_params(qf.CONFIGS["tiny"], lora_rank=8)
+    named = list(model.named_parameters())
+    assert linear == sum(p.numel() for n, p in named if isinstance(p, qf.NF4Tensor) and not n.startswith("lm_head"))
+    assert head == model.lm_head.weight.numel()
+    assert dense == sum(p.numel() for _, p in named if not isinstance(p, qf.NF4Tensor) and not p.requires_grad)
+    assert lora == sum(p.numel() for _, p in named if p.requires_grad)
+
 # ---- 2. NF4 quantization ----------------------------------------------------------------------
 
 def test_codebook():
@@ -212,6 +223,22 @@ def test_constant_and_non_finite_weights(compile, monkeypatch):
             qf.to_nf4(w)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eager_dequantize_at_the_default_chunk_allocates_nothing_larger_than_its_output(dtype):
+    """With DEQUANT_CHUNK as shipped (larger than this weight), the eager dequantize still takes at
+    most half the weight per chunk: no temporary (int32 codes, fp32 values) outgrows the output."""
+    parts = qf.quantize_nf4(torch.randn(96, 160), compile=False)
+    out, sizes = _allocations(lambda: qf.dequantize_nf4(*parts, dtype=dtype, compile=False))
+    assert max(sizes) == out.nbytes, sizes
+
+
+def test_empty_or_odd_blocks_refused():
+    """An empty weight, and an odd block size (two codes share a byte), are refused, saying why."""
+    with pytest.raises(ValueError, match="positive number"):
+        qf.to_nf4(torch.empty(0, 64))
+    with pytest.raises(ValueError, match="even"):
+        qf.quantize_nf4(torch.randn(2, 63), block_size=63)
+
 # ---- 3. NF4Tensor -----------------------------------------------------------------------------
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -289,6 +316,27 @@ def test_unsupported_op_names_it():
     with pytest.raises(NotImplementedError, match="aten.mul"):
         t * 2
 
+
+def test_ops_keep_block_sizes_and_clone_owns_its_codes():
+    """clone, detach and a move keep an NF4Tensor's block sizes (here 32 and 128, not the defaults);
+    a clone's codes are its own (zeroing them leaves the original's) and dequantize alike."""
+    t = qf.to_nf4(torch.randn(64, 128), block_size=32, scaler_block_size=128)
+    for u in (t.clone(), t.detach(), t.to("meta")):
+        assert (u.block_size, u.scaler_block_size) == (32, 128)
+    c, before = t.clone(), t.packed.clone()
+    assert torch.equal(c.dequantize(), t.dequantize())
+    c.packed.zero_()
+    assert torch.equal(t.packed, before)
+
+
+def test_linear_with_bias_and_copy_of_another_shape():
+    """F.linear(x, nf4_weight, bias) (positional or keyword) equals F.linear on the dequantized weight;
+    copy_ from a tensor of another shape (even with as many elements) is refused."""
+    w, x, b = qf.to_nf4(torch.randn(96, 128)), torch.randn(3, 128), torch.randn(96)
+    assert torch.equal(F.linear(x, w, b), F.linear(x, w.dequantize(), b))
+    assert torch.equal(F.linear(x, w, bias=b), F.linear(x, w.dequantize(), b))
+    with pytest.raises(ValueError, match="copy_ into"):
+        qf.to_nf4(torch.randn(64, 128)).copy_(torch.randn(128, 64))
 
 # ---- 4. LoRA ----------------------------------------------------------------------------------
 
@@ -412,6 +460,17 @@ def make_model(name="tiny", dtype=torch.float32, seed=0, **kw):
     torch.manual_seed(seed)
     return qf.Llama(qf.CONFIGS[name], dtype=dtype, **kw)
 
+
+def test_initial_draws():
+    """lora_A fills nn.Linear's kaiming-uniform range, U(-1/sqrt(in), 1/sqrt(in)); the random base
+    is N(0, 1/in); seeded keys that join to the same digits ((1, 23) and (12, 3)) draw apart."""
+    g = qf.seeded(0, "x")
+    a, bound = qf.lora_A_init((64, 1024), g), 1 / math.sqrt(1024)
+    assert a.abs().max() <= bound and a.max() > 0.99 * bound and a.min() < -0.99 * bound
+    w = qf.random_weight((64, 4096), g)
+    assert abs(w.std().item() - 4096 ** -0.5) < 0.02 * 4096 ** -0.5
+    keys = [(1, 23), (12, 3), (0, "batch", 1, 11), (0, "batch", 11, 1)]
+    assert len({tuple(torch.rand(4, generator=qf.seeded(*k)).tolist()) for k in keys}) == 4
 
 # ---- 5. sharding (spawned gloo processes) -----------------------------------------------------
 
@@ -957,6 +1016,35 @@ def test_tiny_model_overfits_a_batch():
         first = first or loss.item()
     assert first > 5.0 and loss.item() < 1.5
 
+
+def test_rmsnorm_and_rope_tables_as_hugging_face():
+    """A bf16 RMSNorm with a random weight equals Hugging Face's weight * (normalized in fp32, cast to
+    bf16), bit for bit; RoPE's cos and sin tables are those of positions 0, 1, ... (the frequencies twice)."""
+    norm = qf.RMSNorm(256, 1e-5, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256))
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(norm(x), norm.weight * h.to(torch.bfloat16))
+    c = qf.CONFIGS["tiny"]
+    cos, sin = qf.rope_cos_sin(c, 5, torch.device("cpu"), torch.float32)
+    inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+    angles = torch.arange(5, dtype=torch.float64)[:, None] * inv
+    torch.testing.assert_close(cos, torch.cat([angles, angles], -1).cos().float())
+    torch.testing.assert_close(sin, torch.cat([angles, angles], -1).sin().float())
+
+
+def test_each_norm_in_its_place():
+    """With every norm weight random (not 1), the model equals the plain fp32 reference: each block's
+    two norms and the final one each scale what they should."""
+    torch.manual_seed(0)
+    model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+        tokens = torch.randint(256, (2, 16))
+        torch.testing.assert_close(model(tokens), reference_logits(model, tokens), rtol=1e-4, atol=1e-4)
 
 # ---- 8. predicting the peak, and what a step keeps for backward ----------------------------
 
