@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 GiB = 1024**3
@@ -117,8 +118,9 @@ NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 # Nearest-value rounding == bucketize on the 15 midpoints: no (numel x 16) distance matrix.
 NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 
-# torch.compile turns the plain-Python kernels below into fused loops (CUDA: Triton, CPU: C++).
-# train() sets this from --compile / --no-compile for its run; the NF4 kernels give the same bits either way.
+# torch.compile turns the plain-Python kernels below into fused loops (CUDA: Triton, CPU: C++). Every function
+# and layer of sections 2-4 takes compile=None (this default), True or False; both give the same bits. The
+# first compiled call of each kernel compiles it: seconds on a CPU (about 15 s for the quantize kernel).
 COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
 
@@ -283,9 +285,9 @@ class NF4Tensor(torch.Tensor):
         return NF4Tensor(*(fn(getattr(self, n)) for n in self.INNER), self.shape, self.dtype,
                          self.block_size, self.scaler_block_size)
 
-    def dequantize(self, dtype=None):
+    def dequantize(self, dtype=None, compile=None):
         return dequantize_nf4(self.packed, self.scale_q, self.scale_factor, self.scale_mean, self.block_size,
-                              self.scaler_block_size, dtype or self.dtype).view(self.shape)
+                              self.scaler_block_size, dtype or self.dtype, compile).view(self.shape)
 
     # torch.compile flattens the subclass into its inner tensors and rebuilds it from them.
     def __tensor_flatten__(self):
@@ -350,9 +352,9 @@ _NF4_OPS = {
     aten.copy_.default: _nf4_copy_,
 }
 
-def to_nf4(weight, block_size=64, scaler_block_size=256):
+def to_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     """Quantize a float tensor to an NF4Tensor that reports weight's shape and dtype."""
-    inner = quantize_nf4(weight, block_size, scaler_block_size)
+    inner = quantize_nf4(weight, block_size, scaler_block_size, compile)
     return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
 
 # y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same op
@@ -364,31 +366,31 @@ def to_nf4(weight, block_size=64, scaler_block_size=256):
 @torch.library.custom_op("qlora_fsdp::matmul_nf4", mutates_args=())
 def _matmul_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
                 scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int,
-                transpose: bool) -> torch.Tensor:
+                transpose: bool, compile: Optional[bool]) -> torch.Tensor:
     """x W^T, (..., in) -> (..., out), if transpose (forward), else x W, (..., out) -> (..., in)."""
-    w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, x.dtype)
+    w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, x.dtype, compile)
     w = w.view(out_features, -1)  # (out, in)
     return x @ (w.T if transpose else w)
 
 @_matmul_nf4.register_fake
-def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size, transpose):
+def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size, transpose, compile):
     return x.new_empty(*x.shape[:-1], out_features if transpose else 2 * packed.numel() // out_features)
 
 def _matmul_nf4_setup(ctx, inputs, output):
     ctx.save_for_backward(*inputs[1:5])  # packed, scale_q, scale_factor, scale_mean
-    ctx.meta = inputs[5:]  # out_features, block_size, scaler_block_size, transpose
+    ctx.meta = inputs[5:]  # out_features, block_size, scaler_block_size, transpose, compile
 
 def _matmul_nf4_backward(ctx, grad):
-    *meta, transpose = ctx.meta
-    grad_x = _matmul_nf4(grad, *ctx.saved_tensors, *meta, not transpose) if ctx.needs_input_grad[0] else None
-    return (grad_x,) + (None,) * 8
+    *meta, transpose, compile = ctx.meta
+    grad_x = _matmul_nf4(grad, *ctx.saved_tensors, *meta, not transpose, compile) if ctx.needs_input_grad[0] else None
+    return (grad_x,) + (None,) * 9
 
 _matmul_nf4.register_autograd(_matmul_nf4_backward, setup_context=_matmul_nf4_setup)
 
-def linear_nf4(x, weight):
+def linear_nf4(x, weight, compile=None):
     """y = x W^T for an NF4Tensor W; autograd gives a gradient to x only."""
     return _matmul_nf4(x, weight.packed, weight.scale_q, weight.scale_factor, weight.scale_mean,
-                       weight.shape[0], weight.block_size, weight.scaler_block_size, True)
+                       weight.shape[0], weight.block_size, weight.scaler_block_size, True, compile)
 
 # torch.load's safe (weights_only) unpickler must be told the class may be rebuilt.
 torch.serialization.add_safe_globals([NF4Tensor])
@@ -415,29 +417,47 @@ def lora_A_init(shape, generator=None):
     return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
 
 class NF4Linear(nn.Module):
-    """A frozen bias-free linear layer whose weight is an NF4Tensor (lm_head as is; LoRALinear adds adapters)."""
+    """A frozen linear layer, y = x W^T (+ bias), whose weight is an NF4Tensor; the bias (optional) is a
+    frozen tensor of `dtype`. Built from scratch its weight is random (real ones come from a checkpoint or
+    from_linear); compile: as in section 2, for this layer's NF4 kernels (None: COMPILE)."""
 
-    def __init__(self, in_features, out_features, dtype=torch.bfloat16):
+    def __init__(self, in_features, out_features, bias=False, dtype=torch.bfloat16, compile=None, weight=None):
         super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        w = random_weight((out_features, in_features)).to(dtype)  # real weights come from a checkpoint
-        self.weight = nn.Parameter(to_nf4(w), requires_grad=False)
+        self.in_features, self.out_features, self.compile = in_features, out_features, compile
+        w = random_weight((out_features, in_features)) if weight is None else weight.detach()
+        self.weight = nn.Parameter(to_nf4(w.to(dtype), compile=compile), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear, compile=None, **lora):
+        """This class around an existing nn.Linear: its weight quantized (reporting its dtype), its bias
+        kept, frozen; no base weight drawn. LoRALinear takes rank=, alpha=, dropout= too."""
+        bias, dtype = linear.bias is not None, linear.weight.dtype
+        m = cls(linear.in_features, linear.out_features, bias=bias, dtype=dtype, compile=compile, weight=linear.weight, **lora)
+        if bias:
+            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return m
 
     def forward(self, x):
-        return linear_nf4(x, self.weight)
+        y = linear_nf4(x, self.weight, self.compile)
+        return y if self.bias is None else y + self.bias
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A dense (Hugging Face) weight is quantized on the way in, with assign=True too (which skips copy_)
         key = prefix + "weight"
         if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
-            state_dict[key] = to_nf4(state_dict[key].to(self.weight.dtype))
+            state_dict[key] = to_nf4(state_dict[key].to(self.weight.dtype), compile=self.compile)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 class LoRALinear(NF4Linear):
-    def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, dtype=torch.bfloat16):
+    """QLoRA's layer: NF4Linear's frozen W (and bias) plus trainable fp32 lora_A (rank, in), drawn as nn.Linear
+    draws a weight (torch's global RNG), and lora_B (out, rank) = 0, so that it starts as the base layer."""
+
+    def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, bias=False,
+                 dtype=torch.bfloat16, compile=None, weight=None):
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        super().__init__(in_features, out_features, dtype)
+        super().__init__(in_features, out_features, bias, dtype, compile, weight)
         self.rank, self.scaling = rank, alpha / rank
         self.lora_A = nn.Parameter(lora_A_init((rank, in_features)))  # fp32
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=torch.float32))
@@ -446,11 +466,12 @@ class LoRALinear(NF4Linear):
     def forward(self, x, xA=None):  # x (..., in) -> (..., out); xA: dropout(x) A^T if already made
         if xA is None:
             xA = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # (..., rank)
-        y = linear_nf4(x, self.weight)  # (..., out)
+        y = linear_nf4(x, self.weight, self.compile)  # (..., out)
         # y + scaling * xA B^T as one addmm: a compiled backward that recomputes it keeps only the
         # (..., out) sum, not y and xA B^T apart
-        return torch.addmm(y.view(-1, y.shape[-1]), xA.view(-1, self.rank), self.lora_B.to(x.dtype).T,
-                           alpha=self.scaling).view(y.shape)
+        y = torch.addmm(y.view(-1, y.shape[-1]), xA.view(-1, self.rank), self.lora_B.to(x.dtype).T,
+                        alpha=self.scaling).view(y.shape)
+        return y if self.bias is None else y + self.bias
 
     @staticmethod
     def shared_input(x, *layers):
@@ -470,50 +491,46 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# The model is cut into *units* (the embeddings, each block, the final norm + lm_head). Every tensor
-# of a unit -- each inner tensor of an NF4 weight, each frozen weight, each adapter -- is flattened
-# and split into `world` pieces of ceil(numel / world) elements, zero padded at the end (a tensor
-# smaller than the world leaves some pieces all padding); rank r keeps piece r in the
-# tensor's dtype (FSDP2 splits dim 0: the same order, but a flat split takes any shape). One
-# collective moves a unit's pieces, side by side in one byte buffer:
+# Needs: contextlib, time, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F,
+# torch.utils._pytree as pytree. It knows no weight format: an NF4 weight comes apart by __tensor_flatten__.
 #
-#   rank 0 shard bytes  [ norm.w | q.packed | q.scale_q | ... | q.lora_A | q.lora_B | ... ]   (unit_bytes)
-#   rank 1 shard bytes  [ norm.w | q.packed | q.scale_q | ... | q.lora_A | q.lora_B | ... ]
+# The model is cut into *units*, as FSDP2's fully_shard cuts it (Llama: the embeddings, each block, the final
+# norm + lm_head; the parameters in no unit form the root unit, gathered at the model's forward). Every tensor
+# of a unit -- each inner tensor of a tensor subclass, each frozen weight, each trainable one -- is flattened
+# and split into `world` pieces of ceil(numel / world) elements, zero padded at the end (a tensor smaller than
+# the world leaves some pieces all padding); rank r keeps piece r in the dtype the tensor travels in (FSDP2
+# splits dim 0: the same order, but a flat split takes any shape). One collective moves a unit's pieces, side
+# by side in one byte buffer, the widest dtypes first so that every piece starts aligned for its dtype:
+#
+#   rank 0 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed | q.scale_q | ... ]
+#   rank 1 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed | q.scale_q | ... ]
 #        \__ all-gather __/
-#   gathered (world, unit_bytes) -> a column slice per tensor, viewed as its dtype (world, shard_numel)
-#        -> copied into the tensor's padded full storage -> used by forward
+#   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's column block into its own
+#   (world, shard bytes) block of the unit's full storage -> full tensors, on their modules while gathered
 #
-# Lifetime of a unit's full weights:
-#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's
-#   post-forward:  free them (storage resized to 0; the tensors stay as shells)
-#   pre-backward:  all-gather again (a hook on the unit's output), prefetch the previous unit
-#   backward:      recompute the forward (checkpointing), backward; adapter grads land on full tensors
-#   post-backward: once every adapter has its gradient and the unit's input gradient is done:
-#                  one reduce-scatter (fp32, averaged over ranks) of the adapter gradients, free the weights
+# Lifetime of a unit's full weights, run by hooks on its modules (FSDP2's, written small):
+#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's; its input tensors
+#                  pass through an identity autograd function whose backward marks the end of its backward
+#   post-forward:  free them (storage resized to 0); a hook on each output tensor marks the start of backward
+#   pre-backward:  all-gather again, prefetch the previous unit
+#   backward:      recompute the forward (checkpointing), backward; the trainable tensors' grads land in full
+#   post-backward: one reduce-scatter (fp32, summed over ranks) of the unit's gradients; free the weights
+#   end of backward (a callback queued on the autograd engine): units whose inputs needed no gradient reduce
+#                  now; every reduction is waited for and added to the masters' .grad, so that several
+#                  backward() calls before one step accumulate, as with fully_shard
 # CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. Plain
 # tensors, not FSDP2's DTensors, whose dispatch every optimizer op would pay (section 6).
 
-ALIGN = 16  # bytes: every tensor's shard starts aligned, so byte slices can be viewed as any dtype
-
 class _Slot:
-    """One tensor of a unit, sharded: `world` pieces of shard_numel elements, this rank's kept
-    (`local`), and the full tensor, whose storage exists only while the unit is gathered. `dtype`
-    is the one it travels in; `local` views the unit's shard bytes in it (frozen tensors) or, for
-    an adapter, its fp32 master (cast to `dtype` when gathered)."""
+    """One tensor of a unit, sharded: `world` pieces of shard_numel elements of `dtype` (the one it travels and
+    computes in), this rank's kept (`local`: a view of the unit's shard bytes or, trainable, of its fp32
+    master) and the full tensor, on the unit's full storage, which exists only while the unit is gathered."""
 
-    def __init__(self, name, tensor, dtype, fsdp):
-        world, dev = fsdp.world, fsdp.device
-        self.name, self.shape, self.dtype, self.rank = name, tuple(tensor.shape), dtype, fsdp.rank
+    def __init__(self, name, tensor, dtype, trainable, world, rank):
+        self.name, self.shape, self.dtype, self.trainable, self.rank = name, tuple(tensor.shape), dtype, trainable, rank
         self.numel, self.shard_numel = tensor.numel(), -(-tensor.numel() // world)  # ceil
         self.nbytes = self.shard_numel * dtype.itemsize
-        # `full` (shape) and `padded` (world, shard_numel) on one storage, filled through `padded`;
-        # two tensors, not views, so writing one does not bump the version autograd checks on the other.
-        storage = torch.empty(world * self.shard_numel, dtype=dtype, device=dev).untyped_storage()
-        self.full = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, self.shape)
-        self.padded = torch.empty(0, dtype=dtype, device=dev).set_(storage, 0, (world, self.shard_numel))
-        storage.resize_(0)
-        # set by the unit: place in its shard bytes, in its fp32 master (adapters), this rank's piece
-        self.offset = self.start = self.local = None
+        self.offset = self.start = self.local = self.full = self.padded_bytes = None  # set by the unit
 
     def piece(self, full):
         """This rank's piece of a full tensor of this shape (on any device): flat, zero padded."""
@@ -521,12 +538,12 @@ class _Slot:
         return F.pad(flat, (0, self.shard_numel - flat.numel()))
 
 class _Param:
-    """A module's parameter as slots: one for a plain tensor (own dtype; an adapter: compute dtype),
-    one per inner tensor, in its own dtype, for a wrapper tensor subclass (an NF4 weight, say;
-    always frozen), taken apart by __tensor_flatten__ and rebuilt by __tensor_unflatten__."""
+    """A parameter as slots: one for a plain tensor (trainable: a master piece; floating: cast to the compute
+    dtype), one per inner tensor, in its own dtype, for a wrapper tensor subclass (always frozen), taken apart
+    by __tensor_flatten__ and rebuilt by __tensor_unflatten__. `places`: the (module, name)s that hold it."""
 
-    def __init__(self, fqn, module, attr, p, fsdp):
-        self.fqn, self.module, self.attr, self.shape = fqn, module, attr, tuple(p.shape)
+    def __init__(self, fqn, places, p, compute_dtype, world, rank):
+        self.fqn, self.places, self.shape = fqn, places, tuple(p.shape)
         subclass = hasattr(p, "__tensor_flatten__")
         self.trainable = p.requires_grad and not subclass
         if subclass:
@@ -536,8 +553,9 @@ class _Param:
             self.unflatten = lambda full: cls.__tensor_unflatten__(dict(zip(inner, full)), ctx, self.shape, stride)
         else:
             names, self.flatten, self.unflatten = [fqn], lambda t: [t], lambda full: full[0]
-        self.slots = [_Slot(n, t, fsdp.compute_dtype if self.trainable else t.dtype, fsdp)
-                      for n, t in zip(names, self.flatten(p))]
+        dtype = lambda t: compute_dtype if compute_dtype and t.is_floating_point() and not subclass else t.dtype  # noqa: E731
+        self.slots = [_Slot(n, t, dtype(t), self.trainable, world, rank) for n, t in zip(names, self.flatten(p))]
+        self.value = None  # the full parameter, as its modules see it (set by the unit)
 
     def keep(self, full):  # a full tensor in this parameter's form (a subclass as such): keep this rank's pieces
         for s, t in zip(self.slots, self.flatten(full)):
@@ -572,47 +590,91 @@ def _to_host(t, stream):
             t.record_stream(stream)
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
 
-class ShardedUnit:
-    """The parameters of some modules, sharded; hooks on `hook_module` gather and free them."""
+class _PostBackward(torch.autograd.Function):
+    """The identity on a unit's input tensors. Its backward runs once they have their gradients, that is once
+    the unit's own backward is done (FSDP2's RegisterPostBackwardFunction)."""
 
-    def __init__(self, fsdp, index, name, hook_module, modules, reshard_after_forward):
-        self.fsdp, self.index, self.name, self.reshard_after_forward = fsdp, index, name, reshard_after_forward
-        self.params = [_Param(f"{mod_name}.{attr}", mod, attr, p, fsdp)
-                       for prefix, module in modules for mod_name, mod in module.named_modules(prefix=prefix)
-                       for attr, p in mod._parameters.items()]
-        self.frozen = [s for p in self.params if not p.trainable for s in p.slots]
-        self.adapters = [p.slots[0] for p in self.params if p.trainable]
-        # This rank's shard bytes: frozen pieces, then room for the adapters' (cast from the masters)
+    @staticmethod
+    def forward(ctx, unit, *inputs):
+        ctx.unit = unit
+        ctx.set_materialize_grads(False)  # an input that gets no gradient: None, not a tensor of zeros
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.post_backward()
+        return (None,) + grads
+
+def _sharded_getattr(module, name):
+    """__getattr__ of a module holding sharded parameters: reading one while its unit is not gathered is a clear
+    error (the full tensor's storage is empty then), not a crash."""
+    fqn = module.__dict__.get("_fsdp_sharded", {}).get(name)
+    if fqn is not None:
+        raise AttributeError(f"{fqn} is sharded by FSDP and exists only while its unit runs (forward, backward); "
+                             f"FSDP.full_base() and full_adapters() gather it")
+    return type(module).__mro__[1].__getattr__(module, name)
+
+_SHARDED_CLASSES = {}  # a module's class -> its subclass with _sharded_getattr
+
+class ShardedUnit:
+    """The parameters of some modules, sharded; hooks on those modules gather and free them."""
+
+    def __init__(self, fsdp, index, name, modules, params, reshard_after_forward):
+        self.fsdp, self.index, self.name, self.modules = fsdp, index, name, modules
+        self.reshard_after_forward, world, dev = reshard_after_forward, fsdp.world, fsdp.device
+        self.params = [_Param(fqn, places, p, fsdp.compute_dtype, world, fsdp.rank) for fqn, places, p in params]
+        # the widest dtypes first, the trainable last among their dtype: every piece aligned, the masters' in a row
+        self.slots = sorted((s for p in self.params for s in p.slots),
+                            key=lambda s: (-s.dtype.itemsize, str(s.dtype), s.trainable))
+        self.adapters = [s for s in self.slots if s.trainable]
         self.unit_bytes = 0
-        for s in self.frozen + self.adapters:
-            s.offset, self.unit_bytes = self.unit_bytes, self.unit_bytes + -(-s.nbytes // ALIGN) * ALIGN
-        pin = fsdp.offload and fsdp.device.type == "cuda"  # host memory the GPU copies from asynchronously
+        for s in self.slots:
+            s.offset, self.unit_bytes = self.unit_bytes, self.unit_bytes + s.nbytes
+        pin = fsdp.offload and dev.type == "cuda"  # host memory the GPU copies from asynchronously
         self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin)
-        for s in self.frozen:
-            s.local = self.shard_bytes[s.offset:s.offset + s.nbytes].view(s.dtype)
-        # fp32 master adapters: this rank's pieces in one flat tensor (one optimizer tensor per unit), laid
-        # out as the reduce-scatter's output, its gradient. Padding stays 0 under AdamW (0 gradient and moments).
+        # fp32 master of the trainable tensors: this rank's pieces in one flat tensor (one optimizer tensor per
+        # unit), laid out as a row of the reduce-scatter's input. Padding stays 0 under AdamW (0 gradient, moments).
         n = sum(s.shard_numel for s in self.adapters)
         self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
-        start = 0
-        for s in self.adapters:
-            s.start, start = start, start + s.shard_numel
-            s.local = self.master.data[s.start:start]
-            s.full.requires_grad_(True)
-            s.full.register_post_accumulate_grad_hook(lambda _: self._arrive())
-        for p in self.params:  # the parameters give way to (for now empty) full tensors
-            original = p.module._parameters.pop(p.attr)
+        # The full tensors: a (world, shard bytes) block of one storage each, in slot order, empty until gathered
+        self.storage = torch.empty(world * self.unit_bytes, dtype=torch.uint8, device=dev).untyped_storage()
+        self.casts, start = {}, 0  # dtype -> the first and last trainable slot of that dtype (one cast each)
+        for s in self.slots:
+            if s.trainable:
+                s.start, start = start, start + s.shard_numel
+                s.local = self.master.detach()[s.start:start]  # detach(), not .data: writes bump the version
+                self.casts[s.dtype] = (self.casts.get(s.dtype, (s,))[0], s)
+            else:
+                s.local = self.shard_bytes[s.offset:s.offset + s.nbytes].view(s.dtype)
+            s.full = torch.empty(0, dtype=s.dtype, device=dev).set_(self.storage, world * s.offset // s.dtype.itemsize,
+                                                                     s.shape).requires_grad_(s.trainable)
+            s.padded_bytes = torch.empty(0, dtype=torch.uint8, device=dev).set_(self.storage, world * s.offset,
+                                                                                (world, s.nbytes))
+        self.storage.resize_(0)
+        for p, (_, places, original) in zip(self.params, params):  # the parameters give way to the full tensors
             if original.device.type != "meta":  # a model built on "meta" is loaded later (load_full)
                 p.keep(original)
-            setattr(p.module, p.attr, p.unflatten([s.full for s in p.slots]))
-        self.gathered, self.in_backward, self.pending, self.inflight, self.reduction = False, False, 0, None, None
-        hook_module.register_forward_pre_hook(self._pre_forward)
-        hook_module.register_forward_hook(self._post_forward)
+            p.value = p.unflatten([s.full for s in p.slots])
+            for m, attr in places:
+                m._parameters.pop(attr, None)
+                if "_fsdp_sharded" not in m.__dict__:
+                    cls = type(m)
+                    m.__class__ = _SHARDED_CLASSES.setdefault(cls, type(cls.__name__, (cls,), {"__getattr__": _sharded_getattr}))
+                    m._fsdp_sharded = {}
+                m._fsdp_sharded[attr] = p.fqn
+        self.gathered = self.in_backward = self.needs_backward = False
+        self.to_run, self.inflight, self.version = set(), None, None  # modules yet to run in this forward; ...
+        for m in modules:
+            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            m.register_forward_hook(self._post_forward)
+
+    def _version(self):  # moves whenever this rank's pieces are written (an optimizer step, load_full)
+        return self.shard_bytes._version, 0 if self.master is None else self.master._version
 
     def prefetch(self):
         """Issue this unit's all-gather, unless gathered or in flight; it runs asynchronously (gloo: in a thread)."""
         fsdp = self.fsdp
-        if self.gathered or self.inflight is not None:
+        if self.gathered or self.inflight is not None or not self.slots:
             return
         # The receive buffer belongs to the compute stream, which reads and frees it: made on the side
         # stream, its memory could not be reused until the GPU had caught up with the copy-out.
@@ -621,115 +683,206 @@ class ShardedUnit:
         # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
         with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
             send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
-            for s in self.adapters:  # the fp32 masters cast into the compute dtype
-                send[s.offset:s.offset + s.nbytes].view(s.dtype).copy_(s.local, non_blocking=True)
+            for first, last in self.casts.values():  # the fp32 masters cast into the wire dtype
+                send[first.offset:last.offset + last.nbytes].view(first.dtype).copy_(
+                    self.master.detach()[first.start:last.start + last.shard_numel], non_blocking=True)
             self.inflight = (_collective(out, send, fsdp.group), out)
+        self.version = self._version()
 
     def gather(self):
-        """Wait for this unit's all-gather (issued now unless prefetched) and copy each tensor out."""
-        if self.gathered:
+        """Wait for this unit's all-gather (issued now unless prefetched; again if its pieces were written since),
+        copy every tensor out of it in one op, and set the full tensors on their modules."""
+        if self.version != self._version():  # gathered or prefetched before an optimizer step: stale
+            self.free()
+        if self.gathered or not self.slots:
             return
         self.prefetch()
         (work, out), self.inflight = self.inflight, None
         self.fsdp.wait(work, "fsdp::wait_all_gather")
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
-            for s in self.frozen + self.adapters:  # out (world, unit_bytes): a column slice per tensor
-                s.full.untyped_storage().resize_(s.padded.nbytes)
-                s.padded.copy_(out.view(self.fsdp.world, -1)[:, s.offset:s.offset + s.nbytes].view(s.dtype))
+            self.storage.resize_(self.fsdp.world * self.unit_bytes)
+            torch.split_with_sizes_copy(out.view(self.fsdp.world, self.unit_bytes), [s.nbytes for s in self.slots],
+                                        dim=1, out=[s.padded_bytes for s in self.slots])
+        for p in self.params:
+            for m, attr in p.places:
+                m.__dict__[attr] = p.value
         self.gathered = True
 
     def free(self):
-        for s in self.frozen + self.adapters:
-            s.full.untyped_storage().resize_(0)
-        self.gathered = False
+        if self.inflight is not None:  # a prefetch that will not be used: let it finish, drop it
+            self.fsdp.wait(self.inflight[0], "fsdp::wait_all_gather")
+            self.inflight = None
+        self.storage.resize_(0)
+        for p in self.params:
+            for m, attr in p.places:
+                m.__dict__.pop(attr, None)
+        self.gathered, self.version = False, None
 
-    def _pre_forward(self, module, args):
+    def _pre_forward(self, module, args, kwargs):
+        if self.index < 0:  # the root: a new forward of the whole model, every unit starts afresh
+            for u in self.fsdp.all_units:
+                u.to_run.clear()
+        if self.to_run:  # another of this unit's modules started it
+            return None
+        self.to_run = set(self.modules)
         self.gather()
-        # A checkpoint wrapped around the whole module (not this file's, inside forward) reruns it in
-        # backward, already gathered: nothing more to do.
-        if self.in_backward:
-            return args
+        if self.in_backward:  # a checkpoint around the module reruns it in backward: nothing more to do
+            return None
         if self.index + 1 < len(self.fsdp.units):
             self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
-        x = args[0]
-        if torch.is_grad_enabled():
-            self.pending = len(self.adapters) + int(x.requires_grad)  # arrivals before post-backward
-            # The hook goes on a view of x, not on x: it then runs before the hook the previous unit
-            # put on x, so this unit reduce-scatters and frees before that one gathers.
-            if x.requires_grad:
-                x = x.view_as(x)
-                x.register_hook(lambda _: self._arrive())
-        return (x,) + tuple(args[1:])
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        need = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if not torch.is_grad_enabled() or not need:  # no input needs a gradient: post-backward comes at the end
+            return None
+        for i, t in zip(need, _PostBackward.apply(self, *(leaves[i] for i in need))):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, spec)
 
     def _post_forward(self, module, args, output):
-        if self.in_backward:
-            return output
-        # The output's gradient is the first event of this unit's backward: gather there.
-        if torch.is_grad_enabled() and self.pending > 0 and output.requires_grad:
-            output.register_hook(lambda _: self._pre_backward())
+        self.to_run.discard(module)
+        if self.to_run or self.in_backward:  # more of this unit to run; or a recompute inside backward
+            return None
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(output):
+                if isinstance(t, torch.Tensor) and t.requires_grad:  # the first gradient to arrive starts backward
+                    t.register_hook(self._pre_backward)
+                    self.needs_backward = True
         if self.reshard_after_forward:
             self.free()
-        return output
+        return None
 
-    def _pre_backward(self):
-        self.in_backward = True
-        self.gather()
-        if self.index > 0 and self.fsdp.units[self.index - 1].pending > 0:
-            self.fsdp.units[self.index - 1].prefetch()  # the unit whose backward is next
-
-    def _arrive(self):
-        """An adapter's gradient or the input's arrived. At the last (post-backward): reduce-scatter
-        the adapter gradients (fp32, averaged over ranks) and free the weights."""
-        self.pending -= 1
-        if self.pending > 0:
-            return
+    def _pre_backward(self, grad):
         fsdp = self.fsdp
-        if self.adapters:
-            rows = []  # each gradient zero padded, (world, shard_numel): row r is rank r's piece
+        fsdp.queue_end_of_backward()
+        if not self.in_backward:
+            self.in_backward = True
+            self.gather()
+            if self.index > 0 and fsdp.units[self.index - 1].needs_backward:
+                fsdp.units[self.index - 1].prefetch()  # the unit whose backward is next
+
+    def post_backward(self):
+        """This unit's backward is done: reduce-scatter its gradients, free its weights."""
+        self.in_backward = self.needs_backward = False
+        grads = [s.full.grad for s in self.adapters]
+        if any(g is not None for g in grads):
+            self.fsdp.reduce(self, [torch.zeros_like(s.full) if g is None else g for s, g in zip(self.adapters, grads)])
             for s in self.adapters:
-                rows.append(F.pad(s.full.grad.flatten().float(), (0, s.padded.numel() - s.numel)).view(fsdp.world, -1))
                 s.full.grad = None
-            send = torch.cat(rows, dim=1)  # (world, master numel): row r in the layout of rank r's master
-            out = torch.empty(send.shape[1], dtype=torch.float32, device=fsdp.device)
-            with torch.profiler.record_function("fsdp::reduce_scatter"):
-                work = _collective(out, send.view(-1), fsdp.group, reduce_scatter=True)
-            self.reduction = (work, out, send)  # send stays alive until the collective is done
-        self.in_backward = False
         self.free()
 
-    def reduced_grad(self):
-        """After backward: wait for this unit's reduce-scatter and return the (master numel,) fp32
-        gradient shard it made, or None (no adapters, or no backward through the unit)."""
-        if self.in_backward or self.pending > 0:  # every unit that joined this backward has finished it
-            raise RuntimeError(f"unit {self.name} did not finish its backward")
-        if self.reduction is None:
-            return None
-        (work, grad, _), self.reduction = self.reduction, None
-        self.fsdp.wait(work, "fsdp::wait_reduce_scatter")
-        return grad.div_(self.fsdp.world)  # the sum over ranks -> their mean, as FSDP2's gradients
-
 class FSDP:
-    """Shards units = [(name, module whose hooks run it, [(prefix, module), ...])], in execution order,
-    over `group`. The optimizer steps parameters(), a flat fp32 master shard per unit; finish_backward()
-    fills their .grad. The state in full, for checkpoints (collectives: every rank calls them):
-    full_adapters() (of=: any tensor laid out like the masters, e.g. of=lambda m: optimizer.state[m]["exp_avg"])
-    and full_base(); load_full(name, tensor) keeps this rank's piece of one full tensor."""
+    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors. `units`, in the order forward
+    runs them: modules, or lists of modules sharded (and gathered) together; the parameters in no unit form the
+    root unit, gathered at model's forward. A unit in a unit is its own (FSDP2's nesting); a parameter in two
+    units is refused. `compute_dtype` (FSDP2's param_dtype): every plain floating parameter is gathered and
+    computed in it (None: its own dtype); a tensor subclass keeps its inner dtypes; masters and gradient
+    reductions are fp32. `device` (default: the current GPU, else the CPU) computes; with `offload` the
+    shards, masters and optimizer stay on the host. The last unit stays gathered after forward (backward
+    starts with it), the root too. Outside a unit's forward and backward its parameters are not on its
+    modules (reading one is an AttributeError saying so); parameters() are what the optimizer steps:
 
-    def __init__(self, units, device, compute_dtype, offload=False, group=None):
-        self.device, self.compute_dtype, self.offload, self.group = device, compute_dtype, offload, group
+        model = nn.Sequential(nn.Embedding(1000, 64), *(Block(64) for _ in range(4)), nn.Linear(64, 1000))
+        fsdp = FSDP(model, units=list(model), device="cuda", compute_dtype=torch.bfloat16)
+        optimizer = AdamW(fsdp.parameters(), lr=1e-4)
+        for x, y in batches:                   # under torchrun: dist.init_process_group() first
+            for x_micro, y_micro in zip(x.chunk(2), y.chunk(2)):
+                F.cross_entropy(model(x_micro).flatten(0, 1), y_micro.flatten()).backward()  # accumulates
+            fsdp.clip_grad_norm_(1.0)
+            optimizer.step()
+            optimizer.zero_grad()
+        adapters = fsdp.full_adapters()        # {name: full fp32 tensor}, on every rank
+
+    The state in full, for checkpoints (collectives: every rank calls them): full_adapters(of=...) (of: any
+    tensor laid out like the masters, e.g. of=lambda m: optimizer.state[m]["exp_avg"]) and full_base();
+    load_full(name, tensor) keeps this rank's piece of one full tensor."""
+
+    def __init__(self, model, units, device=None, compute_dtype=None, offload=False, group=None):
+        cuda = torch.cuda.is_available()
+        device = torch.device(device if device is not None else "cuda" if cuda else "cpu")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
+        self.compute_dtype, self.offload, self.group = compute_dtype, offload, group
         self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
-        self.store_device = torch.device("cpu") if offload else device
-        self.waits = []  # (start, end) of each wait on a collective: CUDA events, or host seconds
+        self.store_device = torch.device("cpu") if offload else self.device
+        self.waits, self.pending, self.to_host, self.task = [], None, [], None  # waits: (start, end) on collectives
         # CUDA: all-gathers and host copies go on a side stream, to overlap compute; the CPU runs them in order
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        # The last unit stays gathered: lm_head runs after its hook module (the norm) has returned.
-        self.units = [ShardedUnit(self, i, name, hook_module, modules, reshard_after_forward=i < len(units) - 1)
-                      for i, (name, hook_module, modules) in enumerate(units)]
-        self.trained = [u for u in self.units if u.master is not None]  # the units with adapters
-        self.param_of = {p.fqn: (u, p) for u in self.units for p in u.params}
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
+        names, tops = {m: n for n, m in model.named_modules()}, {m for g in groups for m in g}
+        for m in tops:
+            if m not in names:
+                raise ValueError(f"FSDP: a unit's {type(m).__name__} is not a submodule of the model")
+        found = {}  # id(parameter) -> (fqn, [(module, name), ...], parameter, unit index)
+
+        def walk(m, prefix, i):  # m's parameters and its children's, but not those of units of their own
+            for attr, p in m._parameters.items():
+                if p is not None:
+                    entry = found.setdefault(id(p), (prefix + attr, [], p, i))
+                    if entry[3] != i:
+                        raise ValueError(f"FSDP: parameter {prefix + attr} (also {entry[0]}) is in two units; "
+                                         f"put the modules that share it in one unit")
+                    entry[1].append((m, attr))
+            for n, c in m._modules.items():
+                if c is not None and c not in tops:
+                    walk(c, f"{prefix}{n}.", i)
+        walk(model, "", -1)
+        for i, g in enumerate(groups):
+            for m in g:
+                walk(m, f"{names[m]}." if names[m] else "", i)
+        params = [[(fqn, places, p) for fqn, places, p, j in found.values() if j == i] for i in range(-1, len(groups))]
+        self.root = ShardedUnit(self, -1, "root", [model], params[0], reshard_after_forward=False)
+        self.units = [ShardedUnit(self, i, "+".join(names[m] for m in g), g, params[i + 1],
+                                  reshard_after_forward=i < len(groups) - 1) for i, g in enumerate(groups)]
+        self.all_units = [self.root] + self.units
+        self.trained = [u for u in self.all_units if u.master is not None]  # the units with trainable tensors
+        self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
+        for m in model.modules():  # buffers are not sharded: they move to the device, as FSDP2 moves them
+            m._buffers.update({k: b.to(self.device) for k, b in m._buffers.items() if b is not None})
 
     def parameters(self):
         return [u.master for u in self.trained]
+
+    def queue_end_of_backward(self):  # once per backward pass, from inside it
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self):
+        """Reduce what no post-backward has (units whose inputs needed no gradient, the root), add every reduction
+        to the masters' .grad (with offload: copied to pinned host memory, then one wait) and free every unit."""
+        self.task = None
+        for u in self.all_units:
+            if u.in_backward or any(s.full.grad is not None for s in u.adapters):
+                u.post_backward()
+        self._finish_reduction()
+        if self.to_host:
+            self.side_stream.synchronize()  # the host reads these gradients next
+        for u, grad in self.to_host:
+            u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
+        self.to_host = []
+        for u in self.all_units:
+            u.free()
+
+    def reduce(self, unit, grads):
+        """Issue unit's reduce-scatter: its gradients, fp32, chunk-cat in one op into (world, master numel), row
+        r in the layout of rank r's master, summed over ranks. The one before is finished first: one in flight."""
+        self._finish_reduction()
+        with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
+            send = torch.empty(self.world, unit.master.numel(), dtype=torch.float32, device=self.device)
+            torch._chunk_cat([g.reshape(-1) for g in grads], dim=0, num_chunks=self.world, out=send)
+            out = torch.empty(unit.master.numel(), dtype=torch.float32, device=self.device)
+            self.pending = (unit, _collective(out, send.view(-1), self.group, reduce_scatter=True), out, send)
+
+    def _finish_reduction(self):
+        if self.pending is None:
+            return
+        (unit, work, grad, _), self.pending = self.pending, None  # its input (send) lives until now
+        self.wait(work, "fsdp::wait_reduce_scatter")
+        grad.div_(self.world)  # the sum over ranks -> their mean, as FSDP2's gradients
+        if self.offload and grad.is_cuda:  # to the host as soon as it is reduced, all added after one wait
+            self.to_host.append((unit, _to_host(grad, self.side_stream)))
+        else:
+            unit.master.grad = grad if unit.master.grad is None else unit.master.grad.add_(grad)
 
     def _now(self):  # a point in time: a CUDA event on the compute stream, or the host's clock
         if self.side_stream is None:
@@ -754,19 +907,6 @@ class FSDP:
         s, self.waits = sum(b - a if isinstance(a, float) else a.elapsed_time(b) / 1000 for a, b in self.waits), []
         return s
 
-    def finish_backward(self):
-        """Wait for the reduce-scatters and accumulate the gradient shards into the masters' .grad
-        (fp32). With offload the shards go to pinned host memory, all queued before one wait."""
-        arrived = []
-        for u in self.units:
-            grad = u.reduced_grad()
-            if grad is not None:  # with offload, each copied to the host as soon as it is reduced
-                arrived.append((u, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
-        if self.offload and self.side_stream is not None:
-            self.side_stream.synchronize()  # the host reads these gradients next
-        for u, grad in arrived:  # accumulated over the micro-batches of a step
-            u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
-
     def clip_grad_norm_(self, max_norm):
         """torch.nn.utils.clip_grad_norm_ over the whole model: each rank's squared norm of its shards
         (padding is 0), summed over ranks, gives the global L2 norm that scales every shard."""
@@ -779,13 +919,13 @@ class FSDP:
         return norm.item()
 
     def reshard(self):
-        """Free every unit still gathered (the last one stays after a forward without backward)."""
-        for u in self.units:
+        """Free every unit still gathered (the last one and the root stay after a forward without backward)."""
+        for u in self.all_units:
             u.free()
 
     # ---- the state in full, for checkpoints: collectives, every rank gets (or gives) all of it --
     def full_adapters(self, of=None):
-        """{name: full fp32 tensor, on the host} of every adapter, gathered from its unit's master or
+        """{name: full fp32 tensor, on the host} of every trainable tensor, gathered from its unit's master or
         from of(master), a tensor laid out like it (its gradient, an AdamW moment)."""
         full = {}
         for u in self.trained:
@@ -794,14 +934,14 @@ class FSDP:
             work = _collective(out, flat.detach().to(self.device, torch.float32), self.group)
             if work is not None:
                 work.wait()
-            out = out.view(self.world, -1)  # (world, master numel): an adapter's pieces in its columns
+            out = out.view(self.world, -1)  # (world, master numel): a tensor's pieces in its columns
             full.update({s.name: out[:, s.start:s.start + s.shard_numel].reshape(-1)[:s.numel].view(s.shape).cpu()
                          for s in u.adapters})
         return full
 
     def load_full(self, fqn, tensor, of=None):
         """Keep this rank's piece of one full parameter, given in the model's form (an NF4 weight as
-        an NF4Tensor); an adapter's goes into its master, or into of(master) (an AdamW moment)."""
+        an NF4Tensor); a trainable one's goes into its master, or into of(master) (an AdamW moment)."""
         unit, p = self.param_of[fqn]
         if of is None:
             return p.keep(tensor)
@@ -810,19 +950,21 @@ class FSDP:
 
     def full_base(self):
         """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time."""
-        for u in self.units:
-            u.gather()
-            yield from ((p.fqn, getattr(p.module, p.attr)) for p in u.params if not p.trainable)
-            u.free()
+        for u in self.all_units:
+            frozen = [p for p in u.params if not p.trainable]
+            if frozen:
+                u.gather()
+                yield from ((p.fqn, p.value) for p in frozen)
+                u.free()
 
-    def base_shapes(self):  # of every frozen weight, as a Hugging Face checkpoint names them
+    def base_shapes(self):  # of every frozen parameter, by its name in the model (a Hugging Face checkpoint's)
         return {fqn: p.shape for fqn, (_, p) in self.param_of.items() if not p.trainable}
 
     def adapter_shapes(self):
-        return {s.name: s.shape for u in self.units for s in u.adapters}
+        return {s.name: s.shape for u in self.all_units for s in u.adapters}
 
-    def local_bytes(self):  # kept between steps: shard bytes + fp32 master adapters
-        return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.units)
+    def local_bytes(self):  # kept between steps: shard bytes + fp32 masters
+        return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.all_units)
 
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
     """While active, the saved tensor that is the input given to `start` -- a checkpointed block's
@@ -866,10 +1008,39 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # On the CPU these 7 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later
 # passes find them in cache; on a GPU all tensors form one chunk: one kernel launch per pass.
 ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: one chunk
+# torch.optim.AdamW's other keywords, at their defaults: what this AdamW implements (foreach may also be True)
+TORCH_ADAMW = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
+                   decoupled_weight_decay=True)
 
 class AdamW(torch.optim.Optimizer):
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+    """torch.optim.AdamW on torch._foreach_* ops: equal to it up to floating-point rounding. It takes torch's
+    keywords at their defaults (TORCH_ADAMW) and refuses, naming it, any other value; it loads a
+    torch.optim.AdamW state_dict and torch loads its; lr may be a tensor; sparse and complex gradients are refused."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **torch_keywords):
+        unknown = set(torch_keywords) - set(TORCH_ADAMW)
+        if unknown:
+            raise TypeError(f"AdamW got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
+                                      **{**TORCH_ADAMW, **torch_keywords}))
+
+    def add_param_group(self, group):
+        super().add_param_group(group)
+        self._check(self.param_groups[-1])
+
+    def __setstate__(self, state):  # load_state_dict: torch's keeps "step" as a tensor
+        super().__setstate__(state)
+        for group in self.param_groups:
+            self._check(group)
+        for s in self.state.values():
+            s["step"] = int(s["step"])
+
+    @staticmethod
+    def _check(group):
+        for key, default in TORCH_ADAMW.items():
+            value = group.setdefault(key, default)
+            if value != default and not (key == "foreach" and value) and not (key == "fused" and value is False):
+                raise ValueError(f"AdamW: {key}={value!r} is not implemented here (torch.optim.AdamW has it)")
 
     @torch.no_grad()
     def step(self, closure=None):  # closure: as every torch.optim optimizer takes it
@@ -878,6 +1049,8 @@ class AdamW(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
+            if any(p.grad.is_sparse or p.is_complex() for p in params):
+                raise RuntimeError("AdamW does not support sparse gradients or complex parameters")
             # [(step count, params)]: runs of consecutive params of ~ADAM_CHUNK_BYTES each, sharing their step
             # count (one that had no gradient at some step has fewer; FSDP's masters always share theirs)
             chunks, nbytes = [], math.inf
@@ -889,7 +1062,7 @@ class AdamW(torch.optim.Optimizer):
                     chunks, nbytes = chunks + [(self.state[p]["step"], [])], 0
                 chunks[-1][1].append(p)
                 nbytes += p.nbytes
-            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            lr, beta1, beta2, eps, wd = map(float, (group["lr"], *group["betas"], group["eps"], group["weight_decay"]))
             for step, chunk in chunks:
                 c1, c2 = 1 - beta1**step, math.sqrt(1 - beta2**step)  # bias corrections of m and sqrt(v)
                 grads = [p.grad for p in chunk]
@@ -1059,10 +1232,10 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     chunk's loss AND its gradient wrt h, (softmax - onehot) W, and backward just scales it."""
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, reduction):  # h (N, C), weight (V, C), targets (N,)
-        W = weight.to(h.dtype)  # an NF4 lm_head dequantizes
+    def forward(ctx, h, weight, targets, chunk, reduction, compile):  # h (N, C), weight (V, C), targets (N,)
+        W = weight.dequantize(h.dtype, compile) if isinstance(weight, NF4Tensor) else weight.to(h.dtype)
         need_grad = ctx.needs_input_grad[0]
-        rows = _cross_entropy_rows_compiled if use_compiled(None, h) else _cross_entropy_rows
+        rows = _cross_entropy_rows_compiled if use_compiled(compile, h) else _cross_entropy_rows
         grad_h = torch.empty_like(h) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk):
@@ -1080,16 +1253,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         (grad_h,) = ctx.saved_tensors
         # no gradient for the weight: lm_head is frozen
-        return grad_h * (grad_loss / ctx.denominator).to(grad_h.dtype), None, None, None, None
+        return grad_h * (grad_loss / ctx.denominator).to(grad_h.dtype), None, None, None, None, None
 
 LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
 
-def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"):
+def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean", compile=None):
     """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
     for reduction "mean" or "sum", without the full logits; a mean over no target is 0."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction)
+    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction, compile)
+
+class LMHead(NF4Linear):
+    """lm_head: the logits, or given targets the chunked cross entropy (never all the logits at once)."""
+
+    def forward(self, h, targets=None, reduction="mean"):  # h (B, T, C), targets (B, T)
+        if targets is None:
+            return super().forward(h)  # (B, T, vocab)
+        return chunked_cross_entropy(h.flatten(0, -2), self.weight, targets.reshape(-1), reduction=reduction,
+                                     compile=self.compile)
 
 class LlamaModel(nn.Module):  # a container that gives Hugging Face's "model." names; Llama.forward runs it
     def __init__(self, c, lora):
@@ -1100,21 +1282,22 @@ class LlamaModel(nn.Module):  # a container that gives Hugging Face's "model." n
         self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
 
 class Llama(nn.Module):
-    """LlamaForCausalLM with every projection a LoRALinear over NF4 and an NF4 lm_head."""
+    """LlamaForCausalLM with every projection a LoRALinear over NF4 and an NF4 lm_head; compile: the NF4
+    kernels' and the loss's (section 2)."""
 
-    def __init__(self, config, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0):
+    def __init__(self, config, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, compile=None):
         super().__init__()
         self.config, self.dtype = config, dtype
         self.checkpointing = True  # activation checkpointing per block
         self.offload_activations = None  # an OffloadedInputs: each block's saved input on the host
-        lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype)
+        lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, compile=compile)
         self.model = LlamaModel(config, lora)
-        self.lm_head = NF4Linear(config.hidden_size, config.vocab_size, dtype)
+        self.lm_head = LMHead(config.hidden_size, config.vocab_size, dtype=dtype, compile=compile)
 
     def forward(self, tokens, targets=None, reduction="mean"):  # tokens, targets (B, T) int64
         """Logits (B, T, vocab); with targets, the cross entropy over the targets that count
         (!= IGNORE_INDEX): their mean, or with reduction="sum" their sum."""
-        B, T = tokens.shape
+        T = tokens.shape[1]
         h = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
         # With offload each checkpointed block input waits in host memory until the block's backward.
@@ -1126,19 +1309,10 @@ class Llama(nn.Module):
                 h = layer(h, cos, sin, self.checkpointing)
         if offload:
             offload.start(None)  # so the hooks don't keep the last block's input alive
-        h = self.model.norm(h)
-        if targets is None:
-            return linear_nf4(h, self.lm_head.weight)  # (B, T, vocab)
-        return chunked_cross_entropy(h.view(B * T, -1), self.lm_head.weight, targets.reshape(-1),
-                                     reduction=reduction)
+        return self.lm_head(self.model.norm(h), targets, reduction)
 
-    def units(self):
-        """The sharding units in execution order: (name, module whose hooks run it, [(prefix, module)])."""
-        m = self.model
-        units = [("embed", m.embed_tokens, [("model.embed_tokens", m.embed_tokens)])]
-        units += [(f"layer{i}", layer, [(f"model.layers.{i}", layer)]) for i, layer in enumerate(m.layers)]
-        units.append(("head", m.norm, [("model.norm", m.norm), ("lm_head", self.lm_head)]))
-        return units
+    def units(self):  # FSDP's units, in execution order: the embeddings, each block, the norm with lm_head
+        return [self.model.embed_tokens, *self.model.layers, [self.model.norm, self.lm_head]]
 
 # -----------------------------------------------------------------------------
 # 8. Predicting the peak: every buffer of a training step, counted from the pieces above
@@ -1765,12 +1939,12 @@ def build(args, config, device):
     drawn), quantized and cut to this rank's piece one at a time: never two unsharded weights alive."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with torch.device("meta"):
-        model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout)
+        model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout, compile=args.compile)
     model.checkpointing = args.checkpointing
     if args.compile:  # each block's forward, its checkpoint included; the sharding hooks stay eager
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
-    fsdp = FSDP(model.units(), device, dtype, offload=args.cpu_offload)
+    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
     # its own stream: a wait for a collective (on FSDP's side stream) must not wait for these copies too
     side = torch.cuda.Stream(device) if device.type == "cuda" else None
     model.offload_activations = OffloadedInputs(side) if args.offload_activations else None
@@ -1780,7 +1954,8 @@ def build(args, config, device):
     for name, t in base:  # in the parameter's form: NF4 for an NF4Linear's weight, else the compute dtype
         t = t.to(device, dtype)
         require(t.isfinite().all(), f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN")
-        fsdp.load_full(name, to_nf4(t) if isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) else t)
+        nf4 = isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) and name.endswith(".weight")
+        fsdp.load_full(name, to_nf4(t, compile=args.compile) if nf4 else t)
     for name, t in initial_weights(fsdp.adapter_shapes(), args.seed):
         fsdp.load_full(name, t)
     return model, fsdp
@@ -1808,8 +1983,7 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
         with torch.profiler.record_function("backward"):
             # x world: the reduce-scatter averages over ranks, so the masters get d(global sum); the
             # 1 / count comes after, in fp32 (a bf16 backward would round it)
-            (loss * fsdp.world).backward()
-            fsdp.finish_backward()  # each unit's gradients were reduce-scattered as its backward ended
+            (loss * fsdp.world).backward()  # each unit's gradients are reduce-scattered as its backward ends
         loss_sum += loss.detach()
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
@@ -1829,16 +2003,7 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
     return loss, time.perf_counter() - t0
 
 def train(args):
-    """Train; returns (summary dict, per-step losses, the FSDP object). The NF4 kernels follow
-    --compile for this run only: the module's COMPILE is restored when it ends."""
-    global COMPILE
-    saved, COMPILE = COMPILE, args.compile
-    try:
-        return _train(args)
-    finally:
-        COMPILE = saved
-
-def _train(args):
+    """Train; returns (summary dict, per-step losses, the FSDP object)."""
     # the device (cuda:LOCAL_RANK on GPUs) and, under torchrun (RANK set), a process group: NCCL or gloo
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")

@@ -501,7 +501,7 @@ def _worker(rank, world, port, argv, out_path):
     summary, losses, fsdp = qf.train(qf.parse_args(argv))
     adapters = fsdp.full_adapters()
     shard_sizes = {s.name: max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
-                   for u in fsdp.units for s in u.frozen + u.adapters}
+                   for u in fsdp.units for s in u.slots}
     padding = [u.master.data[s.start + shard_sizes[s.name]:s.start + s.shard_numel].abs().sum()
                for u in fsdp.units for s in u.adapters]  # flat master's padding: must stay 0
     result = dict(summary=summary, losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(),
@@ -559,23 +559,19 @@ class CheckpointAround(torch.nn.Module):
 
 def test_full_base_gathers_one_unit_at_a_time():
     """At world 1 every shard is its whole tensor (no padding); full_base() streams the frozen weights,
-    each equal to the module's before sharding, with one unit gathered at a time and none after; and
-    after a forward whose backward never ran, finish_backward() refuses, naming the unit."""
+    each equal to the module's before sharding, with one unit gathered at a time and none after."""
     model = make_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    fsdp = qf.FSDP(model.units(), torch.device("cpu"), torch.float32)
-    assert all(s.shard_numel == s.numel for u in fsdp.units for s in u.frozen + u.adapters)
+    fsdp = qf.FSDP(model, model.units(), "cpu", torch.float32)
+    assert all(s.shard_numel == s.numel for u in fsdp.units for s in u.slots)
     names = []
     for name, t in fsdp.full_base():
-        gathered = [u for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.frozen)]
+        gathered = [u for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.slots)]
         assert len(gathered) == 1, name
         dense = (lambda w: w.dequantize(torch.float32)) if isinstance(t, qf.NF4Tensor) else (lambda w: w)
         assert torch.equal(dense(t), dense(before[name])), name
         names.append(name)
-    assert names == list(before) and all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.frozen)
-    model(torch.randint(256, (1, 8)), torch.randint(256, (1, 8)))
-    with pytest.raises(RuntimeError, match="did not finish its backward"):
-        fsdp.finish_backward()
+    assert names == list(before) and all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.slots)
 
 
 @pytest.mark.parametrize("checkpointing", ["inside", "around", "off"])
@@ -593,7 +589,7 @@ def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
         calls["reduce_scatter" if reduce_scatter else "all_gather"] += 1
         return real(*a, reduce_scatter=reduce_scatter, **k)
     monkeypatch.setattr(qf, "_collective", counted)
-    fsdp = qf.FSDP(model.units(), torch.device("cpu"), torch.float32)
+    fsdp = qf.FSDP(model, model.units(), "cpu", torch.float32)
     if checkpointing == "around":
         model.model.layers = torch.nn.ModuleList(CheckpointAround(layer) for layer in model.model.layers)
     x, y = torch.randint(256, (2, 16)), torch.randint(256, (2, 16))
@@ -604,12 +600,11 @@ def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
     loss = model(x, y)
     n_layers = len(model.model.layers)
     assert calls["all_gather"] == n_layers + 2
-    gathered = [u.name for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.frozen)]
-    assert gathered == ["head"]
+    gathered = [u.name for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.slots)]
+    assert gathered == ["model.norm+lm_head"]
     loss.backward()
-    fsdp.finish_backward()
     assert calls == {"all_gather": 2 * n_layers + 2, "reduce_scatter": n_layers}
-    assert all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.frozen + u.adapters)
+    assert all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.slots)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     grads = {s.name: u.master.grad[s.start:s.start + s.numel] for u in fsdp.units for s in u.adapters}
     for name, p in ref.named_parameters():
@@ -620,7 +615,7 @@ def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
 def test_clip_grad_norm_equals_torch():
     """FSDP.clip_grad_norm_ returns the L2 norm of all adapter gradients and, above max_norm,
     scales them as torch.nn.utils.clip_grad_norm_ does; below it they stay as they are."""
-    fsdp = qf.FSDP(make_model().units(), torch.device("cpu"), torch.float32)
+    fsdp = qf.FSDP(model := make_model(), model.units(), "cpu", torch.float32)
     g = torch.Generator().manual_seed(0)
     for max_norm in (0.5, 1e9):
         ref = [torch.zeros_like(p, requires_grad=True) for p in fsdp.parameters()]
@@ -694,12 +689,10 @@ def int8_grads(rank, world):
     for m in model[0], model[2]:
         m.lora_A.requires_grad_(True)
         m.lora_B.requires_grad_(True)
-    units = [(f"m{i}", model[i], [(f"{i}", model[i])]) for i in (0, 2)]
-    fsdp = qf.FSDP(units, torch.device("cpu"), torch.float32)
-    assert all(type(model[i].weight) is Int8Tensor for i in (0, 2))  # rebuilt from sharded inner tensors
+    fsdp = qf.FSDP(model, [model[0], model[2]], "cpu", torch.float32)
+    assert all(type(fsdp.param_of[f"{i}.weight"][1].value) is Int8Tensor for i in (0, 2))  # rebuilt from the shards
     x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))[rank * 6 // world:(rank + 1) * 6 // world]
     model(x).square().sum().mul(world / 6).backward()  # mean over the global batch, as AVG reduces
-    fsdp.finish_backward()
     return fsdp.full_adapters(of=lambda master: master.grad)
 
 
@@ -773,7 +766,7 @@ def test_world_larger_than_some_tensors(tmp_path):
     n_tensors = sum(4 if isinstance(p, qf.NF4Tensor) else 1 for p in model.parameters())
     total = single["local_bytes"]
     for r in results:
-        assert r["local_bytes"] <= total / 4 + n_tensors * (qf.ALIGN + 4)
+        assert r["local_bytes"] <= total / 4 + n_tensors * 4
         assert r["local_bytes"] >= total / 4 * 0.9
 
 
@@ -1097,7 +1090,6 @@ def _saved_for_backward(args):
         x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), t)[1], lambda t: t):
             model(x, y).backward()
-        fsdp.finish_backward()
     finally:
         qf.checkpoint = real
     return found, seen, all(p.grad is not None for p in fsdp.parameters())
@@ -1108,9 +1100,8 @@ def _step_memory(args):
     model, fsdp = qf.build(args, MEM, torch.device("cpu"))
     x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
     model(x, y).backward()
-    fsdp.finish_backward()
     loss, forward_peak, forward_end = _allocated_peak(lambda: model(x, y))
-    _, backward_peak, _ = _allocated_peak(lambda: (loss.backward(), fsdp.finish_backward()))
+    _, backward_peak, _ = _allocated_peak(loss.backward)
     est = qf.predicted_memory(args, 1)
     return max(forward_peak, forward_end + backward_peak), est["activation_peak"] + est["gathers"]
 
@@ -1183,13 +1174,13 @@ def test_estimate_bounds_compiled_blocks_without_checkpointing(mem_runs):
 
 def test_estimate_counts_the_real_all_gather_buffers():
     """The estimate's all-gather row is three of a block unit's all-gathered buffers, each the bytes
-    FSDP actually lays out for the unit (within the 16-byte alignment of each tensor); its sharded
+    FSDP actually lays out for the unit (within the NF4 scale factors and mean per tensor); its sharded
     rows at world 2 are half of world 1's."""
     args = qf.parse_args(BASE + ["--batch_size", "2"])  # fp32
     _, fsdp = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
     unit = fsdp.units[1]  # a block
     est = qf.estimate_memory(qf.CONFIGS["tiny"], world=1, dtype_bytes=4)
-    assert abs(est["gathers"] / 3 - unit.unit_bytes) <= len(unit.frozen + unit.adapters) * qf.ALIGN
+    assert abs(est["gathers"] / 3 - unit.unit_bytes) <= len(unit.slots) * 8  # NF4's scale factors and mean
     half = qf.estimate_memory(qf.CONFIGS["tiny"], world=2, dtype_bytes=4)
     for row, v in est["state"].items():
         assert half["state"][row] == pytest.approx(v / 2), row
@@ -1912,7 +1903,6 @@ def test_step_gradient_is_the_summed_loss_gradient_over_the_count_in_fp32():
     y = y.clone()  # a view of the tokens x holds too
     y[0, 0] = qf.IGNORE_INDEX
     model(x, y, reduction="sum").backward()
-    fsdp.finish_backward()
     reference = [p.grad / 63 for p in fsdp.parameters()]
     recorder = GradRecorder(fsdp.parameters())
     recorder.zero_grad()
