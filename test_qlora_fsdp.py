@@ -349,6 +349,32 @@ def test_merged_weight_equals_forward():
     assert layer.scaling == 2.0
 
 
+@pytest.mark.parametrize("bias", [True, False])
+def test_from_linear_wraps_the_layer_itself(bias, monkeypatch):
+    """NF4Linear.from_linear and LoRALinear.from_linear wrap an existing nn.Linear: the weight is its own,
+    quantized (the codes to_nf4 gives it), the bias its own, kept and frozen; the output is x W^T + bias with W
+    dequantized (B = 0: LoRA adds nothing yet). NF4Linear's draws nothing from the global
+    RNG; with compile=False neither building nor running (bf16) calls a compiled NF4 kernel."""
+    def refuse(*args):
+        raise AssertionError("a compiled NF4 kernel ran")
+    monkeypatch.setattr(qf, "_quantize_blocks_compiled", refuse)
+    monkeypatch.setattr(qf, "_dequantize_bf16_pairs_compiled", refuse)
+    linear = torch.nn.Linear(128, 64, bias=bias, dtype=torch.bfloat16)
+    x = torch.randn(3, 128, dtype=torch.bfloat16)
+    state = torch.random.get_rng_state()
+    plain = qf.NF4Linear.from_linear(linear, compile=False)
+    assert torch.equal(torch.random.get_rng_state(), state)
+    lora = qf.LoRALinear.from_linear(linear, rank=4, alpha=8.0, compile=False)
+    assert lora.rank == 4 and lora.scaling == 2.0 and lora.lora_B.abs().sum() == 0
+    codes = qf.to_nf4(linear.weight.detach(), compile=False).packed
+    for m in plain, lora:
+        assert torch.equal(m.weight.packed, codes) and m.weight.dtype == torch.bfloat16
+        assert (m.bias is None) == (not bias) and (not bias or (torch.equal(m.bias, linear.bias) and not m.bias.requires_grad))
+        ref = x @ m.weight.dequantize(compile=False).T
+        assert torch.equal(m(x), ref if linear.bias is None else ref + linear.bias)
+    assert [n for n, p in lora.named_parameters() if p.requires_grad] == ["lora_A", "lora_B"]
+
+
 def test_lora_dropout_a_mask_per_layer():
     """With LoRA dropout, in training each layer's adapter path reads dropout(x) with a mask of its
     own, also where layers share an input (q, k, v), and the base path reads x itself; in eval
@@ -726,6 +752,160 @@ def test_shards_any_tensor_subclass(world, tmp_path):
                 torch.testing.assert_close(grads[f"{i}.{n}"], getattr(ref[i], n).grad, rtol=1e-5, atol=1e-6)
 
 
+class Block(torch.nn.Module):
+    """A residual block that is not Llama's: an nn.LayerNorm, nn.Linear layers with and without a bias, a
+    keyword argument, a tuple out."""
+
+    def __init__(self, d, bias):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d)
+        self.up, self.down = torch.nn.Linear(d, 2 * d, bias=bias), torch.nn.Linear(2 * d, d, bias=not bias)
+
+    def forward(self, x, scale=1.0):
+        h = self.down(F.gelu(self.up(self.norm(x))))
+        return x + scale * h, h.float().square().mean()
+
+
+class Net(torch.nn.Module):
+    """Embeddings, three Blocks (the last one run twice), a trainable plain parameter in the root, a head."""
+
+    def __init__(self, vocab=64, d=64):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.blocks = torch.nn.ModuleList(Block(d, bias=i % 2 == 0) for i in range(3))
+        self.gain = torch.nn.Parameter(torch.ones(d))
+        self.head = torch.nn.Linear(d, vocab)
+
+    def forward(self, tokens, targets):
+        h, aux = self.embed(tokens), 0.0
+        for block in [*self.blocks, self.blocks[-1]]:
+            h, a = block(h, scale=0.5)
+            aux = aux + a
+        return F.cross_entropy(self.head(h * self.gain).flatten(0, 1).float(), targets.flatten()) + 0.1 * aux
+
+
+def qlora_net():
+    """Net (fp32) with every nn.Linear a LoRALinear.from_linear of itself; embeddings and LayerNorms frozen."""
+    torch.manual_seed(0)
+    net = Net()
+    for m in list(net.modules()):
+        for name, child in list(m.named_children()):
+            if isinstance(child, torch.nn.Linear):
+                setattr(m, name, qf.LoRALinear.from_linear(child, rank=4, alpha=8.0, compile=False))
+    net.embed.requires_grad_(False)
+    for b in net.blocks:
+        b.norm.requires_grad_(False)
+    return net
+
+
+def run_net(net, optimizer, rank=0, world=1, micro=True):
+    """3 AdamW steps over a global batch of 6 sequences (this rank's rows; with micro, in two backward()
+    calls), a no-grad forward before each step and after it, and a block called alone -> [losses per step]."""
+    g, out = torch.Generator().manual_seed(1), []
+    mean = (lambda t: t) if world == 1 else lambda t: (torch.distributed.all_reduce(t), t / world)[1]
+    for _ in range(3):
+        tokens, targets = torch.randint(64, (2, 6, 8), generator=g)[:, rank * 6 // world:(rank + 1) * 6 // world]
+        loss = 0.0
+        for rows in ((slice(0, 1), slice(1, None)) if micro else (slice(None),)):
+            part = net(tokens[rows], targets[rows]) * len(tokens[rows]) / len(tokens)
+            part.backward()
+            loss = loss + part.detach()
+        with torch.no_grad():
+            before = net(tokens, targets)
+            optimizer.step()
+            optimizer.zero_grad()
+            after, alone = net(tokens, targets), net.blocks[1](net.embed(tokens), scale=2.0)[0].float().mean()
+        out.append([mean(t.float()).item() for t in (loss, before, after, alone)])
+    return out
+
+
+def sharded_net(rank, world, compute_dtype):
+    net = qlora_net()
+    fsdp = qf.FSDP(net, [net.embed, *net.blocks, net.head], device="cpu", compute_dtype=compute_dtype)
+    losses = run_net(net, qf.AdamW(fsdp.parameters(), lr=0.05, eps=1e-4, weight_decay=0.1), rank, world)
+    return losses, fsdp.full_adapters()
+
+
+def _net_worker(rank, world, port, compute_dtype, out_path):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    torch.save(sharded_net(rank, world, compute_dtype), f"{out_path}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+@pytest.mark.parametrize("world,compute_dtype", [(1, None), (2, None), (3, None), (2, torch.bfloat16)],
+                         ids=["world1", "world2", "world3", "world2-bf16"])
+def test_any_model_sharded_equals_it_unsharded(world, compute_dtype, tmp_path):
+    """FSDP lifts out of Llama: a model of its own (residual blocks with nn.LayerNorm, from_linear LoRA layers
+    with and without a bias, a trainable parameter in the root, a keyword argument and a tuple out, one block
+    run twice, one called alone), sharded over 1, 2 and 3 ranks with two backward() calls per step and no-grad
+    forwards before and after each optimizer step, gives the losses and adapters of the same model unsharded
+    under torch.optim.AdamW; in bf16 (every parameter gathered in it, the fp32 LayerNorm too) its losses are
+    within 1% (or 1e-3) of them."""
+    ref = qlora_net()
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    want = run_net(ref, torch.optim.AdamW(trainable, lr=0.05, eps=1e-4, weight_decay=0.1), micro=False)
+    if world == 1:
+        results = [sharded_net(0, 1, compute_dtype)]
+    else:
+        out = str(tmp_path / "net")
+        spawn(_net_worker, (world, free_port(), compute_dtype, out), world)
+        results = [torch.load(f"{out}.{r}") for r in range(world)]
+    for losses, adapters in results:
+        assert adapters.keys() == {n for n, p in ref.named_parameters() if p.requires_grad}
+        if compute_dtype:  # Adam's steps on bf16 gradients may point elsewhere: the losses only
+            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-2, atol=1e-3)
+            continue
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+        for name, p in ref.named_parameters():
+            if p.requires_grad:
+                torch.testing.assert_close(adapters[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_a_parameter_in_two_units_is_refused():
+    """A parameter in two units (a head tied to the embeddings, each its own unit) is refused at construction,
+    naming both places."""
+    net = qlora_net()
+    net.head = torch.nn.Linear(64, 64, bias=False)
+    net.head.weight = net.embed.weight
+    with pytest.raises(ValueError, match="parameter head.weight \\(also embed.weight\\) is in two units"):
+        qf.FSDP(net, [net.embed, *net.blocks, net.head], device="cpu")
+
+
+def test_a_unit_outside_the_model_is_refused():
+    """A unit that is not a submodule of the model is refused at construction."""
+    net = qlora_net()
+    with pytest.raises(ValueError, match="a unit's Linear is not a submodule of the model"):
+        qf.FSDP(net, [net.embed, torch.nn.Linear(64, 64)], device="cpu")
+
+
+def test_a_sharded_parameter_outside_its_unit_is_a_clear_error():
+    """A unit's parameter read outside its forward is an AttributeError that names it (its storage is empty
+    then: reading it used to crash the process); inside, it is the full tensor."""
+    net = qlora_net()
+    fsdp = qf.FSDP(net, [net.embed, *net.blocks, net.head], device="cpu")
+    with pytest.raises(AttributeError, match="blocks.0.norm.weight is sharded by FSDP"):
+        net.blocks[0].norm.weight.sum()
+    seen = []
+    net.blocks[0].norm.register_forward_hook(lambda m, args, out: seen.append(m.weight.sum().item()))
+    net(torch.randint(64, (1, 8)), torch.randint(64, (1, 8)))
+    assert seen == [64.0] and fsdp.units[1].gathered is False  # LayerNorm's ones; freed after the block
+
+
+def test_dropping_the_trainer_frees_it():
+    """Once train()'s results are dropped, gc.collect() frees the FSDP object and every shard buffer: no hook
+    keeps them (a gradient hook held from C++ used to keep them for the life of the process)."""
+    import gc
+    import weakref
+    _, _, fsdp = qf.train(qf.parse_args(BASE + ["--batch_size", "2", "--steps", "2"]))
+    refs = [weakref.ref(fsdp)] + [weakref.ref(t) for u in fsdp.all_units for t in (u.shard_bytes, u.master)
+                                  if t is not None]
+    del fsdp
+    gc.collect()
+    assert len(refs) > 5 and all(r() is None for r in refs)
+
+
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_equals_single_process(world, tmp_path, single_run_tiny):
     """2 and 3 ranks (fp32) give the same losses and final adapters as one process on the same
@@ -824,6 +1004,51 @@ def test_adamw_equals_torch(weight_decay, chunk_bytes, monkeypatch):
         tol = 1e-12 if p.dtype == torch.float64 else 1e-7
         torch.testing.assert_close(p, r, rtol=10 * tol, atol=tol)
 
+
+def test_adamw_is_a_drop_in_for_torch():
+    """Our AdamW takes torch.optim.AdamW's keywords at their defaults (and foreach=True), refuses any other
+    value naming the keyword, and an unknown keyword as torch does; with a tensor lr it equals torch's; it
+    continues from a torch.optim.AdamW state_dict as torch does, and torch continues from ours as we do;
+    sparse gradients and complex parameters are refused."""
+    g = torch.Generator().manual_seed(0)
+    p0 = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
+    grads = [[torch.randn(p.shape, generator=g) for p in p0] for _ in range(6)]
+
+    def run(cls, gs_list, start=p0, state=None, **kw):
+        params = [p.detach().clone().requires_grad_() for p in start]
+        opt = cls(params, **kw)
+        if state is not None:
+            opt.load_state_dict(state)
+        for gs in gs_list:
+            for p, gr in zip(params, gs):
+                p.grad = gr.clone()
+            opt.step()
+        return params, opt
+
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+    defaults = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+    want, _ = run(torch.optim.AdamW, grads, **kw)
+    for cls_first, cls_then in ((torch.optim.AdamW, qf.AdamW), (qf.AdamW, torch.optim.AdamW)):
+        half, opt = run(cls_first, grads[:3], **kw)
+        resumed, _ = run(cls_then, grads[3:], start=half, state=opt.state_dict(), **kw)
+        for a, b in zip(resumed, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for extra in (defaults, dict(foreach=True), dict(lr=torch.tensor(1e-2))):
+        got, _ = run(qf.AdamW, grads, **{**kw, **extra})
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    for key, value in (("amsgrad", True), ("maximize", True), ("foreach", False), ("capturable", True),
+                       ("fused", True), ("differentiable", True), ("decoupled_weight_decay", False)):
+        with pytest.raises(ValueError, match=f"AdamW: {key}={value} is not implemented here"):
+            qf.AdamW([torch.zeros(2, requires_grad=True)], **{key: value})
+    with pytest.raises(TypeError, match="unexpected keyword argument 'momentum'"):
+        qf.AdamW([torch.zeros(2, requires_grad=True)], momentum=0.9)
+    sparse, complex_ = torch.zeros(4, requires_grad=True), torch.zeros(4, dtype=torch.complex64, requires_grad=True)
+    sparse.grad = torch.ones(4).to_sparse()
+    complex_.grad = torch.ones(4, dtype=torch.complex64)
+    for p in sparse, complex_:
+        with pytest.raises(RuntimeError, match="AdamW does not support sparse gradients or complex parameters"):
+            qf.AdamW([p]).step()
 
 # ---- 7. Llama ---------------------------------------------------------------------------------
 
