@@ -34,6 +34,7 @@ import json
 import math
 import os
 import random
+import re
 import resource
 import shutil
 import sys
@@ -66,15 +67,19 @@ GiB = 1024**3
 # 256 scales: 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
 
+def linear_shapes(config):
+    """(out, in) of each of a Llama block's 7 projections, by their Hugging Face names."""
+    d, ffn = config.hidden_size, config.intermediate_size
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
+            "self_attn.o_proj": (d, q), "mlp.gate_proj": (ffn, d), "mlp.up_proj": (ffn, d), "mlp.down_proj": (d, ffn)}
+
 def count_params(config, lora_rank=8):
     """Parameter counts of a Llama config: (linear weights of the blocks, lm_head,
     embeddings + norms, LoRA adapters on the 7 projections of every block)."""
-    d, ffn, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    # (in, out) of q, k, v, o, gate, up, down
-    shapes = [(d, q), (d, kv), (d, kv), (q, d), (d, ffn), (d, ffn), (ffn, d)]
-    linear = layers * sum(i * o for i, o in shapes)
-    lora = layers * sum(lora_rank * (i + o) for i, o in shapes)
+    d, layers, shapes = config.hidden_size, config.num_hidden_layers, linear_shapes(config).values()
+    linear = layers * sum(o * i for o, i in shapes)
+    lora = layers * sum(lora_rank * (i + o) for o, i in shapes)
     head = config.vocab_size * d
     dense = config.vocab_size * d + (2 * layers + 1) * d  # embed_tokens + RMSNorm weights
     return linear, head, dense, lora
@@ -402,14 +407,15 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # B starts at zero, so the model starts exactly at the base model (Hu et al. 2021).
 # Adapters are fp32 "master" weights, cast to the compute dtype in forward (FSDP: at all-gather).
 
-def seeded(*key):
-    """A CPU generator for one use, e.g. seeded(seed, "batch", step): the same draws on every rank and
-    device, and a stream of its own for each key (its seed is drawn from a SHA-512 of the key)."""
-    return torch.Generator().manual_seed(random.Random("/".join(map(str, key))).getrandbits(63))
+def seeded(*key, device="cpu"):
+    """A generator for one use, e.g. seeded(seed, "batch", step): the same draws on every rank, and a stream of
+    its own for each key (its seed is drawn from a SHA-512 of the key). A CUDA generator draws other numbers
+    than the CPU's for the same key, and about a thousand times as many a second."""
+    return torch.Generator(device).manual_seed(random.Random("/".join(map(str, key))).getrandbits(63))
 
 def random_weight(shape, generator=None):
-    """A random base for an (out, in) weight with no checkpoint: N(0, 1/in)."""
-    return torch.randn(shape, generator=generator) * shape[-1] ** -0.5
+    """A random base for an (out, in) weight with no checkpoint: N(0, 1/in), on the generator's device."""
+    return torch.randn(shape, generator=generator, device=generator and generator.device) * shape[-1] ** -0.5
 
 def lora_A_init(shape, generator=None):
     """LoRA's A (rank, in) as nn.Linear and PEFT initialize it: kaiming-uniform(a=sqrt(5)),
@@ -1512,19 +1518,25 @@ def save_safetensors(path, specs, get):
     atomic_write(path, write)
 
 def config_from_hf(d, where="config.json"):
-    """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout)."""
+    """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout), every field this file
+    uses checked for its type and range."""
     require(d.get("model_type") == "llama" or any("Llama" in a for a in d.get("architectures") or []),
             f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
-    kwargs = {f.name: d[f.name] for f in fields(LlamaConfig) if f.name in d}
+    kwargs = {f.name: d[f.name] for f in fields(LlamaConfig) if d.get(f.name) is not None}
     rope = d.get("rope_parameters")  # transformers 5: RoPE settings moved under one key
-    if isinstance(rope, dict):
+    require(isinstance(rope, (dict, type(None))), f"{where}: rope_parameters must be an object")
+    if rope:
         kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
             kwargs["rope_scaling"] = rope
+    count = lambda x: type(x) is int and x >= 1  # noqa: E731  (JSON's true is no count)
+    positive = lambda x: type(x) in (int, float) and math.isfinite(x) and x > 0  # noqa: E731
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        require(isinstance(kwargs.get(key), int) and kwargs[key] >= 1,
-                f"{where}: {key} is missing or not a positive integer")
+        require(count(kwargs.get(key)), f"{where}: {key} is missing or not a positive integer")
     config = LlamaConfig(**kwargs)
+    require(count(config.max_position_embeddings), f"{where}: max_position_embeddings must be a positive integer")
+    require(type(config.tie_word_embeddings) is bool, f"{where}: tie_word_embeddings must be true or false, "
+                                                      f"not {config.tie_word_embeddings!r}")
     head_dim, rest = divmod(config.hidden_size, config.num_attention_heads)
     require(rest == 0 and d.get("head_dim", head_dim) == head_dim,
             f"{where}: head_dim must be hidden_size / num_attention_heads")
@@ -1532,13 +1544,16 @@ def config_from_hf(d, where="config.json"):
     scaling = config.rope_scaling or {"rope_type": "default"}
     rope_type = scaling.get("rope_type", scaling.get("type"))  # "type": older transformers
     require(rope_type in ("llama3", "default"), f"{where}: rope_scaling type {rope_type!r} is not supported")
-    positive = lambda x: isinstance(x, (int, float)) and math.isfinite(x) and x > 0  # noqa: E731
-    require(rope_type != "llama3" or positive(scaling.get("factor")), f"{where}: llama3 rope_scaling needs a "
-                                                                     f"positive factor")
+    if rope_type == "llama3":  # the defaults are Meta's, as rope_inv_freq takes them
+        require(positive(scaling.get("factor")), f"{where}: llama3 rope_scaling needs a positive factor")
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        require(positive(low) and positive(high) and low < high and count(
+            scaling.get("original_max_position_embeddings", 8192)), f"{where}: llama3 rope_scaling needs positive "
+                f"low_freq_factor < high_freq_factor and a positive integer original_max_position_embeddings")
     for key in ("rms_norm_eps", "rope_theta"):
         require(positive(getattr(config, key)), f"{where}: {key} must be a positive number")
     kv = config.num_key_value_heads
-    require(isinstance(kv, int) and kv >= 1 and config.num_attention_heads % kv == 0,
+    require(count(kv) and config.num_attention_heads % kv == 0,
             f"{where}: num_key_value_heads must divide num_attention_heads")
     d, kv_dim = config.hidden_size, kv * config.head_dim
     require(all(d * n % 64 == 0 for n in (d, kv_dim, config.intermediate_size, config.vocab_size)),
@@ -1551,15 +1566,36 @@ def config_to_hf(config, dtype):
              hidden_act="silu", attention_bias=False, mlp_bias=False, head_dim=config.head_dim)
     return {k: v for k, v in d.items() if v is not None}
 
-def load_checkpoint(path, config, shapes):
-    """(name, full tensor) of every weight of the Hugging Face directory `path` (model.safetensors or
-    its shards), read one at a time, once every header is checked against `shapes` {name: shape}."""
+def hf_shape(config, name):
+    """The shape config.json implies for the Hugging Face Llama tensor `name`; None: it has no such tensor."""
+    d = config.hidden_size
+    top = {"model.embed_tokens.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
+           "model.norm.weight": (d,)}
+    layer = re.fullmatch(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.weight", name)
+    if not layer or int(layer[1]) >= config.num_hidden_layers:
+        return top.get(name)
+    return {"input_layernorm": (d,), "post_attention_layernorm": (d,), **linear_shapes(config)}.get(layer[2])
+
+def hf_names(config):  # every tensor of a Hugging Face Llama checkpoint, in order
+    yield "model.embed_tokens.weight"
+    for i in range(config.num_hidden_layers):
+        yield from (f"model.layers.{i}.{n}.weight" for n in ("input_layernorm", *linear_shapes(config),
+                                                                "post_attention_layernorm"))
+    yield from ("model.norm.weight", "lm_head.weight")
+
+def load_checkpoint(path, config):
+    """((name, full tensor) of every weight of the Hugging Face directory `path`, read one at a time as the
+    generator goes; their bytes in the files). Every header is read and checked against the shapes config.json
+    implies at once, when this is called: a mismatch is refused before anything of the model's size exists."""
     names = ["model.safetensors"]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
         weight_map = read_json(index).get("weight_map")
         require(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()),
                 f"{index}: not a safetensors index (no weight_map of file names)")
+        for name, file in weight_map.items():  # a plain file name: nothing outside the checkpoint is read
+            require(os.path.basename(file) == file and file not in ("", ".", "..") and "/" not in file,
+                    f"{index}: entry {name} names {file!r}, not a file in the checkpoint directory")
         names = list(dict.fromkeys(weight_map.values()))
     # name -> (file, its name there); old checkpoints also store RoPE's constants, rotary_emb.inv_freq
     files = [SafetensorsFile(os.path.join(path, n)) for n in names]
@@ -1568,41 +1604,42 @@ def load_checkpoint(path, config, shapes):
         sources["lm_head.weight"] = sources["model.embed_tokens.weight"]  # tied: the head is the embedding
     for name, (sf, key) in sources.items():
         dtype, shape, _, _ = sf.entries[key]
-        require(name in shapes, f"{sf.path}: unexpected tensor {name} for a Llama of this config.json")
-        require(tuple(shape) == shapes[name],
-                f"{sf.path}: tensor {name} has shape {shape}, config.json implies {list(shapes[name])}")
+        want = hf_shape(config, name)
+        require(want is not None, f"{sf.path}: unexpected tensor {name} for a Llama of this config.json")
+        require(tuple(shape) == want, f"{sf.path}: tensor {name} has shape {shape}, config.json implies {list(want)}")
         require(dtype.is_floating_point, f"{sf.path}: tensor {name} is {DTYPE_NAMES[dtype]}, not floating point")
-    missing = sorted(set(shapes) - set(sources))
+    missing = 3 + 9 * config.num_hidden_layers - len(sources)  # every name left is an expected one
     if missing:
-        raise UserError(f"{path}: {len(missing)} tensors missing from the checkpoint, e.g. {missing[0]}")
-    for name, (sf, key) in sources.items():
-        yield name, sf.get(key)
+        first = next(n for n in hf_names(config) if n not in sources)
+        raise UserError(f"{path}: {missing:,} tensors missing from the checkpoint, e.g. {first}")
+    nbytes = sum(end - begin for sf, key in sources.values() for _, _, begin, end in [sf.entries[key]])
+    return ((name, sf.get(key)) for name, (sf, key) in sources.items()), nbytes
 
-def initial_weights(shapes, seed):
-    """(name, full tensor) of parameters with no checkpoint, as the modules initialize them, each from
-    its own seeded CPU generator: the same on any world size and device. One at a time, as a checkpoint."""
+def initial_weights(shapes, seed, device="cpu"):
+    """(name, full tensor) of parameters with no checkpoint, as the modules initialize them, one at a time (as
+    a checkpoint), each from its own seeded generator on `device`: the same at any world size on one kind of
+    device. Adapters are drawn on the CPU (they are small): the same on every device."""
     for name, shape in shapes.items():
-        g = seeded(seed, name)
+        g = seeded(seed, name, device="cpu" if name.endswith("lora_A") else device)
         if name.endswith("lora_A"):
             yield name, lora_A_init(shape, g)
         elif name.endswith("lora_B"):  # B = 0: the model starts as the base
             yield name, torch.zeros(shape)
         elif "norm" in name:
-            yield name, torch.ones(shape)
+            yield name, torch.ones(shape, device=device)
         else:  # embeddings N(0, 1), linears N(0, 1/in)
-            yield name, torch.randn(shape, generator=g) if "embed_tokens" in name else random_weight(shape, g)
+            yield name, torch.randn(shape, generator=g, device=device) if "embed_tokens" in name else random_weight(shape, g)
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
     """Unsharded: a meta Llama whose parameters are replaced one by one as the checkpoint is read
     (assign=True; NF4Linear quantizes), plus fresh adapters: memory stays near the NF4 size, never a bf16 model."""
     config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
-    device = torch.device(device or "cpu")
+    device, (checkpoint, _) = torch.device(device or "cpu"), load_checkpoint(path, config)  # headers checked
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
     load = lambda state: model.load_state_dict(state, strict=False, assign=True)  # noqa: E731
-    frozen = {n: tuple(p.shape) for n, p in model.named_parameters() if not p.requires_grad}
-    for name, t in load_checkpoint(path, config, frozen):  # one at a time; NF4Linear quantizes its weight
+    for name, t in checkpoint:  # one at a time; NF4Linear quantizes its weight
         load({name: t.to(device, dtype)})
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
     load({n: t.to(device) for n, t in initial_weights(adapters, seed)})
@@ -1934,9 +1971,49 @@ def predicted_memory(args, world, config=None):
                            checkpointing=args.checkpointing, offload=args.cpu_offload,
                            offload_activations=args.offload_activations, compiled=args.compile)
 
-def build(args, config, device):
-    """Model (meta) -> units -> real, zeroed shards, then each base weight made (read from --checkpoint or
-    drawn), quantized and cut to this rank's piece one at a time: never two unsharded weights alive."""
+PROGRESS_S = 10.0  # seconds between progress lines
+
+def progress(items, what, total, nbytes):
+    """(name, tensor) items as they come; on rank 0 a line at least every PROGRESS_S seconds (tensors done,
+    bytes read, bytes/s, time left) and one at the end."""
+    start = last = time.perf_counter()
+    n = done = 0
+    for name, t in items:
+        n, done = n + 1, done + t.nbytes
+        yield name, t
+        now = time.perf_counter()
+        if now - last >= PROGRESS_S:
+            last, rate = now, done / (now - start)
+            print0(f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}, {fmt_bytes(rate)}/s, "
+                   f"{max(0, nbytes - done) / rate:.0f} s left")
+    dt = max(time.perf_counter() - start, 1e-9)
+    print0(f"{what}: {n:,} tensors, {fmt_bytes(done)} in {dt:.1f} s ({fmt_bytes(done / dt)}/s)")
+
+def host_available():
+    """Bytes of memory this machine can still give (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None
+
+def check_fits(args, config, world, device):
+    """Refuse, before anything is allocated, a model whose sharded state (the estimate's rows) would not fit
+    the GPU, or this machine's available memory (offloaded or on the CPU; its ranks share it)."""
+    est, local = predicted_memory(args, world, config), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    fix = "more ranks, --cpu_offload, or --fit to choose the settings"
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+        require(est["gpu_state"] <= free, f"the model's shards need {est['gpu_state'] / GiB:.2f} GiB per GPU "
+                                          f"(--estimate), the GPU has {free / GiB:.2f} GiB free: {fix}")
+    host, available = (est["host_state"] + (device.type == "cpu") * est["gpu_state"]) * local, host_available()
+    require(available is None or host <= available, f"the model's shards need {host / GiB:.2f} GiB of this "
+            f"machine's memory for {local} rank(s) (--estimate), {available / GiB:.2f} GiB is available: {fix}")
+
+def build(args, config, device, checkpoint=None):
+    """Model (meta) -> units -> real, zeroed shards, then each base weight made (read from load_checkpoint's
+    `checkpoint` or drawn), quantized and cut to this rank's piece one at a time: never two unsharded weights
+    alive; progress on rank 0 every PROGRESS_S seconds."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout, compile=args.compile)
@@ -1950,9 +2027,10 @@ def build(args, config, device):
     model.offload_activations = OffloadedInputs(side) if args.offload_activations else None
 
     shapes = fsdp.base_shapes()
-    base = load_checkpoint(args.checkpoint, config, shapes) if args.checkpoint else initial_weights(shapes, args.seed)
-    for name, t in base:  # in the parameter's form: NF4 for an NF4Linear's weight, else the compute dtype
-        t = t.to(device, dtype)
+    base, nbytes = checkpoint or (initial_weights(shapes, args.seed, device), 4 * sum(map(math.prod, shapes.values())))
+    what = f"loading {args.checkpoint}" if checkpoint else "drawing a random base"
+    for name, t in progress(base, what, len(shapes), nbytes):
+        t = t.to(device, dtype)  # then NF4 for an NF4Linear's weight
         require(t.isfinite().all(), f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN")
         nf4 = isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) and name.endswith(".weight")
         fsdp.load_full(name, to_nf4(t, compile=args.compile) if nf4 else t)
@@ -2017,8 +2095,10 @@ def train(args):
     check_writable(args, rank)
     data = None if args.data == "dummy" else load_tokens(args.data or __file__, config.vocab_size, args.seq_len)
     prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
+    checkpoint = load_checkpoint(args.checkpoint, config) if args.checkpoint else None  # every header checked
+    check_fits(args, config, world, device)
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
-    model, fsdp = build(args, config, device)
+    model, fsdp = build(args, config, device, checkpoint)
     # The peaks of training, not of loading (--estimate has both). The reserved peak restarts from what
     # is reserved now, so the blocks loading left in the cache go back first.
     if cuda:

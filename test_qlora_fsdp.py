@@ -1754,6 +1754,25 @@ def _bad(tmp_path, hf_dir, case):
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
             json.dump({"weight_map": {"lm_head.weight": 3}}, f)
         return args, "not a safetensors index (no weight_map of file names)"
+    if case == "far more layers":  # the model used to be built first: minutes of modules, then the mismatch
+        return ckpt(cfg={**cfg, "num_hidden_layers": 10**6}), \
+            "8,999,964 tensors missing from the checkpoint, e.g. model.layers.4.input_layernorm.weight"
+    if case == "far wider":  # its shards used to be allocated first: tens of GB, the allocator's traceback
+        return ckpt(cfg={**{k: v for k, v in cfg.items() if k != "head_dim"}, "hidden_size": 1 << 16,
+                         "intermediate_size": 1 << 18}), \
+            "tensor model.embed_tokens.weight has shape [256, 128], config.json implies [256, 65536]"
+    if case in ("index climbs out", "index absolute"):  # a weight_map naming files outside the checkpoint
+        args = ckpt()
+        target = "../elsewhere.safetensors" if case == "index climbs out" else os.path.join(path, "model.safetensors")
+        with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
+            json.dump({"weight_map": {"lm_head.weight": target}}, f)
+        return args, f"entry lm_head.weight names {target!r}, not a file in the checkpoint directory"
+    if case == "boolean as text":
+        return ckpt(cfg={**cfg, "tie_word_embeddings": "false"}), "tie_word_embeddings must be true or false, not 'false'"
+    if case == "context length 0":
+        return ckpt(cfg={**cfg, "max_position_embeddings": 0}), "max_position_embeddings must be a positive integer"
+    if case == "layers as true":
+        return ckpt(cfg={**cfg, "num_hidden_layers": True}), "num_hidden_layers is missing or not a positive integer"
     if case == "merge onto the base":
         return ["--checkpoint", path, "--merge_to", path], "holds a model already; choose a new directory"
     if case == "missing config":
@@ -1878,7 +1897,8 @@ BAD_CHECKPOINT_CASES = [  # section 9: checkpoints, their config.json, resuming,
     "integer weight", "unknown dtype", "header beyond file", "truncated", "overlapping", "bytes for shape",
     "negative offsets", "non-finite weight", "head dim", "rope yarn",
     "llama3 rope without factor", "infinite theta", "eps as text", "kv heads", "kv heads as text", "hidden size",
-    "index of numbers", "merge onto the base", "out holds a checkpoint", "resume other rank", "resume another layout",
+    "index of numbers", "far more layers", "far wider", "index climbs out", "index absolute", "boolean as text",
+    "context length 0", "layers as true", "merge onto the base", "out holds a checkpoint", "resume other rank", "resume another layout",
     "resume other seed", "resume other shapes", "training state not a dict", "save blocked", "non-finite update"]
 
 
@@ -1897,6 +1917,18 @@ def test_bad_checkpoint_one_line_error(case, tmp_path, hf_dir, capsys):
     """Each bad checkpoint, config, resume or save exits non-zero with one line `error: ...` naming
     the file or flag and what is wrong, and no traceback."""
     assert_one_line_error(case, tmp_path, hf_dir, capsys)
+
+
+@pytest.mark.parametrize("offload", [[], ["--cpu_offload"]])
+def test_shards_that_do_not_fit_are_refused_before_allocating(offload, tmp_path, hf_dir, monkeypatch, capsys):
+    """A model whose sharded state would not fit this machine's available memory (here made 1 MB) is refused
+    before anything is built, in one line with the estimate's figure and what is available."""
+    monkeypatch.setattr(qf, "host_available", lambda: 10**6)
+    monkeypatch.setattr(qf, "build", None)  # never reached
+    with pytest.raises(SystemExit):
+        qf.main(BASE + ["--batch_size", "2", "--checkpoint", hf_dir[0]] + offload)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "the model's shards need 0.00" in err[0] and "0.00 GiB is available" in err[0], err
 
 
 def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
