@@ -976,31 +976,42 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
     """While active, the saved tensor that is the input given to `start` -- a checkpointed block's
     input, all that checkpointing keeps of it -- lives in host memory (pinned, copied on `stream`)
     and comes back when backward recomputes the block; the gradient through the block stays on the
-    device. The copy starts before the block runs, to overlap its forward (a compiled block saves
-    its input only once its whole forward is queued)."""
+    device. The copy out starts before the block runs, to overlap its forward (a compiled block saves
+    its input only once its whole forward is queued); the copy back of the block before it starts as
+    this one's backward begins, to overlap that."""
 
     def __init__(self, stream=None):
-        self.stream, self.input, self.host = stream, None, None
+        self.stream, self.input, self.host, self.last = stream, None, None, None
         super().__init__(self._pack, self._unpack)
 
     def start(self, x):  # the next block's input (None: no more blocks): copy it to the host now
         self.input, self.host = x, None if x is None else _to_host(x, self.stream)
+        if x is None:
+            self.last = None
 
     def _pack(self, t):
         x = self.input
         if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
             return t  # not a block input (RoPE's cos and sin): kept as is
-        return t.device, self.host
+        self.last = [t.device, self.host, None, self.last]  # its place, its host copy, back on it, the one before
+        return self.last
+
+    def _fetch(self, packed):  # issue the copy back of a packed block input, unless issued
+        device, host, back, _ = packed
+        if back is None:
+            back = packed[2] = torch.empty(host.shape, dtype=host.dtype, device=device)  # the compute stream's
+            with _side(self.stream):
+                back.copy_(host, non_blocking=True)
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
-        device, host = packed
-        t = torch.empty(host.shape, dtype=host.dtype, device=device)  # on the compute stream that reads it
-        with _side(self.stream):
-            t.copy_(host, non_blocking=True)
+        self._fetch(packed)
+        if packed[3] is not None:
+            self._fetch(packed[3])  # the block before's, for its backward, next
+        t, packed[2], packed[3] = packed[2], None, None
         if self.stream is not None:
-            torch.cuda.current_stream(device).wait_stream(self.stream)
+            torch.cuda.current_stream(t.device).wait_stream(self.stream)
         return t
 
 # -----------------------------------------------------------------------------
@@ -1327,6 +1338,10 @@ class Llama(nn.Module):
 # section 5 and the activations autograd keeps for backward, whose peak comes in the loss or in the
 # first block backward runs: every checkpointed block input is alive, plus the loss or that block.
 
+# cuBLAS's workspace (its Lt shares it), through the caching allocator: 32 MiB on Hopper (4096 KiB x 8; less on
+# older GPUs), one for each thread that runs matmuls: forward's and autograd's backward thread.
+CUDA_WORKSPACES = 2 * 32 * 2**20
+
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
                     checkpointing=True, offload=False, loss_chunk=LOSS_CHUNK, offload_activations=False, compiled=True):
     """Predicted bytes per rank of a QLoRA training step as this file runs it (compiled: with --compile). Sharded
@@ -1359,20 +1374,23 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * c.num_attention_heads
     mlp = elt * 4 * ffn
     block_saved = norms + attention + mlp + 7 * elt * lora_rank
-    # Backward frees each saved tensor once its op's backward is done, so beside them there is
-    # about one (tokens, ffn) gradient and one (tokens, d) at a time.
+    # Backward frees each saved tensor once its op's backward is done, so beside them there is about one
+    # (tokens, ffn) gradient and one (tokens, d) at a time; and, not per token, the dense weight inside the
+    # NF4 matmul that runs (the largest projection's), the block's adapter gradients and the unit before's
+    # reduce-scatter input and output (fp32), alive until this unit's is issued (section 5).
     block_backward = elt * (ffn + d)
+    in_flight = elt * max(o * i for o, i in linear_shapes(c).values()) + lora / layers * (elt + 4 + 4 / world)
     act = {}
     if checkpointing:
-        if offload_activations:  # kept on the host; one at a time back on the GPU
+        if offload_activations:  # kept on the host; the block's and the next one's (prefetched) on the GPU
             act["checkpointed block inputs (host)"] = layers * tokens * elt * d
-            act["checkpointed block input back on the GPU"] = kept = tokens * elt * d
+            act["checkpointed block inputs back on the GPU (2)"] = kept = 2 * tokens * elt * d
         else:
             act["checkpointed block inputs"] = kept = layers * tokens * elt * d
-        act["recomputed block (forward + backward)"] = block = tokens * (block_saved + block_backward)
+        act["recomputed block (forward + backward)"] = block = tokens * (block_saved + block_backward) + in_flight
     else:
         act["saved activations, all blocks"] = kept = layers * tokens * block_saved
-        act["block backward gradients"] = block = tokens * block_backward
+        act["block backward gradients"] = block = tokens * block_backward + in_flight
     # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and, compiled,
     # their gradient; eager, at its peak, the fp32 copy of bf16 logits and the one-hot (bool, and cast
     # to fp32) instead; and the gradient wrt the hidden states.
@@ -1398,15 +1416,14 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
                 + layers * (pinned(block_unit / world) + 2 * pinned(4 * lora / layers / world)))
     if checkpointing and offload_activations:
         host += layers * pinned(tokens * elt * d)
-    return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak,
-                gpu_state=gpu_state, host_state=host, gpu_peak=gpu_state + gathers + act_peak,
-                load_peak=load_peak)
+    return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak, gpu_state=gpu_state,
+                host_state=host, gpu_peak=gpu_state + gathers + act_peak + CUDA_WORKSPACES, load_peak=load_peak)
 
 def format_estimate(name, est, world, offload):
     where = "host" if offload else "GPU"
     rows = [(f"{k} ({where})", v) for k, v in est["state"].items()]
     rows += [("all-gather buffers (1 gathered + 2 receiving)", est["gathers"]), *est["activations"].items(),
-             ("predicted peak per GPU", est["gpu_peak"]),
+             ("CUDA workspaces (cuBLAS, 2 threads)", CUDA_WORKSPACES), ("predicted peak per GPU", est["gpu_peak"]),
              ("while loading (one weight at a time), per GPU", est["load_peak"])]
     if est["host_state"] > 0:
         rows.append(("predicted host memory for offloaded tensors", est["host_state"]))
@@ -1732,10 +1749,23 @@ def resume(args, fsdp, optimizer):
     print0(f"resumed from {args.out} at step {state['step']} (saved by world size {state['world_size']})")
     return state["step"]
 
-def save_merged(out_dir, fsdp, model, source=None):
-    """Collective. A Hugging Face checkpoint of the base with the adapters merged in,
-    W' = W + (alpha/rank) B A, written unit by unit by rank 0: model.safetensors, then config.json (keeping
-    the `source` checkpoint's other keys, such as its token ids) and the source's generation_config.json."""
+def shard_files(specs, max_bytes):
+    """[(name, dtype, shape)] cut as Hugging Face's save_pretrained(max_shard_size) cuts them: in order, a new
+    file where the next tensor would take this one past max_bytes (a tensor larger than that: a file of its own)."""
+    files, size = [[]], 0
+    for spec in specs:
+        n = math.prod(spec[2]) * spec[1].itemsize
+        if files[-1] and size + n > max_bytes:
+            files, size = files + [[]], 0
+        files[-1].append(spec)
+        size += n
+    return files
+
+def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
+    """Collective. A Hugging Face checkpoint of the base with the adapters merged in, W' = W + (alpha/rank) B A,
+    written unit by unit by rank 0: model.safetensors, or above max_shard_bytes model-00001-of-0000N.safetensors
+    ... and their model.safetensors.index.json; then config.json (keeping the `source` checkpoint's other keys,
+    such as its token ids) and the source's generation_config.json."""
     adapters = fsdp.full_adapters()
     base = fsdp.full_base()  # (name, full tensor), unit by unit, in the order of base_shapes()
 
@@ -1750,8 +1780,16 @@ def save_merged(out_dir, fsdp, model, source=None):
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        save_safetensors(os.path.join(out_dir, "model.safetensors"),
-                         [(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], get)
+        files = shard_files([(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], max_shard_bytes)
+        names = ["model.safetensors"] if len(files) == 1 else [f"model-{i:05d}-of-{len(files):05d}.safetensors"
+                                                               for i in range(1, len(files) + 1)]
+        for name, specs in zip(names, files):
+            save_safetensors(os.path.join(out_dir, name), specs, get)
+        if len(files) > 1:  # after the shards: a reader that finds the index finds every file it names
+            index = {"metadata": {"total_size": sum(math.prod(s) * d.itemsize for f in files for _, d, s in f)},
+                     "weight_map": {n: name for name, specs in zip(names, files) for n, _, _ in specs}}
+            atomic_write(os.path.join(out_dir, "model.safetensors.index.json"),
+                         lambda f: json.dump(index, f, indent=2), "w")
         kept = {k: v for k, v in read_json(os.path.join(source, "config.json")).items()
                 if k not in ("dtype", "quantization_config")} if source else {}
         config = {**kept, **config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # head written
@@ -1769,10 +1807,10 @@ def save_merged(out_dir, fsdp, model, source=None):
 # 10. Data, training loop, command line
 # -----------------------------------------------------------------------------
 
-def load_tokens(path, vocab_size, seq_len):
-    """(tokens, loss_mask or None) from a --data file (formats: see --help), checked: at least
+def load_tokens(path, vocab_size, seq_len, flag="--data"):
+    """(tokens, loss_mask or None) from a --data (or --val_data) file (formats: see --help), checked: at least
     seq_len + 1 tokens, every id < vocab_size. .npy, .bin and .txt are memory-mapped."""
-    where = f"--data {path}"
+    where = f"{flag} {path}"
     require(os.path.isfile(path), f"{where}: no such file")
     ext = ".txt" if os.path.samefile(path, __file__) else os.path.splitext(path)[1].lower()  # default: our bytes
     require(ext in (".npy", ".npz", ".bin", ".txt"),
@@ -1806,11 +1844,12 @@ def load_tokens(path, vocab_size, seq_len):
     return tokens, mask
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """This rank's rows (inputs, targets), each (batch_size, seq_len) int64, of a global micro-batch that
-    depends only on (seed, step, micro) and batch_size x world. data: load_tokens' pair, or None (random)."""
-    g = seeded(args.seed, "batch", step, micro)
-    n, T = args.batch_size * world, args.seq_len
-    rows = slice(rank * args.batch_size, (rank + 1) * args.batch_size)
+    """This rank's rows (inputs, targets), each (batch_size, seq_len) int64, of micro-batch `micro` of the step's
+    global batch, whose rows depend only on (seed, step) and batch_size x grad_accum x world: any split of it
+    (--fit's too) trains on the same rows, laid out (micro, rank, row). data: load_tokens' pair, or None (random)."""
+    g = seeded(args.seed, "batch", step)
+    n, T, first = args.batch_size * args.grad_accum * world, args.seq_len, (micro * world + rank) * args.batch_size
+    rows = slice(first, first + args.batch_size)
     if data is None:
         tokens = torch.randint(vocab_size, (n, T + 1), generator=g)[rows]
         return tokens[:, :-1], tokens[:, 1:]
@@ -1884,15 +1923,69 @@ def check_writable(args, rank):
     require(problem is None, problem)
 
 def peak_memory_gib(device, reserved=False):
-    """Max over ranks: GPU memory allocated (or reserved) on CUDA, the resident set on the CPU."""
+    """Max over ranks, since reset_peak_memory: GPU memory allocated (or reserved) on CUDA, the resident set on
+    the CPU (Linux's VmHWM; elsewhere the process's whole peak)."""
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device)
     else:
-        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+        try:
+            with open("/proc/self/status") as f:
+                peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        except (OSError, StopIteration, ValueError):
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
     t = torch.tensor(peak / GiB, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return t.item()
+
+def open_metrics(out, start):
+    """--out's metrics.jsonl, open to append, its records after step `start` dropped (a fresh run: every one)."""
+    path = os.path.join(out, "metrics.jsonl")
+
+    def before(line):
+        try:
+            return json.loads(line)["step"] <= start
+        except (ValueError, KeyError, TypeError):  # a line cut short by a crash, say
+            return False
+    kept = [line for line in open(path)] if start and os.path.isfile(path) else []
+    atomic_write(path, lambda f: f.writelines(line for line in kept if before(line)), "w")
+    return open(path, "a")
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: VmHWM starts again from the resident set now
+
+@torch.no_grad()
+def evaluate(model, val, args, world, rank, device):
+    """(mean loss over the counted targets, sequences) of --val_data's first --eval_seqs sequences, sequence i
+    being tokens [i * seq_len, i * seq_len + seq_len + 1): in micro-batches of --batch_size sequences per rank,
+    that every rank runs (a row past the last sequence counts nothing), so the same at any world and split."""
+    (ids, mask), T, B = val, args.seq_len, args.batch_size
+    n = min(args.eval_seqs, (len(ids) - 1) // T)
+    total = torch.zeros(2, dtype=torch.float64, device=device)  # the loss's sum and the count of its targets
+    model.eval()
+    for g in range(-(-n // (world * B))):  # global micro-batches: this rank's B rows of each
+        first, x, y = (g * world + rank) * B, torch.zeros(B, T, dtype=torch.long), torch.full((B, T), IGNORE_INDEX)
+        for row, i in enumerate(range(first, min(first + B, n))):
+            seq = torch.from_numpy(ids[i * T:i * T + T + 1].astype(np.int64))
+            x[row], y[row] = seq[:-1], seq[1:] if mask is None else seq[1:].masked_fill(
+                ~torch.from_numpy(mask[i * T + 1:i * T + T + 1]), IGNORE_INDEX)
+        total += torch.stack([model(x.to(device), y.to(device), reduction="sum").double(),
+                              (y != IGNORE_INDEX).sum().to(device, torch.float64)])
+    model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item(), n
+
+def sparkline(values, width=40):
+    """values as one line of bars, low to high, averaged down to `width` (a terminal that cannot show them: ASCII)."""
+    bars = "▁▂▃▄▅▆▇█" if "utf" in (getattr(sys.stdout, "encoding", "") or "").lower() else "_.-~=*#@"
+    v = [float(c.mean()) for c in np.array_split(np.asarray(values, dtype=float), min(width, len(values)))]
+    lo, span = min(v), max(v) - min(v) or 1.0
+    return "".join(bars[min(7, int((x - lo) / span * 8))] for x in v)
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -1907,6 +2000,9 @@ def parse_args(argv=None):
     p.add_argument("--data", metavar="PATH", help=".npy, .npz (+ loss_mask), .bin, .txt or dummy; default: this file")
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--val_data", metavar="PATH", help="held-out tokens (any --data format): their loss, val_loss")
+    p.add_argument("--eval_every", type=int, default=0, help="evaluate --val_data every N steps (0: at the end)")
+    p.add_argument("--eval_seqs", type=int, default=64, help="the first K sequences of --val_data are evaluated")
     # optimization
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--grad_accum", type=int, default=1)
@@ -1922,6 +2018,7 @@ def parse_args(argv=None):
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
     p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
     p.add_argument("--merge_to", metavar="DIR", help="at the end, write the merged model as a Hugging Face checkpoint")
+    p.add_argument("--max_shard_size", type=float, default=5.0, metavar="GB", help="--merge_to: files up to GB each")
     # memory and speed
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="NF4 kernels and blocks")
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True, help="per block")
@@ -1929,6 +2026,9 @@ def parse_args(argv=None):
     p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
     p.add_argument("--offload_activations", action="store_true", help="checkpointed block inputs on the host")
     p.add_argument("--estimate", action="store_true", help="print the memory per rank (of WORLD_SIZE) and exit")
+    p.add_argument("--fit", nargs="?", const="auto", type=float, metavar="GIB", help="choose the micro-batch, "
+                   "checkpointing and offloads that fit GIB per GPU, keeping the batch (no GIB, on CUDA: the free "
+                   f"memory less {FIT_MARGIN:.0%} of the GPU's); the flags for them are then ignored")
     p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (on CUDA with a memory snapshot) to DIR")
     p.add_argument("--log_every", type=int, default=1)
     # sampling
@@ -1938,12 +2038,15 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     for flag, least in [("batch_size", 1), ("seq_len", 1), ("steps", 1), ("grad_accum", 1), ("lora_rank", 1),
                         ("log_every", 1), ("warmup_steps", 0), ("save_every", 0), ("stop_at", 0), ("sample", 0),
-                        ("temperature", 0)]:
+                        ("temperature", 0), ("eval_every", 0), ("eval_seqs", 1)]:
         if getattr(args, flag) < least:
             p.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
     for flag in ("lr", "weight_decay", "adam_eps", "grad_clip", "lora_alpha", "lora_dropout", "temperature"):
         if not math.isfinite(getattr(args, flag)):
             p.error(f"--{flag} must be a finite number, got {getattr(args, flag)}")
+    for flag in ("max_shard_size",) + (("fit",) if args.fit not in (None, "auto") else ()):
+        if not 0 < getattr(args, flag) < math.inf:
+            p.error(f"--{flag} must be a positive number (GB), got {getattr(args, flag)}")
     if not 0 <= args.lora_dropout < 1:
         p.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
     if args.model not in CONFIGS and not args.checkpoint:
@@ -1970,6 +2073,68 @@ def predicted_memory(args, world, config=None):
                            dtype_bytes=2 if args.dtype == "bf16" else 4, lora_rank=args.lora_rank,
                            checkpointing=args.checkpointing, offload=args.cpu_offload,
                            offload_activations=args.offload_activations, compiled=args.compile)
+
+FIT_MARGIN = 0.1  # --fit with no number, on CUDA: the free memory less this share of the GPU's total
+# What --fit tries, fastest first on a GPU (the README says what each costs): (checkpointing,
+# --offload_activations, --cpu_offload), each with every micro-batch that divides this rank's batch, largest first.
+FIT_TIERS = [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
+             (True, False, True), (True, True, True)]
+
+FIT_FLAGS = ("batch_size", "grad_accum", "checkpointing", "offload_activations", "cpu_offload")  # what --fit sets
+
+def fit_plans(args):  # --grad_accum makes up a smaller micro-batch: the batch and the loss stay the same
+    n = args.batch_size * args.grad_accum
+    return [dict(batch_size=m, grad_accum=n // m, checkpointing=c, offload_activations=o, cpu_offload=h)
+            for c, o, h in FIT_TIERS for m in range(n, 0, -1) if n % m == 0]
+
+def plan_name(plan):
+    return (f"micro-batch {plan['batch_size']} x {plan['grad_accum']}" + ", checkpointing" * plan["checkpointing"]
+            + ", --offload_activations" * plan["offload_activations"] + ", --cpu_offload" * plan["cpu_offload"])
+
+def fit_budget(args, device):
+    """(bytes per GPU --fit fits in, bytes of host memory available or None), the least over the ranks."""
+    if args.fit == "auto":
+        require(device.type == "cuda", "--fit: on a CPU give the memory to fit in, e.g. --fit 20 (GiB per rank)")
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - FIT_MARGIN * total
+    host, budget = host_available(), budget if args.fit == "auto" else args.fit * GiB
+    if dist.is_initialized():
+        t = torch.tensor([budget, host or math.inf], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        budget, host = t[0].item(), None if t[1].item() == math.inf else t[1].item()
+    return budget, host
+
+def plan_fits(args, plan, world, config, budget, host):
+    """(estimate, its GPU peak fits budget, its host memory for this machine's ranks fits host) of args with plan."""
+    est = predicted_memory(argparse.Namespace(**{**vars(args), **plan}), world, config)
+    return est, est["gpu_peak"] <= budget, host is None or est["host_state"] * int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= host
+
+def fit(args, world, config, budget, host):
+    """args with the first of fit_plans that fits, every plan tried printed; none: one error naming the smallest peak."""
+    print0(f"--fit: {budget / GiB:.2f} GiB per GPU" + (f", {host / GiB:.1f} GiB of host memory" if host else ""))
+    for plan in fit_plans(args):
+        est, gpu_ok, host_ok = plan_fits(args, plan, world, config, budget, host)
+        verdict = "fits" if gpu_ok and host_ok else "too big" if not gpu_ok else "its host memory is not available"
+        print0(f"  {plan_name(plan):<62} {est['gpu_peak'] / GiB:8.2f} GiB  {verdict}")
+        if gpu_ok and host_ok:
+            print0(f"--fit chose {plan_name(plan)}: {est['gpu_peak'] / GiB:.2f} GiB predicted per GPU")
+            return argparse.Namespace(**{**vars(args), **plan})
+    raise UserError(f"--fit: no setting fits in {budget / GiB:.2f} GiB per GPU; the smallest predicted peak is "
+                    f"{est['gpu_peak'] / GiB:.2f} GiB ({plan_name(plan)})" + ("" if host_ok else
+                    f" and its {est['host_state'] / GiB:.1f} GiB of host memory are not available"))
+
+def longest_context(args, world, config, budget, host):
+    """(tokens, plan): the longest --seq_len that fits at micro-batch 1, with the FIT_TIERS setting that allows it."""
+    best = (0, None)
+    for c, o, h in FIT_TIERS:
+        plan, lo, hi = dict(batch_size=1, grad_accum=1, checkpointing=c, offload_activations=o, cpu_offload=h), 0, 1 << 24
+        while lo < hi:  # bisection: the estimate grows with the sequence length
+            mid = (lo + hi + 1) // 2
+            _, gpu_ok, host_ok = plan_fits(argparse.Namespace(**{**vars(args), "seq_len": mid}), plan, world, config,
+                                           budget, host)
+            lo, hi = (mid, hi) if gpu_ok and host_ok else (lo, mid - 1)
+        best = max(best, (lo, plan), key=lambda b: b[0])
+    return best
 
 PROGRESS_S = 10.0  # seconds between progress lines
 
@@ -2086,14 +2251,19 @@ def train(args):
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
+    if cuda:  # expandable segments (as torchtune and axolotl run) unless the user set the allocator up
+        if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
+            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
         torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
     world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
     name, config = model_config(args)
+    if args.fit is not None:  # before anything reads the flags it sets
+        args = fit(args, world, config, *fit_budget(args, device))
     check_writable(args, rank)
     data = None if args.data == "dummy" else load_tokens(args.data or __file__, config.vocab_size, args.seq_len)
+    val = load_tokens(args.val_data, config.vocab_size, args.seq_len, "--val_data") if args.val_data else None
     prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
     checkpoint = load_checkpoint(args.checkpoint, config) if args.checkpoint else None  # every header checked
     check_fits(args, config, world, device)
@@ -2103,7 +2273,7 @@ def train(args):
     # is reserved now, so the blocks loading left in the cache go back first.
     if cuda:
         torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     start = resume(args, fsdp, optimizer) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
@@ -2116,9 +2286,15 @@ def train(args):
     if args.compile:
         print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
 
-    losses, timings = [], []  # timings: per step (seconds, comm wait, optimizer seconds)
+    losses, val_losses, timings = [], [], []  # timings: per step (seconds, comm wait, optimizer seconds)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    profiler = None
+    profiler, predicted = None, predicted_memory(args, world, config)["gpu_peak"] / GiB
+    metrics = open_metrics(args.out, start) if args.out and rank == 0 else None
+
+    def record(**r):  # one line of --out's metrics.jsonl, on disk at once (a crashed run keeps what it logged)
+        if metrics:
+            metrics.write(json.dumps(r) + "\n")
+            metrics.flush()
 
     def export_profile(prof):  # after step 5, or at the end of a shorter run
         trace = os.path.join(args.profile, f"trace_rank{rank}.json")
@@ -2143,7 +2319,14 @@ def train(args):
             group["lr"] = lr
         batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
                    for micro in range(args.grad_accum)]
-        loss, optim_s = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
+        try:
+            loss, optim_s = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
+        except torch.OutOfMemoryError:  # on one rank: it exits, and torchrun ends the others
+            total = torch.cuda.get_device_properties(device).total_memory if cuda else os.sysconf(
+                "SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            raise UserError(f"out of memory on {device} at step {step + 1}: --estimate predicted a peak of "
+                            f"{predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
+                            f"settings that fit") from None
         if not math.isfinite(loss):  # stopped before the update: the last checkpoint stays good
             kept = f"; the last checkpoint in {args.out} is intact" if args.out else ""
             raise UserError(f"loss is {loss} at step {step + 1}; stopped before updating{kept}")
@@ -2156,16 +2339,30 @@ def train(args):
                 # Python stacks only (C++ stacks would be unwound at every allocation)
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if step % args.log_every == 0 or step + 1 == last_step:
+            mem = peak_memory_gib(device)
             print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
-                   f"{tokens_per_step / dt:,.0f} tok/s | mem {peak_memory_gib(device):.2f} GiB")
+                   f"{tokens_per_step / dt:,.0f} tok/s | mem {mem:.2f} GiB")
+            record(step=step + 1, loss=loss, lr=lr, ms=round(dt * 1000, 2), tokens_per_s=round(tokens_per_step / dt, 1),
+                   mem_gib=round(mem, 4))
+        if step == start:  # step 1 (compiling, autotuning, first allocations): its peaks apart from the steady state's
+            first_peaks = peak_memory_gib(device), peak_memory_gib(device, reserved=True) if cuda else None
+            reset_peak_memory(device)
+        if val and (step + 1 == last_step or args.eval_every and (step + 1) % args.eval_every == 0):
+            val_loss, n = evaluate(model, val, args, world, rank, device)
+            val_losses.append(val_loss)
+            print0(f"eval step {step + 1} | val_loss {val_loss:.4f} | {n} sequences of --val_data")
+            record(step=step + 1, val_loss=val_loss)
         if args.out and (step + 1 == last_step or args.save_every and (step + 1) % args.save_every == 0):
             save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
     if profiler is not None:
         profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
-    # The peaks of training, before the merge and the sample allocate their own.
-    peak_gib, reserved_gib = peak_memory_gib(device), peak_memory_gib(device, reserved=True) if cuda else None
+    # The steady state's peaks (one step: step 1's), before the merge and the sample allocate their own.
+    peaks = (peak_memory_gib(device), peak_memory_gib(device, reserved=True) if cuda else None) \
+        if last_step - start > 1 else first_peaks
+    if metrics:
+        metrics.close()
     if args.merge_to:
-        save_merged(args.merge_to, fsdp, model, args.checkpoint)
+        save_merged(args.merge_to, fsdp, model, args.checkpoint, args.max_shard_size * 1e9)
         print0(f"merged model written to {args.merge_to}")
     if args.sample:  # after the saves: what was trained is on disk whatever happens here
         ids = generate(model, prompt, args.sample, min(args.seq_len, config.max_position_embeddings), device,
@@ -2176,17 +2373,21 @@ def train(args):
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
                + (bytes(prompt).decode("utf-8", errors="replace") + sample if text else str(sample)))
 
+    print0(f"loss {sparkline(losses)} {losses[0]:.3f} -> {losses[-1]:.3f}" + (
+        f" | val_loss {sparkline(val_losses)} {val_losses[0]:.3f} -> {val_losses[-1]:.3f}" if val_losses else ""))
     # Median step time (the first compiles) split: waits for late all-gathers/reduce-scatters, optimizer, compute.
     step_s, wait_s, optim_s = (np.median(np.array(timings[1:] or timings), axis=0) * 1000).tolist()
     summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1], first_loss=losses[0],
                    step_ms=round(step_s, 2), tokens_per_s=round(tokens_per_step / (step_s / 1000), 1),
-                   peak_mem_gib=round(peak_gib, 4),
-                   predicted_peak_gib=round(predicted_memory(args, world, config)["gpu_peak"] / GiB, 4),
-                   batch_size=args.batch_size, seq_len=args.seq_len, grad_accum=args.grad_accum,
-                   dtype=args.dtype, device=device.type, compute_ms=round(step_s - wait_s - optim_s, 2),
-                   comm_wait_ms=round(wait_s, 2), optimizer_ms=round(optim_s, 2))
+                   peak_mem_gib=round(peaks[0], 4), step1_peak_mem_gib=round(first_peaks[0], 4),
+                   predicted_peak_gib=round(predicted, 4), seq_len=args.seq_len,
+                   **{k: getattr(args, k) for k in FIT_FLAGS}, dtype=args.dtype, device=device.type,
+                   compute_ms=round(step_s - wait_s - optim_s, 2), comm_wait_ms=round(wait_s, 2),
+                   optimizer_ms=round(optim_s, 2))
     if cuda:
-        summary["peak_reserved_gib"] = round(reserved_gib, 4)
+        summary.update(peak_reserved_gib=round(peaks[1], 4), step1_peak_reserved_gib=round(first_peaks[1], 4))
+    if val_losses:
+        summary["val_loss"] = val_losses[-1]
     if args.sample:
         summary["sample"] = sample
     return summary, losses, fsdp
@@ -2195,15 +2396,22 @@ def main(argv=None):
     args = parse_args(argv)
     try:
         if args.estimate:  # the memory tables from the config alone: nothing is allocated
-            world, (name, config) = int(os.environ.get("WORLD_SIZE", 1)), model_config(args)
+            world, (name, config), longest = int(os.environ.get("WORLD_SIZE", 1)), model_config(args), {}
+            if args.fit is not None:  # the plan --fit would run, and the longest context at micro-batch 1
+                budget = fit_budget(args, torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu"
+                                                       else "cpu"))
+                args = fit(args, world, config, *budget)
+                tokens, plan = longest_context(args, world, config, *budget)
+                print0(f"longest context that fits at micro-batch 1: {tokens:,} tokens ({plan_name(plan)}); "
+                       f"the model's max_position_embeddings: {config.max_position_embeddings:,}")
+                longest = dict(max_seq_len=tokens)
             est = predicted_memory(args, world, config)
             print0(format_budget(name, memory_budget(config, args.lora_rank)))
             print0(format_estimate(name, est, world, args.cpu_offload))
-            flags = ("batch_size", "seq_len", "dtype", "lora_rank", "checkpointing", "cpu_offload",
-                     "offload_activations", "compile")
+            flags = ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile")
             summary = dict(model=name, world_size=world, **{k: getattr(args, k) for k in flags},
                            predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
-                           predicted_host_gib=round(est["host_state"] / GiB, 3))
+                           predicted_host_gib=round(est["host_state"] / GiB, 3), **longest)
         else:
             summary = train(args)[0]
     except UserError as e:  # bad input: one line, no traceback, non-zero exit

@@ -2043,14 +2043,18 @@ def test_data_formats_read_the_same_ids(tmp_path):
 
 
 def test_ranks_split_the_global_batch(tmp_path):
-    """The global micro-batch depends only on (seed, step, micro) and batch_size x world: the rows of
-    2 ranks with batch 2, side by side, are 1 rank's with batch 4 -- random (dummy) tokens and a file's."""
+    """A step's global batch depends only on (seed, step) and batch_size x grad_accum x world, laid out (micro,
+    rank, row): 1 rank's batch of 8 is 2 ranks' batches of 4 side by side, and 2 ranks' 2 micro-batches of 2
+    each -- random (dummy) tokens and a file's."""
     np.save(tmp_path / "ids.npy", random_ids())
     for data in (None, qf.load_tokens(str(tmp_path / "ids.npy"), 256, 32)):
-        one = qf.get_batch(data, 3, 1, qf.parse_args(BASE + ["--batch_size", "4"]), 1, 0, 256)
-        two = [qf.get_batch(data, 3, 1, qf.parse_args(BASE + ["--batch_size", "2"]), 2, r, 256) for r in range(2)]
+        one = qf.get_batch(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "8"]), 1, 0, 256)
+        two = [qf.get_batch(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "4"]), 2, r, 256) for r in range(2)]
+        four = [qf.get_batch(data, 3, m, qf.parse_args(BASE + ["--batch_size", "2", "--grad_accum", "2"]), 2, r, 256)
+                for m in range(2) for r in range(2)]
         for i in range(2):  # inputs, targets
             assert torch.equal(torch.cat([two[0][i], two[1][i]]), one[i])
+            assert torch.equal(torch.cat([b[i] for b in four]), one[i])
 
 
 def test_all_ones_mask_trains_as_bare_tokens(tmp_path):
