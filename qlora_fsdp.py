@@ -2026,7 +2026,9 @@ def parse_args(argv=None):
     p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
     p.add_argument("--offload_activations", action="store_true", help="checkpointed block inputs on the host")
     p.add_argument("--estimate", action="store_true", help="print the memory per rank (of WORLD_SIZE) and exit")
-    p.add_argument("--fit", nargs="?", const="auto", type=float, metavar="GIB", help="choose the micro-batch, "
+    def gib(v):  # --fit's number, or "auto" (no number)
+        return v if v == "auto" else float(v)
+    p.add_argument("--fit", nargs="?", const="auto", type=gib, metavar="GIB", help="choose the micro-batch, "
                    "checkpointing and offloads that fit GIB per GPU, keeping the batch (no GIB, on CUDA: the free "
                    f"memory less {FIT_MARGIN:.0%} of the GPU's); the flags for them are then ignored")
     p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (on CUDA with a memory snapshot) to DIR")

@@ -2,11 +2,14 @@
 against a reference: a dense F.linear, torch.optim.AdamW, a plain Llama written here, the
 unsharded single-process run. Run: python -m pytest -q test_qlora_fsdp.py"""
 
+import argparse
 import contextlib
 import dataclasses
+import io
 import json
 import math
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -638,6 +641,32 @@ def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
             torch.testing.assert_close(grads[name].view(p.shape), p.grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_gather_copies_out_and_reduce_scatter_builds_its_input_in_a_few_ops(monkeypatch):
+    """Per unit, the copy-out from the all-gather buffer is at most 3 tensor ops, and so is the building of the
+    reduce-scatter's input, whatever the number of tensors in the unit (a block has dozens): one
+    split_with_sizes_copy, one _chunk_cat (views not counted; the profiler's op events, not kernels)."""
+    real = qf._collective
+
+    def collective(*args, **kwargs):  # the collective itself (here a copy: no process group) is not the input
+        with torch.profiler.record_function("collective"):
+            return real(*args, **kwargs)
+    monkeypatch.setattr(qf, "_collective", collective)
+    model = make_model()
+    fsdp = qf.FSDP(model, model.units(), "cpu", torch.float32)
+    views = {"aten::view", "aten::reshape", "aten::as_strided", "aten::slice", "aten::_reshape_alias", "aten::alias"}
+    with torch.profiler.profile() as prof:
+        model(torch.randint(256, (2, 16)), torch.randint(256, (2, 16))).backward()
+    counted = {}
+    for e in prof.events():
+        if e.name in ("fsdp::copy_out", "fsdp::reduce_scatter"):
+            ops = [c.name for c in e.cpu_children if c.name.startswith("aten::") and c.name not in views]
+            counted.setdefault(e.name, []).append(len(ops))
+    n_tensors = len(fsdp.units[1].slots)
+    assert n_tensors > 40 and len(counted["fsdp::copy_out"]) >= 2 * len(model.model.layers)
+    assert len(counted["fsdp::reduce_scatter"]) == len(model.model.layers)
+    assert max(counted["fsdp::copy_out"]) <= 3 and max(counted["fsdp::reduce_scatter"]) <= 3, counted
+
+
 def test_clip_grad_norm_equals_torch():
     """FSDP.clip_grad_norm_ returns the L2 norm of all adapter gradients and, above max_norm,
     scales them as torch.nn.utils.clip_grad_norm_ does; below it they stay as they are."""
@@ -953,7 +982,8 @@ def test_world_larger_than_some_tensors(tmp_path):
 @pytest.mark.parametrize("compile", ["--no-compile", "--compile"])
 def test_offloaded_activations_change_nothing(compile, monkeypatch):
     """--offload_activations moves every checkpointed block input (and nothing else) through a
-    separate host buffer and back -- 4 blocks x 3 steps of (2, 32, 128) fp32 -- and trains bitwise
+    separate host buffer and back -- 4 blocks x 3 steps of (2, 32, 128) fp32, each block's but the
+    last's copied back when the block after it starts its backward, ahead of its own -- and trains bitwise
     like the run that keeps them on the device, with eager blocks and with compiled ones (whose
     graph, not autograd's ops, decides what is saved)."""
     packed, real = [], qf.OffloadedInputs._pack
@@ -965,12 +995,21 @@ def test_offloaded_activations_change_nothing(compile, monkeypatch):
             assert out[1] is not t and torch.equal(out[1], t)  # a copy, not the tensor itself
         return out
 
+    real_unpack, ahead = qf.OffloadedInputs._unpack, []
+
+    def unpacking(self, entry):  # was this block input's copy back issued before its backward asked for it?
+        if not isinstance(entry, torch.Tensor):
+            ahead.append(entry[2] is not None)
+        return real_unpack(self, entry)
+
     monkeypatch.setattr(qf.OffloadedInputs, "_pack", counting)
+    monkeypatch.setattr(qf.OffloadedInputs, "_unpack", unpacking)
     argv = [a for a in BASE if a != "--no-compile"] + ["--batch_size", "2", "--steps", "3", compile]
     plain = run_single(argv)
     assert packed == []
     offloaded = run_single(argv + ["--offload_activations"])
     assert packed == [(2, 32, 128)] * 4 * 3
+    assert ahead == [False, True, True, True] * 3  # each block's but the last's came back ahead of its backward
     assert plain["losses"] == offloaded["losses"]
     for k, v in plain["adapters"].items():
         assert torch.equal(offloaded["adapters"][k], v), k
@@ -1350,9 +1389,13 @@ def _mem_worker(out_path):
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _mem_process(tmp_path_factory):
+def _mem_process(request, tmp_path_factory):
     """Starts the MEM checks' process with the module's first test, so that its compiling (most of
-    its time) overlaps the tests before them; a run that never reaches them stops it at the end."""
+    its time) overlaps the tests before them; a run that never reaches them stops it at the end, and
+    one that selects none of them (-k cuda) never starts it."""
+    if not any("mem_runs" in item.fixturenames for item in request.session.items):
+        yield None, None
+        return
     path = str(tmp_path_factory.mktemp("mem") / "runs")
     proc = mp.get_context("spawn").Process(target=_mem_worker, args=(path,), daemon=True)
     proc.start()
@@ -1426,6 +1469,66 @@ def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
     weights = sum(v for k, v in est["state"].items() if "gradients" not in k and "AdamW" not in k)
     run = run_single(BASE + ["--batch_size", "2", "--steps", "1"])
     assert abs(weights - run["local_bytes"]) < 0.05 * run["local_bytes"]
+
+
+def fit_json(argv, world, capsys, monkeypatch):
+    """--estimate's JSON line for argv at this world size."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    capsys.readouterr()
+    qf.main(argv + ["--estimate"])
+    return last_json(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("model", ["llama2-7b", "llama3-8b", "llama2-70b"])
+def test_fit_plans_fit_keep_the_batch_and_never_get_slower_with_more_memory(model, capsys, monkeypatch):
+    """For 7B, 8B and 70B at world 1, 2 and 8 and budgets from 0.5 to 80 GiB per GPU, --estimate --fit's plan fits
+    the budget, keeps this rank's batch (micro-batch x grad_accum = 8), is --estimate's prediction with the plan's
+    flags given by hand, and a larger budget never picks a plan later (slower) in fit_plans' order, every plan
+    before it not fitting; a budget nothing fits is one error naming the smallest peak (the list's last plan)."""
+    monkeypatch.setattr(qf, "host_available", lambda: None)  # this machine's memory: test_fit_weighs_the_host_memory_too
+    argv = ["--model", model, "--batch_size", "4", "--grad_accum", "2", "--seq_len", "2048"]
+    plans = qf.fit_plans(qf.parse_args(argv))
+    peaks = {}
+    for world in (1, 2, 8):
+        for i, plan in enumerate(plans):
+            hand = ["--batch_size", str(plan["batch_size"]), "--grad_accum", str(plan["grad_accum"]),
+                    "--checkpointing" if plan["checkpointing"] else "--no-checkpointing"]
+            hand += ["--offload_activations"] * plan["offload_activations"] + ["--cpu_offload"] * plan["cpu_offload"]
+            peaks[world, i] = fit_json(argv[:2] + ["--seq_len", "2048"] + hand, world, capsys, monkeypatch)
+        last, refused = len(plans), 0
+        for budget in (0.5, 4, 6, 8, 12, 16, 24, 40, 80):
+            try:
+                got = fit_json(argv + ["--fit", str(budget)], world, capsys, monkeypatch)
+            except SystemExit as e:
+                assert e.code == 2 and peaks[world, len(plans) - 1]["predicted_peak_gib"] > budget
+                assert f"the smallest predicted peak is {peaks[world, len(plans) - 1]['predicted_peak_gib']:.2f}" \
+                       in capsys.readouterr().err
+                refused += 1
+                continue
+            i = next(i for i, p in enumerate(plans) if all(got[k] == p[k] for k in qf.FIT_FLAGS))
+            assert got["predicted_peak_gib"] <= budget and got["batch_size"] * got["grad_accum"] == 8
+            assert got == {**peaks[world, i], "max_seq_len": got["max_seq_len"], "seq_len": 2048}
+            assert all(peaks[world, j]["predicted_peak_gib"] > budget for j in range(i)) and i <= last
+            last = i
+        assert 0 < refused < 9 and last < len(plans) - 1  # 0.5 GiB fits nothing; 80 GiB needs no offload
+
+
+def test_fit_weighs_the_host_memory_too(capsys, monkeypatch):
+    """A plan whose host memory (the estimate's host row) is more than the machine has is not chosen, and the
+    printout says so: Llama-2-70B on one 12 GiB GPU needs --cpu_offload, which 1 GiB of host cannot hold."""
+    monkeypatch.setattr(qf, "host_available", lambda: qf.GiB)
+    with pytest.raises(SystemExit):
+        fit_json(["--model", "llama2-70b", "--batch_size", "2", "--seq_len", "2048", "--fit", "12"], 1, capsys,
+                 monkeypatch)
+    out, err = capsys.readouterr()
+    assert "its host memory is not available" in out and "of host memory are not available" in err
+
+
+def test_fit_needs_a_number_on_a_cpu(capsys):
+    """--fit without a number asks the GPU for its free memory: on a CPU it is one error line."""
+    with pytest.raises(SystemExit) as exc:
+        qf.main(BASE + ["--batch_size", "2", "--fit"])
+    assert exc.value.code == 2 and "--fit: on a CPU give the memory to fit in" in capsys.readouterr().err
 
 
 # ---- 9. Hugging Face checkpoints ----------------------------------------------------------------
@@ -1710,6 +1813,49 @@ def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
     assert os.path.isfile(os.path.join(merged, "generation_config.json"))
 
 
+def test_sharded_export_round_trips_bit_for_bit(tmp_path):
+    """--merge_to above --max_shard_size writes Hugging Face's sharded layout: model-0000k-of-0000n.safetensors,
+    each at most the limit unless one tensor is larger, and model.safetensors.index.json listing every tensor once
+    (total_size its bytes); our loader reads it to the same tensors, bit for bit, as the single-file export."""
+    argv = BASE + ["--steps", "2", "--batch_size", "2", "--dtype", "bf16"]
+    one, sharded = str(tmp_path / "one"), str(tmp_path / "sharded")
+    train_run(argv + ["--merge_to", one])
+    train_run(argv + ["--merge_to", sharded, "--max_shard_size", "0.0002"])  # 200 kB; the embeddings are 65.5 kB
+    assert sorted(os.listdir(one)) == ["config.json", "model.safetensors"]
+    index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 3 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    assert sorted(os.listdir(sharded)) == sorted(files + ["config.json", "model.safetensors.index.json"])
+    whole = qf.SafetensorsFile(os.path.join(one, "model.safetensors"))
+    assert sorted(index["weight_map"]) == sorted(whole.entries)  # every tensor, once
+    for f in files:
+        sf = qf.SafetensorsFile(os.path.join(sharded, f))
+        sizes = [end - begin for _, _, begin, end in sf.entries.values()]
+        assert sum(sizes) <= 200_000 or len(sizes) == 1
+        assert all(index["weight_map"][name] == f for name in sf.entries)
+    assert index["metadata"]["total_size"] == sum(e - b for _, _, b, e in whole.entries.values())
+    config = qf.config_from_hf(json.load(open(os.path.join(sharded, "config.json"))))
+    tensors, _ = qf.load_checkpoint(sharded, config)
+    loaded = dict(tensors)
+    assert loaded.keys() == whole.entries.keys()
+    for name, t in loaded.items():
+        assert torch.equal(t, whole.get(name)), name
+
+
+def test_loading_and_drawing_report_progress(tmp_path, hf_dir, monkeypatch, capsys):
+    """Loading a checkpoint and drawing a random base print, on rank 0, a line at least every PROGRESS_S seconds
+    (here 0: after every tensor) with the tensors done of all, the bytes read of all, the rate and the time
+    left, and one line when done."""
+    monkeypatch.setattr(qf, "PROGRESS_S", 0.0)
+    for argv, what in ((["--checkpoint", hf_dir[0]], f"loading {hf_dir[0]}"), ([], "drawing a random base")):
+        capsys.readouterr()
+        train_run(BASE + ["--steps", "1", "--batch_size", "2"] + argv)
+        lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(what)]
+        assert len(lines) == 40 and re.fullmatch(rf"{re.escape(what)}: 39 tensors, [\d.]+ [kM]B in [\d.]+ s \(.+/s\)",
+                                                 lines[-1]), lines[-1]
+        assert re.fullmatch(rf"{re.escape(what)}: 1/39 tensors, [\d.]+ [kM]?B of [\d.]+ MB, .+/s, \d+ s left", lines[0])
+
+
 def _bad(tmp_path, hf_dir, case):
     """Builds the bad input for `case`; returns (argv, expected words in the error)."""
     path, sd = hf_dir
@@ -1839,6 +1985,14 @@ def _bad(tmp_path, hf_dir, case):
     if case == "mask length":
         np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.ones(499, np.uint8))
         return ["--data", str(tmp_path / "sft.npz")], "loss_mask has shape (499,), tokens (500,)"
+    if case == "val_data missing":
+        return ["--val_data", str(tmp_path / "nope.npy")], f"--val_data {tmp_path / 'nope.npy'}: no such file"
+    if case == "val_data too short":
+        (tmp_path / "val.txt").write_bytes(b"short")
+        return ["--val_data", str(tmp_path / "val.txt")], "val.txt: 5 tokens, fewer than --seq_len + 1 = 33"
+    if case == "val_data past the vocabulary":
+        np.save(tmp_path / "val.npy", np.full(500, 300, np.int32))
+        return ["--val_data", str(tmp_path / "val.npy")], "val.npy: token id 300 >= vocab_size 256"
     if case == "prompt not ids":
         return ["--model", "llama3-8b", "--sample", "5", "--prompt", "Hello"], "comma-separated token ids"
     if case == "resume other rank":
@@ -1955,7 +2109,8 @@ def last_json(out):
 
 BAD_CLI_CASES = ["short data", "token id", "negative token id", "bin for a big vocabulary", "unknown format",
                  "float tokens", "not an array", "mask counts nothing", "mask values", "mask length",
-                 "prompt not ids", "profile too short", "non-finite loss"]
+                 "prompt not ids", "profile too short", "non-finite loss", "val_data missing", "val_data too short",
+                 "val_data past the vocabulary"]
 
 
 @pytest.mark.parametrize("case", BAD_CLI_CASES)
@@ -1968,7 +2123,9 @@ def test_bad_data_or_flag_one_line_error(case, tmp_path, hf_dir, capsys):
 @pytest.mark.parametrize("argv,words", [(["--lr", "nan"], "--lr must be a finite number, got nan"),
                                         (["--temperature", "inf"], "--temperature must be a finite number"),
                                         (["--lora_dropout", "1.5"], "--lora_dropout must be in [0, 1), got 1.5"),
-                                        (["--batch_size", "0"], "--batch_size must be >= 1, got 0")])
+                                        (["--batch_size", "0"], "--batch_size must be >= 1, got 0"),
+                                        (["--max_shard_size", "0"], "--max_shard_size must be a positive number"),
+                                        (["--fit", "-1"], "--fit must be a positive number (GB), got -1.0")])
 def test_bad_flag_refused_by_the_parser(argv, words, capsys):
     """A flag out of its range stops the run before anything is read or built: exit status 2 and
     argparse's error line naming the flag."""
@@ -2004,6 +2161,145 @@ def test_compiled_blocks_equal_eager():
     torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-5)
     for k, v in eager["adapters"].items():
         torch.testing.assert_close(compiled["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def test_fit_runs_the_plan_it_prints(capsys):
+    """A --fit run on the tiny model trains with the plan it chose, and its losses are those of the same run with
+    the plan's flags given by hand (bitwise), and of the run it replaces (the same rows: any split of the batch)."""
+    argv = BASE + ["--batch_size", "4", "--steps", "2"]
+    args = qf.parse_args(argv)
+    plans = qf.fit_plans(args)
+    peaks = [qf.predicted_memory(argparse.Namespace(**{**vars(args), **p}), 1)["gpu_peak"] for p in plans]
+    assert peaks[1] < peaks[0]  # micro-batch 2 x 2 without checkpointing: the second plan
+    budget = peaks[1] / qf.GiB * (1 + 1e-9)
+    fitted = train_run(argv + ["--fit", repr(budget)])
+    assert "--fit chose micro-batch 2 x 2:" in capsys.readouterr().out
+    assert {k: fitted["summary"][k] for k in qf.FIT_FLAGS} == plans[1]
+    by_hand = train_run(argv[:-4] + ["--steps", "2", "--batch_size", "2", "--grad_accum", "2", "--no-checkpointing"])
+    assert fitted["losses"] == by_hand["losses"]
+    torch.testing.assert_close(torch.tensor(fitted["losses"]), torch.tensor(train_run(argv)["losses"]), rtol=1e-5, atol=0)
+
+
+def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
+    """An out-of-memory error in a step is one error line naming the step, the predicted peak, the device's
+    memory and --fit, exit code 2; the checkpoint saved before it is untouched."""
+    real, calls = qf.train_step, []
+
+    def oom(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(qf, "train_step", oom)
+    out = str(tmp_path / "out")
+    with pytest.raises(SystemExit) as exc:
+        qf.main(BASE + ["--batch_size", "2", "--out", out, "--save_every", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1, err
+    assert err[0].startswith("error: out of memory on cpu at step 2: --estimate predicted a peak of ") and "--fit" in err[0]
+    assert open(os.path.join(out, "latest")).read() == "checkpoint-1" and qf.load_adapters(os.path.join(out, "checkpoint-1"))
+
+
+def test_out_of_memory_on_one_rank_ends_every_rank(tmp_path):
+    """Under torchrun, an out-of-memory error on rank 1 is its one error line and exit 2, and torchrun ends rank 0,
+    which was waiting in a collective: the run stops within seconds, nothing left hanging."""
+    script = tmp_path / "oom.py"
+    script.write_text(f"import sys, torch\nsys.path.insert(0, {HERE!r})\nimport qlora_fsdp as qf\nreal = qf.train_step\n"
+                      "def oom(*a, **k):\n    if torch.distributed.get_rank() == 1 and qf.oom_calls:\n"
+                      "        raise torch.OutOfMemoryError('CUDA out of memory')\n    qf.oom_calls = 1\n"
+                      "    return real(*a, **k)\nqf.oom_calls, qf.train_step = 0, oom\nqf.main(sys.argv[1:])\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
+           str(script)] + BASE + ["--batch_size", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert p.returncode != 0
+    assert "error: out of memory on cpu at step 2" in p.stderr and "exitcode  : 2" in p.stderr, p.stderr[-3000:]
+
+
+def val_file(tmp_path):
+    """An .npz of 300 tokens whose loss mask counts a target where its id is even: 9 sequences of 32 + 1."""
+    ids = random_ids(300, seed=1)
+    np.savez(tmp_path / "val.npz", tokens=ids, loss_mask=(ids % 2 == 0).astype(np.uint8))
+    return str(tmp_path / "val.npz"), ids
+
+
+def test_val_loss_is_the_masked_cross_entropy_of_the_first_sequences(tmp_path):
+    """The held-out loss is the plain masked cross entropy of the model's logits over --val_data's first
+    --eval_seqs sequences (sequence i: tokens [32 i, 32 i + 33)), all counted targets at once; at world 1 (batch 2
+    per rank: three micro-batches, the last one short) and world 3 (one micro-batch, a rank's second row past the
+    end) alike, and with fewer sequences in the file than asked, all of them."""
+    path, ids = val_file(tmp_path)
+    argv = BASE + ["--val_data", path, "--eval_seqs", "5", "--lr", "0", "--steps", "1"]  # lr 0: the untrained model
+    args = qf.parse_args(argv + ["--batch_size", "2"])
+    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
+    val = qf.load_tokens(path, 256, 32, "--val_data")
+    want = {}
+    for k in (5, 64):
+        n = min(k, (len(ids) - 1) // 32)
+        seqs = torch.from_numpy(np.stack([ids[32 * i:32 * i + 33] for i in range(n)]).astype(np.int64))
+        y = seqs[:, 1:].masked_fill(torch.from_numpy(ids[1:32 * n + 1].reshape(n, 32) % 2 != 0), -100)
+        with torch.no_grad():
+            want[k] = F.cross_entropy(model(seqs[:, :-1]).flatten(0, 1), y.flatten(), ignore_index=-100).item()
+        got, got_n = qf.evaluate(model, val, qf.parse_args(argv + ["--batch_size", "2", "--eval_seqs", str(k)]), 1, 0,
+                                 torch.device("cpu"))
+        assert got_n == n == (5 if k == 5 else 9) and got == pytest.approx(want[k], rel=1e-6)
+    assert want[5] != pytest.approx(want[64], rel=1e-3)
+    sharded = [r["summary"]["val_loss"] for r in run_sharded(3, argv + ["--batch_size", "2"], tmp_path)]
+    single = train_run(argv + ["--batch_size", "6"])["summary"]["val_loss"]
+    assert sharded + [single] == pytest.approx([want[5]] * 4, rel=1e-6)
+
+
+def test_metrics_file_has_every_step_once_across_a_resume(tmp_path, monkeypatch):
+    """--out's metrics.jsonl holds one record per logged step (step, loss, lr, ms, tokens_per_s, mem_gib) and one
+    per evaluation (step, val_loss), written as they come: a run that dies after step 3 (checkpoint at 2) keeps
+    them, and its --resume drops the records after step 2 before writing its own: every step appears once."""
+    path, _ = val_file(tmp_path)
+    out = str(tmp_path / "out")
+    argv = BASE + ["--batch_size", "2", "--out", out, "--save_every", "2", "--val_data", path, "--eval_every", "2",
+                   "--log_every", "1"]
+    real, calls = qf.train_step, []
+
+    def dies_at_step_4(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 4:
+            raise RuntimeError("killed")
+        return real(*args, **kwargs)
+    monkeypatch.setattr(qf, "train_step", dies_at_step_4)
+    with pytest.raises(RuntimeError, match="killed"):
+        train_run(argv)
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert [r["step"] for r in records] == [1, 2, 2, 3]
+    monkeypatch.setattr(qf, "train_step", real)
+    resumed = train_run(argv + ["--resume"])
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    steps = [r["step"] for r in records if "loss" in r]
+    assert steps == [1, 2, 3, 4] and [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    assert all(r.keys() == {"step", "loss", "lr", "ms", "tokens_per_s", "mem_gib"} for r in records if "loss" in r)
+    assert records[-1]["val_loss"] == resumed["summary"]["val_loss"] and records[-2]["loss"] == resumed["losses"][-1]
+
+
+def test_sparkline_draws_low_to_high(monkeypatch):
+    """sparkline puts values on eight bars from the lowest to the highest, averaged down to its width, in block
+    characters, or ASCII where the terminal cannot show them."""
+    assert qf.sparkline([1.0, 2.0, 3.0, 4.0]) == "▁▃▆█" and qf.sparkline([5.0, 5.0]) == "▁▁"
+    line = qf.sparkline([float(i) for i in range(80)], width=40)
+    assert len(line) == 40 and list(line) == sorted(line, key="▁▂▃▄▅▆▇█".index)
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
+    assert qf.sparkline([1.0, 2.0, 3.0, 4.0]) == "_-*@"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's VmHWM")
+def test_peak_memory_restarts_after_step_1():
+    """reset_peak_memory restarts the CPU's peak from the resident set now: a 512 MiB buffer freed before it is
+    in the peak before and not after; a run's JSON has the steady state's peak and step 1's apart."""
+    cpu = torch.device("cpu")
+    qf.reset_peak_memory(cpu)
+    big = torch.ones(512 * 2**20 // 4)
+    del big
+    before = qf.peak_memory_gib(cpu)
+    qf.reset_peak_memory(cpu)
+    assert qf.peak_memory_gib(cpu) < before - 0.4
+    s = train_run(BASE + ["--steps", "2", "--batch_size", "2"])["summary"]
+    assert s["peak_mem_gib"] > 0 and s["step1_peak_mem_gib"] > 0 and "peak_reserved_gib" not in s
 
 
 def test_cli_loss_falls_on_default_data(capsys):
