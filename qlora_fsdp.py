@@ -56,6 +56,7 @@ GiB = 1024**3
 # -----------------------------------------------------------------------------
 # 1. Memory accounting: where the bytes go before a single activation exists
 # -----------------------------------------------------------------------------
+# Needs: nothing (a config's attributes).
 # Full fine-tuning in bf16 keeps, per parameter: the weight (2 B), its gradient (2 B) and
 # Adam's two moments (2 x 2 B): 8 B/param, so a 7B model needs 56 GB (Llama-2-7B, 6.74 B
 # parameters: 13.5 + 13.5 + 27 = 54 GB).
@@ -111,6 +112,7 @@ def format_budget(name, budget):
 # -----------------------------------------------------------------------------
 # 2. NF4 quantization with double-quantized scales (QLoRA, Dettmers et al. 2023)
 # -----------------------------------------------------------------------------
+# Needs: import sys, torch, torch.nn.functional as F.
 # NormalFloat-4: 16 values placed at quantiles of N(0, 1), rescaled to [-1, 1], with an exact 0.
 # Paper Appendix E; bitsandbytes get_4bit_type("nf4"). Code i is NF4[i], ascending.
 NF4_VALUES = [
@@ -262,6 +264,8 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
 # -----------------------------------------------------------------------------
 # 3. NF4Tensor: a tensor subclass so 4-bit weights behave like ordinary tensors
 # -----------------------------------------------------------------------------
+# Needs: import torch, torch.nn.functional as F; from typing import Optional; from above: quantize_nf4,
+# dequantize_nf4.
 # A "wrapper" subclass has no storage of its own: it reports the original shape and float dtype
 # and holds four inner tensors. F.linear, .to(), torch.save and torch.compile see a tensor;
 # the bytes are the packed codes. Layout of a (out, in) weight, numel = out * in:
@@ -403,6 +407,8 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # -----------------------------------------------------------------------------
 # 4. LoRA over a frozen NF4 base (QLoRA)
 # -----------------------------------------------------------------------------
+# Needs: import math, random, torch, torch.nn as nn, torch.nn.functional as F; from above: NF4Tensor, to_nf4,
+# linear_nf4.
 # y = x W^T + (alpha / rank) * dropout(x) A^T B^T; W (out, in) frozen in NF4, A (rank, in), B (out, rank).
 # B starts at zero, so the model starts exactly at the base model (Hu et al. 2021).
 # Adapters are fp32 "master" weights, cast to the compute dtype in forward (FSDP: at all-gather).
@@ -497,12 +503,13 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# Needs: contextlib, time, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F,
-# torch.utils._pytree as pytree. It knows no weight format: an NF4 weight comes apart by __tensor_flatten__.
+# Needs: import contextlib, time, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F,
+# torch.utils._pytree as pytree.
 #
 # The model is cut into *units*, as FSDP2's fully_shard cuts it (Llama: the embeddings, each block, the final
 # norm + lm_head; the parameters in no unit form the root unit, gathered at the model's forward). Every tensor
-# of a unit -- each inner tensor of a tensor subclass, each frozen weight, each trainable one -- is flattened
+# of a unit -- each inner tensor of a tensor subclass (the section knows no weight format: an NF4 weight comes
+# apart by __tensor_flatten__), each frozen weight, each trainable one -- is flattened
 # and split into `world` pieces of ceil(numel / world) elements, zero padded at the end (a tensor smaller than
 # the world leaves some pieces all padding); rank r keeps piece r in the dtype the tensor travels in (FSDP2
 # splits dim 0: the same order, but a flat split takes any shape). One collective moves a unit's pieces, side
@@ -1017,6 +1024,7 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # -----------------------------------------------------------------------------
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
+# Needs: import math, torch.
 # torch.optim.AdamW over FSDP2's DTensors pays Python + DTensor dispatch per tensor per op; FSDP above
 # hands over one flat shard per unit (Llama-2-7B: 32 tensors instead of 448), so each update below is
 # one foreach call over a few tensors (Loshchilov & Hutter 2019, decoupled weight decay):
@@ -1099,6 +1107,9 @@ class AdamW(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------
 # 7. Llama, module for module as Hugging Face's LlamaForCausalLM
 # -----------------------------------------------------------------------------
+# Needs: import contextlib, math, torch, torch.nn as nn, torch.nn.functional as F; from dataclasses import dataclass;
+# from typing import Optional; from torch.utils.checkpoint import checkpoint; from above: NF4Tensor, NF4Linear,
+# LoRALinear, use_compiled.
 
 @dataclass
 class LlamaConfig:  # field names are Hugging Face config.json's
@@ -1334,6 +1345,8 @@ class Llama(nn.Module):
 # -----------------------------------------------------------------------------
 # 8. Predicting the peak: every buffer of a training step, counted from the pieces above
 # -----------------------------------------------------------------------------
+# Needs: import math; from above: GiB, NF4_BITS_PER_PARAM, count_params, linear_shapes, ADAM_CHUNK_BYTES,
+# LOSS_CHUNK.
 # Section 1 counted the state that lives between steps. A step adds the all-gather buffers of
 # section 5 and the activations autograd keeps for backward, whose peak comes in the loss or in the
 # first block backward runs: every checkpointed block input is alive, plus the loss or that block.
@@ -1433,6 +1446,8 @@ def format_estimate(name, est, world, offload):
 # -----------------------------------------------------------------------------
 # 9. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
 # -----------------------------------------------------------------------------
+# Needs: import io, json, math, os, re, shutil, numpy as np, torch, torch.distributed as dist; from dataclasses
+# import fields; from above: seeded, random_weight, lora_A_init, linear_shapes, LlamaConfig, Llama.
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
 # then the raw little-endian bytes, offsets relative to the end of the header.
@@ -1806,6 +1821,11 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # 10. Data, training loop, command line
 # -----------------------------------------------------------------------------
+# Needs: import argparse, contextlib, json, math, os, resource, sys, tempfile, time, numpy as np, torch,
+# torch.distributed as dist; from above: GiB, fmt_bytes, memory_budget, format_budget, to_nf4, seeded, FSDP,
+# OffloadedInputs, AdamW, CONFIGS, IGNORE_INDEX, NF4Linear, Llama, estimate_memory, format_estimate, UserError,
+# require, print0, read_json, atomic_write, config_from_hf, load_checkpoint, initial_weights, save_checkpoint,
+# resume, save_merged.
 
 def load_tokens(path, vocab_size, seq_len, flag="--data"):
     """(tokens, loss_mask or None) from a --data (or --val_data) file (formats: see --help), checked: at least
