@@ -2749,7 +2749,8 @@ def test_cuda_profile_writes_trace_and_memory_snapshot(tmp_path):
 def test_equals_transformers_and_peft_loads_our_adapters(tmp_path):
     """A checkpoint saved by transformers loads here; with the same (dequantized) weights our
     logits equal LlamaForCausalLM's; PEFT loads the adapters we train into that model and its
-    logits equal ours; transformers loads our merged checkpoint to the same logits."""
+    logits equal ours; transformers loads our merged checkpoint, in one file and sharded, to the same
+    logits, and a checkpoint it saves sharded loads here."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
@@ -2773,3 +2774,14 @@ def test_equals_transformers_and_peft_loads_our_adapters(tmp_path):
         torch.testing.assert_close(ours(tokens), tuned(tokens).logits, rtol=1e-5, atol=1e-5)
         back = transformers.LlamaForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
         torch.testing.assert_close(ours(tokens), back(tokens).logits, rtol=1e-5, atol=1e-5)
+    sharded, theirs = str(tmp_path / "sharded"), str(tmp_path / "theirs")
+    train_run(BASE + ["--checkpoint", base, "--steps", "2", "--batch_size", "2", "--lora_rank", "4",
+                      "--merge_to", sharded, "--max_shard_size", "0.0002"])
+    assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
+    transformers.LlamaForCausalLM.from_pretrained(base).save_pretrained(theirs, max_shard_size="200KB")
+    assert os.path.isfile(os.path.join(theirs, "model.safetensors.index.json"))  # transformers' own shards
+    with torch.no_grad():
+        back = transformers.LlamaForCausalLM.from_pretrained(sharded, dtype=torch.float32).eval()
+        torch.testing.assert_close(ours(tokens), back(tokens).logits, rtol=1e-5, atol=1e-5)
+        fresh = [qf.Llama.from_pretrained(d, dtype=torch.float32, lora_rank=4).eval() for d in (base, theirs)]
+        assert torch.equal(fresh[0](tokens), fresh[1](tokens))
