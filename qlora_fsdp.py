@@ -278,6 +278,8 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
 aten = torch.ops.aten
 
 class NF4Tensor(torch.Tensor):
+    """A 4-bit weight (the layout above) as a tensor of its shape and float dtype: F.linear, .to(), .cpu()/.cuda(),
+    pin_memory, clone, copy_, torch.save and torch.compile work on it; any other op raises, naming itself."""
     INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
 
     @staticmethod
@@ -444,8 +446,9 @@ class NF4Linear(nn.Module):
     def from_linear(cls, linear, compile=None, **lora):
         """This class around an existing nn.Linear: its weight quantized (reporting its dtype), its bias
         kept, frozen; no base weight drawn. LoRALinear takes rank=, alpha=, dropout= too."""
-        bias, dtype = linear.bias is not None, linear.weight.dtype
-        m = cls(linear.in_features, linear.out_features, bias=bias, dtype=dtype, compile=compile, weight=linear.weight, **lora)
+        bias = linear.bias is not None
+        m = cls(linear.in_features, linear.out_features, bias=bias, dtype=linear.weight.dtype, compile=compile,
+                weight=linear.weight, **lora)
         if bias:
             m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return m
@@ -508,11 +511,10 @@ class LoRALinear(NF4Linear):
 #
 # The model is cut into *units*, as FSDP2's fully_shard cuts it (Llama: the embeddings, each block, the final
 # norm + lm_head; the parameters in no unit form the root unit, gathered at the model's forward). Every tensor
-# of a unit -- each inner tensor of a tensor subclass (the section knows no weight format: an NF4 weight comes
-# apart by __tensor_flatten__), each frozen weight, each trainable one -- is flattened
-# and split into `world` pieces of ceil(numel / world) elements, zero padded at the end (a tensor smaller than
-# the world leaves some pieces all padding); rank r keeps piece r in the dtype the tensor travels in (FSDP2
-# splits dim 0: the same order, but a flat split takes any shape). One collective moves a unit's pieces, side
+# of a unit -- each inner tensor of a tensor subclass (an NF4 weight comes apart by __tensor_flatten__), each
+# frozen weight, each trainable one -- is flattened and split into `world` pieces of ceil(numel / world)
+# elements, zero padded at the end; rank r keeps piece r in the dtype the tensor travels in (FSDP2 splits dim 0:
+# the same order, but a flat split takes any shape, any world). One collective moves a unit's pieces, side
 # by side in one byte buffer, the widest dtypes first so that every piece starts aligned for its dtype:
 #
 #   rank 0 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed | q.scale_q | ... ]
@@ -522,15 +524,13 @@ class LoRALinear(NF4Linear):
 #   (world, shard bytes) block of the unit's full storage -> full tensors, on their modules while gathered
 #
 # Lifetime of a unit's full weights, run by hooks on its modules (FSDP2's, written small):
-#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's; its input tensors
-#                  pass through an identity autograd function whose backward marks the end of its backward
+#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's; its inputs pass
+#                  through an identity autograd function whose backward marks the end of the unit's backward
 #   post-forward:  free them (storage resized to 0); a hook on each output tensor marks the start of backward
 #   pre-backward:  all-gather again, prefetch the previous unit
-#   backward:      recompute the forward (checkpointing), backward; the trainable tensors' grads land in full
-#   post-backward: one reduce-scatter (fp32, summed over ranks) of the unit's gradients; free the weights
+#   post-backward: (after the recompute and backward) one reduce-scatter, fp32, of the unit's gradients; free
 #   end of backward (a callback queued on the autograd engine): units whose inputs needed no gradient reduce
-#                  now; every reduction is waited for and added to the masters' .grad, so that several
-#                  backward() calls before one step accumulate, as with fully_shard
+#                  now; every reduction is added to the masters' .grad: several backward() calls accumulate
 # CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. Plain
 # tensors, not FSDP2's DTensors, whose dispatch every optimizer op would pay (section 6).
 
@@ -566,8 +566,9 @@ class _Param:
             self.unflatten = lambda full: cls.__tensor_unflatten__(dict(zip(inner, full)), ctx, self.shape, stride)
         else:
             names, self.flatten, self.unflatten = [fqn], lambda t: [t], lambda full: full[0]
-        dtype = lambda t: compute_dtype if compute_dtype and t.is_floating_point() and not subclass else t.dtype  # noqa: E731
-        self.slots = [_Slot(n, t, dtype(t), self.trainable, world, rank) for n, t in zip(names, self.flatten(p))]
+        cast = compute_dtype if compute_dtype and not subclass else None  # a subclass keeps its inner dtypes
+        self.slots = [_Slot(n, t, cast if cast and t.is_floating_point() else t.dtype, self.trainable, world, rank)
+                      for n, t in zip(names, self.flatten(p))]
         self.value = None  # the full parameter, as its modules see it (set by the unit)
 
     def keep(self, full):  # a full tensor in this parameter's form (a subclass as such): keep this rank's pieces
@@ -670,13 +671,14 @@ class ShardedUnit:
             p.value = p.unflatten([s.full for s in p.slots])
             for m, attr in places:
                 m._parameters.pop(attr, None)
-                if "_fsdp_sharded" not in m.__dict__:
-                    cls = type(m)
-                    m.__class__ = _SHARDED_CLASSES.setdefault(cls, type(cls.__name__, (cls,), {"__getattr__": _sharded_getattr}))
-                    m._fsdp_sharded = {}
+                if "_fsdp_sharded" not in m.__dict__:  # its class, with _sharded_getattr
+                    cls, m._fsdp_sharded = type(m), {}
+                    m.__class__ = _SHARDED_CLASSES.setdefault(cls, type(cls.__name__, (cls,), {"__getattr__":
+                                                                                              _sharded_getattr}))
                 m._fsdp_sharded[attr] = p.fqn
+        self.places = [(m, attr, p.value) for p in self.params for m, attr in p.places]
         self.gathered = self.in_backward = self.needs_backward = False
-        self.to_run, self.inflight, self.version = set(), None, None  # modules yet to run in this forward; ...
+        self.to_run, self.inflight, self.version = set(), None, None  # to_run: its modules yet to run forward
         for m in modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)
@@ -716,9 +718,8 @@ class ShardedUnit:
             self.storage.resize_(self.fsdp.world * self.unit_bytes)
             torch.split_with_sizes_copy(out.view(self.fsdp.world, self.unit_bytes), [s.nbytes for s in self.slots],
                                         dim=1, out=[s.padded_bytes for s in self.slots])
-        for p in self.params:
-            for m, attr in p.places:
-                m.__dict__[attr] = p.value
+        for m, attr, value in self.places:  # the full tensors on their modules, for as long as they exist
+            m.__dict__[attr] = value
         self.gathered = True
 
     def free(self):
@@ -726,9 +727,8 @@ class ShardedUnit:
             self.fsdp.wait(self.inflight[0], "fsdp::wait_all_gather")
             self.inflight = None
         self.storage.resize_(0)
-        for p in self.params:
-            for m, attr in p.places:
-                m.__dict__.pop(attr, None)
+        for m, attr, _ in self.places:
+            m.__dict__.pop(attr, None)
         self.gathered, self.version = False, None
 
     def _pre_forward(self, module, args, kwargs):
@@ -810,8 +810,7 @@ class FSDP:
     load_full(name, tensor) keeps this rank's piece of one full tensor."""
 
     def __init__(self, model, units, device=None, compute_dtype=None, offload=False, group=None):
-        cuda = torch.cuda.is_available()
-        device = torch.device(device if device is not None else "cuda" if cuda else "cpu")
+        device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
         self.device = torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
         self.compute_dtype, self.offload, self.group = compute_dtype, offload, group
         self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
@@ -821,9 +820,9 @@ class FSDP:
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
         names, tops = {m: n for n, m in model.named_modules()}, {m for g in groups for m in g}
-        for m in tops:
-            if m not in names:
-                raise ValueError(f"FSDP: a unit's {type(m).__name__} is not a submodule of the model")
+        outside = [type(m).__name__ for m in tops if m not in names]
+        if outside:
+            raise ValueError(f"FSDP: a unit's {outside[0]} is not a submodule of the model")
         found = {}  # id(parameter) -> (fqn, [(module, name), ...], parameter, unit index)
 
         def walk(m, prefix, i):  # m's parameters and its children's, but not those of units of their own
@@ -873,8 +872,7 @@ class FSDP:
         for u, grad in self.to_host:
             u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
         self.to_host = []
-        for u in self.all_units:
-            u.free()
+        self.reshard()
 
     def reduce(self, unit, grads):
         """Issue unit's reduce-scatter: its gradients, fp32, chunk-cat in one op into (world, master numel), row
@@ -1043,9 +1041,8 @@ class AdamW(torch.optim.Optimizer):
     torch.optim.AdamW state_dict and torch loads its; lr may be a tensor; sparse and complex gradients are refused."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **torch_keywords):
-        unknown = set(torch_keywords) - set(TORCH_ADAMW)
-        if unknown:
-            raise TypeError(f"AdamW got an unexpected keyword argument {sorted(unknown)[0]!r}")
+        for key in sorted(set(torch_keywords) - set(TORCH_ADAMW))[:1]:
+            raise TypeError(f"AdamW got an unexpected keyword argument {key!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       **{**TORCH_ADAMW, **torch_keywords}))
 
@@ -1091,8 +1088,7 @@ class AdamW(torch.optim.Optimizer):
             for step, chunk in chunks:
                 c1, c2 = 1 - beta1**step, math.sqrt(1 - beta2**step)  # bias corrections of m and sqrt(v)
                 grads = [p.grad for p in chunk]
-                exp_avgs = [self.state[p]["exp_avg"] for p in chunk]
-                exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in chunk]
+                exp_avgs, exp_avg_sqs = ([self.state[p][k] for p in chunk] for k in ("exp_avg", "exp_avg_sq"))
                 if wd != 0:
                     torch._foreach_mul_(chunk, 1 - lr * wd)
                 torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
@@ -1659,8 +1655,10 @@ def initial_weights(shapes, seed, device="cpu"):
             yield name, torch.zeros(shape)
         elif "norm" in name:
             yield name, torch.ones(shape, device=device)
-        else:  # embeddings N(0, 1), linears N(0, 1/in)
-            yield name, torch.randn(shape, generator=g, device=device) if "embed_tokens" in name else random_weight(shape, g)
+        elif "embed_tokens" in name:  # N(0, 1)
+            yield name, torch.randn(shape, generator=g, device=device)
+        else:  # linears N(0, 1/in)
+            yield name, random_weight(shape, g)
 
 def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
                     device=None, seed=0):
@@ -1765,8 +1763,8 @@ def resume(args, fsdp, optimizer):
     return state["step"]
 
 def shard_files(specs, max_bytes):
-    """[(name, dtype, shape)] cut as Hugging Face's save_pretrained(max_shard_size) cuts them: in order, a new
-    file where the next tensor would take this one past max_bytes (a tensor larger than that: a file of its own)."""
+    """[(name, dtype, shape)] cut into files by the rule of Hugging Face's save_pretrained(max_shard_size), in our
+    order (readers go by the index): a new file where the next tensor would take this one past max_bytes."""
     files, size = [[]], 0
     for spec in specs:
         n = math.prod(spec[2]) * spec[1].itemsize
@@ -2097,64 +2095,60 @@ def predicted_memory(args, world, config=None):
                            offload_activations=args.offload_activations, compiled=args.compile)
 
 FIT_MARGIN = 0.1  # --fit with no number, on CUDA: the free memory less this share of the GPU's total
+FIT_FLAGS = ("batch_size", "grad_accum", "checkpointing", "offload_activations", "cpu_offload")  # what --fit sets
 # What --fit tries, fastest first on a GPU (the README says what each costs): (checkpointing,
 # --offload_activations, --cpu_offload), each with every micro-batch that divides this rank's batch, largest first.
 FIT_TIERS = [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
              (True, False, True), (True, True, True)]
 
-FIT_FLAGS = ("batch_size", "grad_accum", "checkpointing", "offload_activations", "cpu_offload")  # what --fit sets
+def fit_plans(args, n=None):  # --grad_accum makes up a smaller micro-batch: the same batch, the same rows
+    n = n or args.batch_size * args.grad_accum
+    return [argparse.Namespace(**{**vars(args), **dict(zip(FIT_FLAGS, (m, n // m, *tier)))})
+            for tier in FIT_TIERS for m in range(n, 0, -1) if n % m == 0]
 
-def fit_plans(args):  # --grad_accum makes up a smaller micro-batch: the batch and the loss stay the same
-    n = args.batch_size * args.grad_accum
-    return [dict(batch_size=m, grad_accum=n // m, checkpointing=c, offload_activations=o, cpu_offload=h)
-            for c, o, h in FIT_TIERS for m in range(n, 0, -1) if n % m == 0]
-
-def plan_name(plan):
-    return (f"micro-batch {plan['batch_size']} x {plan['grad_accum']}" + ", checkpointing" * plan["checkpointing"]
-            + ", --offload_activations" * plan["offload_activations"] + ", --cpu_offload" * plan["cpu_offload"])
+def plan_name(a):
+    return (f"micro-batch {a.batch_size} x {a.grad_accum}" + ", checkpointing" * a.checkpointing
+            + ", --offload_activations" * a.offload_activations + ", --cpu_offload" * a.cpu_offload)
 
 def fit_budget(args, device):
-    """(bytes per GPU --fit fits in, bytes of host memory available or None), the least over the ranks."""
-    if args.fit == "auto":
-        require(device.type == "cuda", "--fit: on a CPU give the memory to fit in, e.g. --fit 20 (GiB per rank)")
-        free, total = torch.cuda.mem_get_info(device)
-        budget = free - FIT_MARGIN * total
-    host, budget = host_available(), budget if args.fit == "auto" else args.fit * GiB
+    """(bytes per GPU --fit fits in, bytes of host memory available: inf where unknown), the least over ranks."""
+    require(args.fit != "auto" or device.type == "cuda", "--fit: on a CPU give the memory to fit in, e.g. --fit 20")
+    free, total = torch.cuda.mem_get_info(device) if args.fit == "auto" else (args.fit * GiB, 0)
+    budget, host = free - FIT_MARGIN * total, host_available() or math.inf
     if dist.is_initialized():
-        t = torch.tensor([budget, host or math.inf], dtype=torch.float64, device=device)
+        t = torch.tensor([budget, host], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        budget, host = t[0].item(), None if t[1].item() == math.inf else t[1].item()
+        budget, host = t.tolist()
     return budget, host
 
-def plan_fits(args, plan, world, config, budget, host):
-    """(estimate, its GPU peak fits budget, its host memory for this machine's ranks fits host) of args with plan."""
-    est = predicted_memory(argparse.Namespace(**{**vars(args), **plan}), world, config)
-    return est, est["gpu_peak"] <= budget, host is None or est["host_state"] * int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= host
+def plan_fits(plan, world, config, budget, host):
+    """(estimate, its GPU peak fits budget, its host memory, for this machine's ranks, fits host) of a plan."""
+    est = predicted_memory(plan, world, config)
+    return est, est["gpu_peak"] <= budget, est["host_state"] * int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= host
 
 def fit(args, world, config, budget, host):
-    """args with the first of fit_plans that fits, every plan tried printed; none: one error naming the smallest peak."""
-    print0(f"--fit: {budget / GiB:.2f} GiB per GPU" + (f", {host / GiB:.1f} GiB of host memory" if host else ""))
+    """The first of fit_plans(args) that fits, every plan tried printed; none: one error naming the smallest peak."""
+    print0(f"--fit: {budget / GiB:.2f} GiB per GPU" + (f", {host / GiB:.1f} GiB of host memory" * (host < math.inf)))
     for plan in fit_plans(args):
-        est, gpu_ok, host_ok = plan_fits(args, plan, world, config, budget, host)
+        est, gpu_ok, host_ok = plan_fits(plan, world, config, budget, host)
         verdict = "fits" if gpu_ok and host_ok else "too big" if not gpu_ok else "its host memory is not available"
         print0(f"  {plan_name(plan):<62} {est['gpu_peak'] / GiB:8.2f} GiB  {verdict}")
         if gpu_ok and host_ok:
             print0(f"--fit chose {plan_name(plan)}: {est['gpu_peak'] / GiB:.2f} GiB predicted per GPU")
-            return argparse.Namespace(**{**vars(args), **plan})
+            return plan
     raise UserError(f"--fit: no setting fits in {budget / GiB:.2f} GiB per GPU; the smallest predicted peak is "
                     f"{est['gpu_peak'] / GiB:.2f} GiB ({plan_name(plan)})" + ("" if host_ok else
                     f" and its {est['host_state'] / GiB:.1f} GiB of host memory are not available"))
 
 def longest_context(args, world, config, budget, host):
-    """(tokens, plan): the longest --seq_len that fits at micro-batch 1, with the FIT_TIERS setting that allows it."""
+    """(tokens, plan): the longest --seq_len that fits at micro-batch 1, and the FIT_TIERS setting that allows it."""
     best = (0, None)
-    for c, o, h in FIT_TIERS:
-        plan, lo, hi = dict(batch_size=1, grad_accum=1, checkpointing=c, offload_activations=o, cpu_offload=h), 0, 1 << 24
+    for plan in fit_plans(args, n=1):
+        lo, hi = 0, 1 << 24
         while lo < hi:  # bisection: the estimate grows with the sequence length
             mid = (lo + hi + 1) // 2
-            _, gpu_ok, host_ok = plan_fits(argparse.Namespace(**{**vars(args), "seq_len": mid}), plan, world, config,
-                                           budget, host)
-            lo, hi = (mid, hi) if gpu_ok and host_ok else (lo, mid - 1)
+            fits = plan_fits(argparse.Namespace(**{**vars(plan), "seq_len": mid}), world, config, budget, host)
+            lo, hi = (mid, hi) if all(fits[1:]) else (lo, mid - 1)
         best = max(best, (lo, plan), key=lambda b: b[0])
     return best
 
@@ -2296,6 +2290,7 @@ def train(args):
     if cuda:
         torch.cuda.empty_cache()
     reset_peak_memory(device)
+    peaks = lambda: (peak_memory_gib(device), peak_memory_gib(device, reserved=True) if cuda else None)  # noqa: E731
     optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
     start = resume(args, fsdp, optimizer) if args.resume else 0
     last_step = min(args.steps, args.stop_at or args.steps)
@@ -2313,10 +2308,9 @@ def train(args):
     profiler, predicted = None, predicted_memory(args, world, config)["gpu_peak"] / GiB
     metrics = open_metrics(args.out, start) if args.out and rank == 0 else None
 
-    def record(**r):  # one line of --out's metrics.jsonl, on disk at once (a crashed run keeps what it logged)
+    def record(**r):  # a line of --out's metrics.jsonl, on disk at once (a crashed run keeps what it logged)
         if metrics:
-            metrics.write(json.dumps(r) + "\n")
-            metrics.flush()
+            print(json.dumps(r), file=metrics, flush=True)
 
     def export_profile(prof):  # after step 5, or at the end of a shorter run
         trace = os.path.join(args.profile, f"trace_rank{rank}.json")
@@ -2335,20 +2329,16 @@ def train(args):
         profiler.start()
     for step in range(start, last_step):
         t0 = time.perf_counter()
-        lr = learning_rate(step, args)
+        optimizer.param_groups[0]["lr"] = lr = learning_rate(step, args)
         torch.manual_seed(seeded(args.seed, "dropout", rank, step).initial_seed())  # LoRA dropout: (seed, rank, step)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        batches = [get_batch(data, step, micro, args, world, rank, config.vocab_size)
-                   for micro in range(args.grad_accum)]
+        batches = [get_batch(data, step, m, args, world, rank, config.vocab_size) for m in range(args.grad_accum)]
         try:
             loss, optim_s = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
         except torch.OutOfMemoryError:  # on one rank: it exits, and torchrun ends the others
-            total = torch.cuda.get_device_properties(device).total_memory if cuda else os.sysconf(
-                "SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            total = torch.cuda.mem_get_info(device)[1] if cuda else os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
             raise UserError(f"out of memory on {device} at step {step + 1}: --estimate predicted a peak of "
                             f"{predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
-                            f"settings that fit") from None
+                            "settings that fit") from None
         if not math.isfinite(loss):  # stopped before the update: the last checkpoint stays good
             kept = f"; the last checkpoint in {args.out} is intact" if args.out else ""
             raise UserError(f"loss is {loss} at step {step + 1}; stopped before updating{kept}")
@@ -2367,7 +2357,7 @@ def train(args):
             record(step=step + 1, loss=loss, lr=lr, ms=round(dt * 1000, 2), tokens_per_s=round(tokens_per_step / dt, 1),
                    mem_gib=round(mem, 4))
         if step == start:  # step 1 (compiling, autotuning, first allocations): its peaks apart from the steady state's
-            first_peaks = peak_memory_gib(device), peak_memory_gib(device, reserved=True) if cuda else None
+            first_peaks = peaks()
             reset_peak_memory(device)
         if val and (step + 1 == last_step or args.eval_every and (step + 1) % args.eval_every == 0):
             val_loss, n = evaluate(model, val, args, world, rank, device)
@@ -2379,10 +2369,7 @@ def train(args):
     if profiler is not None:
         profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
     # The steady state's peaks (one step: step 1's), before the merge and the sample allocate their own.
-    peaks = (peak_memory_gib(device), peak_memory_gib(device, reserved=True) if cuda else None) \
-        if last_step - start > 1 else first_peaks
-    if metrics:
-        metrics.close()
+    steady = peaks() if last_step - start > 1 else first_peaks
     if args.merge_to:
         save_merged(args.merge_to, fsdp, model, args.checkpoint, args.max_shard_size * 1e9)
         print0(f"merged model written to {args.merge_to}")
@@ -2394,24 +2381,20 @@ def train(args):
         sample = bytes(ids).decode("utf-8", errors="replace") if text else ids
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
                + (bytes(prompt).decode("utf-8", errors="replace") + sample if text else str(sample)))
-
     print0(f"loss {sparkline(losses)} {losses[0]:.3f} -> {losses[-1]:.3f}" + (
         f" | val_loss {sparkline(val_losses)} {val_losses[0]:.3f} -> {val_losses[-1]:.3f}" if val_losses else ""))
     # Median step time (the first compiles) split: waits for late all-gathers/reduce-scatters, optimizer, compute.
     step_s, wait_s, optim_s = (np.median(np.array(timings[1:] or timings), axis=0) * 1000).tolist()
     summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1], first_loss=losses[0],
                    step_ms=round(step_s, 2), tokens_per_s=round(tokens_per_step / (step_s / 1000), 1),
-                   peak_mem_gib=round(peaks[0], 4), step1_peak_mem_gib=round(first_peaks[0], 4),
+                   peak_mem_gib=round(steady[0], 4), step1_peak_mem_gib=round(first_peaks[0], 4),
                    predicted_peak_gib=round(predicted, 4), seq_len=args.seq_len,
                    **{k: getattr(args, k) for k in FIT_FLAGS}, dtype=args.dtype, device=device.type,
                    compute_ms=round(step_s - wait_s - optim_s, 2), comm_wait_ms=round(wait_s, 2),
                    optimizer_ms=round(optim_s, 2))
     if cuda:
-        summary.update(peak_reserved_gib=round(peaks[1], 4), step1_peak_reserved_gib=round(first_peaks[1], 4))
-    if val_losses:
-        summary["val_loss"] = val_losses[-1]
-    if args.sample:
-        summary["sample"] = sample
+        summary.update(peak_reserved_gib=round(steady[1], 4), step1_peak_reserved_gib=round(first_peaks[1], 4))
+    summary.update({"val_loss": val_losses[-1]} if val_losses else {}, **{"sample": sample} if args.sample else {})
     return summary, losses, fsdp
 
 def main(argv=None):
