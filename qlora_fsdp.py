@@ -30,6 +30,7 @@ Run it:
 import argparse
 import contextlib
 import io
+import itertools
 import json
 import math
 import os
@@ -57,15 +58,13 @@ GiB = 1024**3
 # 1. Memory accounting: where the bytes go before a single activation exists
 # -----------------------------------------------------------------------------
 # Needs: nothing (a config's attributes).
-# Full fine-tuning in bf16 keeps, per parameter: the weight (2 B), its gradient (2 B) and
-# Adam's two moments (2 x 2 B): 8 B/param, so a 7B model needs 56 GB (Llama-2-7B, 6.74 B
-# parameters: 13.5 + 13.5 + 27 = 54 GB).
-# QLoRA freezes the base in NF4 (~0.516 B/param, section 2) and trains only LoRA adapters,
-# kept in fp32 (4 B) with fp32 gradients (4 B) and two fp32 moments (8 B): 16 B per *adapter*
-# parameter, of which there are ~0.3% as many.
+# Full fine-tuning in bf16 keeps, per parameter: the weight (2 B), its gradient (2 B) and Adam's two moments
+# (2 x 2 B): 8 B/param, so a 7B model needs 56 GB (Llama-2-7B, 6.74 B parameters: 13.5 + 13.5 + 27 = 54 GB).
+# QLoRA freezes the base in NF4 (~0.516 B/param, section 2) and trains only LoRA adapters, kept in fp32 (4 B)
+# with fp32 gradients (4 B) and two fp32 moments (8 B): 16 B per *adapter* parameter, of which there are ~0.3%.
 
-# NF4 storage per 64 weights (section 2): 32 B of codes + 1 B int8 scale, + 4 B fp32 factor per
-# 256 scales: 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
+# NF4 storage per 64 weights (section 2): 32 B of codes + 1 B int8 scale, + 4 B fp32 factor per 256 scales:
+# 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
 
 def linear_shapes(config):
@@ -79,17 +78,13 @@ def count_params(config, lora_rank=8):
     """Parameter counts of a Llama config: (linear weights of the blocks, lm_head,
     embeddings + norms, LoRA adapters on the 7 projections of every block)."""
     d, layers, shapes = config.hidden_size, config.num_hidden_layers, linear_shapes(config).values()
-    linear = layers * sum(o * i for o, i in shapes)
-    lora = layers * sum(lora_rank * (i + o) for o, i in shapes)
-    head = config.vocab_size * d
-    dense = config.vocab_size * d + (2 * layers + 1) * d  # embed_tokens + RMSNorm weights
-    return linear, head, dense, lora
+    linear, lora = layers * sum(o * i for o, i in shapes), layers * sum(lora_rank * (i + o) for o, i in shapes)
+    return linear, config.vocab_size * d, config.vocab_size * d + (2 * layers + 1) * d, lora  # dense: embed + norms
 
 def memory_budget(config, lora_rank=8):
     """Bytes of weights, gradients and optimizer state: full bf16 fine-tuning vs QLoRA."""
     linear, head, dense, lora = count_params(config, lora_rank)
-    total = linear + head + dense
-    nf4 = (linear + head) * NF4_BITS_PER_PARAM / 8
+    total, nf4 = linear + head + dense, (linear + head) * NF4_BITS_PER_PARAM / 8
     return {"full_bf16": {"params": 2 * total, "grads": 2 * total, "optimizer": 4 * total},
             "qlora": {"params": nf4 + 2 * dense + 4 * lora, "grads": 4 * lora, "optimizer": 8 * lora},
             "n_params": total, "n_lora": lora}
@@ -132,15 +127,14 @@ COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
 
 def use_compiled(compile, t):
-    """Whether to run a separately compiled kernel on t: `compile` (None: COMPILE), except inside an
-    outer torch.compile (the plain function is traced into that graph) and on meta tensors."""
+    """Whether to run a separately compiled kernel on t: `compile` (None: COMPILE), except inside an outer
+    torch.compile (the plain function is traced into that graph) and on meta tensors."""
     compile = COMPILE if compile is None else compile
     return compile and t.device.type != "meta" and not torch.compiler.is_compiling()
 
 def _quantize_blocks(w, block_size: int):
-    """w: (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32.
-    Each block is scaled by its exact absmax into [-1, 1] and rounded to the nearest NF4 value
-    (before the scales themselves are quantized, as bitsandbytes and torchao do)."""
+    """w: (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32. Each block is
+    scaled by its exact absmax into [-1, 1], rounded to the nearest NF4 value (as bitsandbytes and torchao do)."""
     blocks = w.float().view(-1, block_size)  # (n_blocks, 64)
     absmax = blocks.abs().amax(dim=1)  # (n_blocks,)
     normalized = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
@@ -150,10 +144,10 @@ def _quantize_blocks(w, block_size: int):
     return packed, absmax
 
 def _double_quantize(absmax, scaler_block_size: int):
-    """The fp32 block scales to int8, torchao's scheme: subtract the global mean, then per group of
-    256 scales factor = 127 / absmax(group), q = round(s * factor) (torchao uses 128 and clamps,
-    clipping each group's largest scale a step; 127 never clips). A partial last group is zero padded for its absmax.
-    Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32."""
+    """The fp32 block scales to int8, torchao's scheme: subtract the global mean, then per group of 256 scales
+    factor = 127 / absmax(group), q = round(s * factor) (torchao uses 128 and clamps, clipping each group's largest
+    scale a step; 127 never clips); a partial last group is zero padded. -> scale_q (n_blocks,) int8,
+    scale_factor (n_groups,) fp32, scale_mean () fp32."""
     n, mean = absmax.numel(), absmax.mean()
     padded = F.pad(absmax - mean, (0, -n % scaler_block_size)).view(-1, scaler_block_size)  # (n_groups, 256)
     factor = 127.0 / padded.abs().amax(dim=1).clamp_min(1e-30)  # finite for a group of equal scales (0s)
@@ -170,14 +164,12 @@ DEQUANT_CHUNK = 1 << 22  # elements per pass
 
 def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
                 scaler_block_size: int, dtype: torch.dtype):
-    """Inverse of quantize_nf4: (numel,) tensor of `dtype`, row-major, from
-    absmax = q / factor[group] + mean and w = NF4[code] * absmax[block]. The reference, and the path
-    for --no-compile and every dtype but bf16: codes index the codebook as int32, a chunk (at most
+    """Inverse of quantize_nf4: (numel,) tensor of `dtype`, row-major, w = NF4[code] * absmax[block]. The reference,
+    and the path for --no-compile and every dtype but bf16: codes index the codebook as int32, a chunk (at most
     half the weight) at a time, so that no temporary (4-byte codes and values) outgrows the output."""
-    table = _NF4_ON_DEVICE.get(packed.device)
-    if table is None:
-        table = _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
-    absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)  # (n_blocks,)
+    if packed.device not in _NF4_ON_DEVICE:
+        _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
+    table, absmax = _NF4_ON_DEVICE[packed.device], _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)
     blocks = packed.view(-1, block_size // 2)  # (n_blocks, 32)
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=packed.device)  # (n_blocks, 64)
     # blocks per chunk: DEQUANT_CHUNK elements, at most half the weight (packed.numel() is numel / 2)
@@ -188,15 +180,14 @@ def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
         chunk.copy_(values.mul_(scale[:, None]))
     return out.view(-1)
 
-# What torch.compile gets for bf16 output: the same numbers, bit for bit, in a form the compiler
-# vectorizes. The table lookup above compiles to a gather (a scalar load per element) and the
-# interleaving of the two nibbles to scalar stores. Instead: (1) the lookup is a tree of selects
-# between constants (vector blends); (2) each byte's two bf16 results are packed into one int32
-# (first element in the low half, as little-endian memory orders them), written contiguously and
-# viewed as bf16 afterwards, rounding fp32 -> bf16 on the bits (a dtype view stops the fusion).
+# What torch.compile gets for bf16 output: the same numbers, bit for bit, in a form the compiler vectorizes. The
+# table lookup above compiles to a gather (a scalar load per element) and the interleaving of the two nibbles to
+# scalar stores. Instead: (1) the lookup is a tree of selects between constants (vector blends); (2) each byte's
+# two bf16 results are packed into one int32 (first element in the low half, as little-endian memory orders
+# them), written contiguously and viewed as bf16 afterwards, rounding fp32 -> bf16 on the bits.
 def _nf4_lookup(code):
-    """NF4_VALUES[code] for an integer tensor of codes 0..15, without indexing: bit 0 of the code
-    picks within each pair of values, bit 1 within pairs of pairs, ... (15 selects, 4 levels)."""
+    """NF4_VALUES[code] for an integer tensor of codes 0..15, without indexing: bit 0 of the code picks within
+    each pair of values, bit 1 within pairs of pairs, ... (15 selects, 4 levels)."""
     values = NF4_VALUES
     for bit in range(4):
         take_upper = (code & (1 << bit)) != 0
@@ -208,10 +199,8 @@ def _bf16_bits(x):
     bits = x.view(torch.int32)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
-def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size: int,
-                           scaler_block_size: int):
-    """(numel/2,) int32: each holds the two bf16 values of one packed byte; .view(torch.bfloat16)
-    gives _dequantize(..., torch.bfloat16) exactly."""
+def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size: int, scaler_block_size: int):
+    """(numel/2,) int32: each the two bf16 values of one packed byte; .view(torch.bfloat16) is _dequantize's."""
     absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)[:, None]  # (n_blocks, 1)
     byte = packed.view(-1, block_size // 2).int()  # (n_blocks, 32)
     first = _bf16_bits(_nf4_lookup(byte >> 4) * absmax)  # elements 0, 2, 4, ... of each block
@@ -221,9 +210,8 @@ def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size
 _quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
 _dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=True)
 
-# Inside a bigger compiled graph (a compiled block), the kernel above, traced into it, loses its
-# vectorization to the int32 -> bf16 view. As a custom op it stays one opaque call in such graphs,
-# running the separately compiled kernel.
+# Inside a bigger compiled graph (a compiled block), the kernel above, traced into it, loses its vectorization
+# to the int32 -> bf16 view. As a custom op it stays one opaque call there, running the compiled kernel.
 @torch.library.custom_op("qlora_fsdp::dequantize_nf4_bf16", mutates_args=())
 def _dequantize_bf16(packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
                      scale_mean: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
@@ -237,8 +225,8 @@ def _(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size):
 def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     """weight (any shape, numel % block_size == 0) -> (packed, scale_q, scale_factor, scale_mean)."""
     if weight.numel() % block_size or weight.numel() == 0:
-        raise ValueError(f"NF4 needs a positive number of elements divisible by block_size={block_size}; "
-                         f"got shape {tuple(weight.shape)} ({weight.numel()} elements)")
+        raise ValueError(f"NF4 needs a positive number of elements divisible by block_size={block_size}; got shape "
+                         f"{tuple(weight.shape)} ({weight.numel()} elements)")
     if block_size % 2:
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
     kernel = _quantize_blocks_compiled if use_compiled(compile, weight) else _quantize_blocks
@@ -250,10 +238,10 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
         raise ValueError(f"NF4 cannot quantize a weight holding inf or NaN (shape {tuple(weight.shape)})")
     return (packed,) + _double_quantize(absmax, scaler_block_size)
 
-def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
-                   scaler_block_size=256, dtype=torch.bfloat16, compile=None):
-    """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`. Compiled and bf16: the kernel
-    above, an opaque custom op (so also inside an outer torch.compile); else the eager reference."""
+def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64, scaler_block_size=256,
+                   dtype=torch.bfloat16, compile=None):
+    """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`. Compiled and bf16: the kernel above,
+    an opaque custom op (so also inside an outer torch.compile); else the eager reference."""
     args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
     fast = (use_compiled(compile, packed) or torch.compiler.is_compiling()) and packed.device.type != "meta"
     with torch.no_grad():  # frozen weights: never part of the autograd graph
@@ -266,9 +254,8 @@ def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64,
 # -----------------------------------------------------------------------------
 # Needs: import torch, torch.nn.functional as F; from typing import Optional; from above: quantize_nf4,
 # dequantize_nf4.
-# A "wrapper" subclass has no storage of its own: it reports the original shape and float dtype
-# and holds four inner tensors. F.linear, .to(), torch.save and torch.compile see a tensor;
-# the bytes are the packed codes. Layout of a (out, in) weight, numel = out * in:
+# A "wrapper" subclass has no storage of its own: it reports the original shape and float dtype and holds four
+# inner tensors; F.linear, .to(), torch.save and torch.compile see a tensor. A (out, in) weight, numel = out * in:
 #   packed        (numel/2,)  uint8   codes, row-major, first element of each pair in the high nibble
 #   scale_q       (numel/64,) int8    double-quantized absmax of each block of 64
 #   scale_factor  (ceil(numel/64/256),) fp32  per group of 256 scales (a partial last group too)
@@ -291,8 +278,7 @@ class NF4Tensor(torch.Tensor):
         self.packed, self.scale_q, self.scale_factor, self.scale_mean = packed, scale_q, scale_factor, scale_mean
         self.block_size, self.scaler_block_size = block_size, scaler_block_size
 
-    def _with_inner(self, fn):
-        """A new NF4Tensor whose inner tensors are fn(inner); same shape, dtype and block sizes."""
+    def _with_inner(self, fn):  # a new NF4Tensor whose inner tensors are fn(inner); same shape, dtype, block sizes
         return NF4Tensor(*(fn(getattr(self, n)) for n in self.INNER), self.shape, self.dtype,
                          self.block_size, self.scaler_block_size)
 
@@ -320,8 +306,8 @@ class NF4Tensor(torch.Tensor):
             x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
             y = linear_nf4(x, w)
             return y if bias is None else y + bias
-        # .to(dtype) dequantizes, even to the dtype it reports: it is how a caller asks for the dense
-        # weight (weight.to(h.dtype) in the loss). A move, .to(device), keeps the data packed.
+        # .to(dtype) dequantizes, even to the dtype it reports (how a caller asks for the dense weight); a move,
+        # .to(device), keeps the data packed
         if func is torch.Tensor.to:
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
             t = _nf4_to_copy(args[0], device, non_blocking=non_blocking)
@@ -336,8 +322,7 @@ class NF4Tensor(torch.Tensor):
         raise NotImplementedError(f"NF4Tensor does not support {func}; call .dequantize() first")
 
 def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
-    """A move (.to(device) from __torch_function__; .cpu(), .cuda() as aten._to_copy) keeps the data
-    packed; a cast to another dtype (.float(), .half(), ...) dequantizes."""
+    """A move (.to(device); .cpu(), .cuda() as aten._to_copy) keeps the data packed; a cast (.float()) dequantizes."""
     if device is not None and device != t.device:
         t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
     return t.dequantize(dtype) if dtype is not None and dtype != t.dtype else t
@@ -351,8 +336,7 @@ def _nf4_copy_(dst, src, non_blocking=False):
         getattr(dst, n).copy_(getattr(src, n), non_blocking=non_blocking)
     return dst
 
-# Every op an NF4Tensor supports: anything else raises, naming the op. A clone copies the codes
-# exactly (not a lossy re-quantization).
+# Every op an NF4Tensor supports (anything else raises, naming the op). A clone copies the codes exactly.
 _NF4_OPS = {
     aten.detach.default: lambda t: t._with_inner(aten.detach.default),
     aten.alias.default: lambda t: t._with_inner(aten.alias.default),
@@ -368,12 +352,11 @@ def to_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     inner = quantize_nf4(weight, block_size, scaler_block_size, compile)
     return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
 
-# y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same op
-# (W dequantized again). Saved for backward: the four packed inner tensors, never a dense W.
-# Why an op and not an autograd.Function: torch.compile traces through a Function, and its
-# common-subexpression pass merges the forward's and the backward's identical dequantize into
-# one call whose dense (out, in) result is then kept for backward -- QLoRA's saving, gone. An
-# op is opaque to the compiler: the two dequantizes stay apart, compiled or eager.
+# y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same op (W dequantized
+# again). Saved for backward: the four packed inner tensors, never a dense W. Why an op and not an
+# autograd.Function: torch.compile traces through a Function, and its common-subexpression pass merges the
+# forward's and the backward's identical dequantize into one call whose dense (out, in) result is then kept for
+# backward -- QLoRA's saving, gone. An op is opaque to the compiler: the two dequantizes stay apart.
 @torch.library.custom_op("qlora_fsdp::matmul_nf4", mutates_args=())
 def _matmul_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
                 scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int,
@@ -387,8 +370,8 @@ def _matmul_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, sc
 def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size, transpose, compile):
     return x.new_empty(*x.shape[:-1], out_features if transpose else 2 * packed.numel() // out_features)
 
-def _matmul_nf4_setup(ctx, inputs, output):
-    ctx.save_for_backward(*inputs[1:5])  # packed, scale_q, scale_factor, scale_mean
+def _matmul_nf4_setup(ctx, inputs, output):  # saved: packed, scale_q, scale_factor, scale_mean; and the rest
+    ctx.save_for_backward(*inputs[1:5])
     ctx.meta = inputs[5:]  # out_features, block_size, scaler_block_size, transpose, compile
 
 def _matmul_nf4_backward(ctx, grad):
@@ -411,9 +394,9 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # -----------------------------------------------------------------------------
 # Needs: import math, random, torch, torch.nn as nn, torch.nn.functional as F; from above: NF4Tensor, to_nf4,
 # linear_nf4.
-# y = x W^T + (alpha / rank) * dropout(x) A^T B^T; W (out, in) frozen in NF4, A (rank, in), B (out, rank).
-# B starts at zero, so the model starts exactly at the base model (Hu et al. 2021).
-# Adapters are fp32 "master" weights, cast to the compute dtype in forward (FSDP: at all-gather).
+# y = x W^T + (alpha / rank) * dropout(x) A^T B^T; W (out, in) frozen in NF4, A (rank, in), B (out, rank). B starts
+# at zero: the model starts as the base (Hu et al. 2021). The adapters are fp32, cast to the compute dtype in
+# forward (sharded: at all-gather).
 
 def seeded(*key, device="cpu"):
     """A generator for one use, e.g. seeded(seed, "batch", step): the same draws on every rank, and a stream of
@@ -426,8 +409,7 @@ def random_weight(shape, generator=None):
     return torch.randn(shape, generator=generator, device=generator and generator.device) * shape[-1] ** -0.5
 
 def lora_A_init(shape, generator=None):
-    """LoRA's A (rank, in) as nn.Linear and PEFT initialize it: kaiming-uniform(a=sqrt(5)),
-    which is U(-1/sqrt(in), 1/sqrt(in)). (B starts at zero.)"""
+    """LoRA's A (rank, in) as nn.Linear and PEFT draw it: kaiming-uniform(a=sqrt(5)), U(-1/sqrt(in), 1/sqrt(in))."""
     return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
 
 class NF4Linear(nn.Module):
@@ -446,11 +428,9 @@ class NF4Linear(nn.Module):
     def from_linear(cls, linear, compile=None, **lora):
         """This class around an existing nn.Linear: its weight quantized (reporting its dtype), its bias
         kept, frozen; no base weight drawn. LoRALinear takes rank=, alpha=, dropout= too."""
-        bias = linear.bias is not None
-        m = cls(linear.in_features, linear.out_features, bias=bias, dtype=linear.weight.dtype, compile=compile,
+        m = cls(linear.in_features, linear.out_features, dtype=linear.weight.dtype, compile=compile,
                 weight=linear.weight, **lora)
-        if bias:
-            m.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        m.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return m
 
     def forward(self, x):
@@ -490,9 +470,8 @@ class LoRALinear(NF4Linear):
 
     @staticmethod
     def shared_input(x, *layers):
-        """[m(x) for m in layers] for LoRALinears that read the same x (q, k, v; gate, up), with
-        one x [A_1; A_2; ...]^T matmul for all instead of one per layer: one pass over x, here and
-        for the gradients. With dropout each layer draws its own mask, so each runs alone."""
+        """[m(x) for m in layers] for LoRALinears that read the same x (q, k, v; gate, up), with one x [A_1; A_2]^T
+        matmul for all: one pass over x, here and for the gradients. With dropout (a mask each) each runs alone."""
         if any(not isinstance(m.dropout, nn.Identity) for m in layers):
             return [m(x) for m in layers]
         xA = F.linear(x, torch.cat([m.lora_A for m in layers]).to(x.dtype))  # (..., sum of ranks)
@@ -510,34 +489,32 @@ class LoRALinear(NF4Linear):
 # torch.utils._pytree as pytree.
 #
 # The model is cut into *units*, as FSDP2's fully_shard cuts it (Llama: the embeddings, each block, the final
-# norm + lm_head; the parameters in no unit form the root unit, gathered at the model's forward). Every tensor
-# of a unit -- each inner tensor of a tensor subclass (an NF4 weight comes apart by __tensor_flatten__), each
-# frozen weight, each trainable one -- is flattened and split into `world` pieces of ceil(numel / world)
-# elements, zero padded at the end; rank r keeps piece r in the dtype the tensor travels in (FSDP2 splits dim 0:
-# the same order, but a flat split takes any shape, any world). One collective moves a unit's pieces, side
-# by side in one byte buffer, the widest dtypes first so that every piece starts aligned for its dtype:
+# norm + lm_head; parameters in no unit form the root unit). Every tensor of a unit -- each inner tensor of a tensor
+# subclass (an NF4 weight comes apart by __tensor_flatten__), each frozen and each trainable weight -- is flattened
+# and split into `world` pieces of ceil(numel / world), zero padded; rank r keeps piece r in the dtype the tensor
+# travels in (FSDP2 splits dim 0: the same order, but a flat split takes any shape at any world). One collective
+# moves a unit's pieces, side by side in one byte buffer, widest dtypes first (so each starts aligned):
 #
 #   rank 0 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed | q.scale_q | ... ]
 #   rank 1 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed | q.scale_q | ... ]
 #        \__ all-gather __/
-#   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's column block into its own
-#   (world, shard bytes) block of the unit's full storage -> full tensors, on their modules while gathered
+#   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's columns into its (world, shard bytes)
+#   block of the unit's full storage -> the full tensors, on their modules while the unit is gathered
 #
-# Lifetime of a unit's full weights, run by hooks on its modules (FSDP2's, written small):
+# A unit's life, run by hooks on its modules (FSDP2's, written small):
 #   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's; its inputs pass
 #                  through an identity autograd function whose backward marks the end of the unit's backward
-#   post-forward:  free them (storage resized to 0); a hook on each output tensor marks the start of backward
+#   post-forward:  free (storage resized to 0); a hook on each output tensor marks the start of its backward
 #   pre-backward:  all-gather again, prefetch the previous unit
-#   post-backward: (after the recompute and backward) one reduce-scatter, fp32, of the unit's gradients; free
+#   post-backward: (after the recompute and backward) one reduce-scatter, fp32, of the gradients (their mean); free
 #   end of backward (a callback queued on the autograd engine): units whose inputs needed no gradient reduce
 #                  now; every reduction is added to the masters' .grad: several backward() calls accumulate
-# CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. Plain
-# tensors, not FSDP2's DTensors, whose dispatch every optimizer op would pay (section 6).
+# CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. Plain tensors, not
+# FSDP2's DTensors, whose dispatch every optimizer op would pay (section 6).
 
 class _Slot:
-    """One tensor of a unit, sharded: `world` pieces of shard_numel elements of `dtype` (the one it travels and
-    computes in), this rank's kept (`local`: a view of the unit's shard bytes or, trainable, of its fp32
-    master) and the full tensor, on the unit's full storage, which exists only while the unit is gathered."""
+    """One tensor of a unit, sharded: `world` pieces of shard_numel elements of `dtype` (it travels and computes in
+    it), this rank's kept (`local`: in the unit's shard bytes or, trainable, its fp32 master) and the full tensor."""
 
     def __init__(self, name, tensor, dtype, trainable, world, rank):
         self.name, self.shape, self.dtype, self.trainable, self.rank = name, tuple(tensor.shape), dtype, trainable, rank
@@ -551,9 +528,8 @@ class _Slot:
         return F.pad(flat, (0, self.shard_numel - flat.numel()))
 
 class _Param:
-    """A parameter as slots: one for a plain tensor (trainable: a master piece; floating: cast to the compute
-    dtype), one per inner tensor, in its own dtype, for a wrapper tensor subclass (always frozen), taken apart
-    by __tensor_flatten__ and rebuilt by __tensor_unflatten__. `places`: the (module, name)s that hold it."""
+    """A parameter as slots: one for a plain tensor (floating: in the compute dtype), one per inner tensor, in its
+    own dtype, for a tensor subclass (frozen), by __tensor_flatten__. `places`: the (module, name)s holding it."""
 
     def __init__(self, fqn, places, p, compute_dtype, world, rank):
         self.fqn, self.places, self.shape = fqn, places, tuple(p.shape)
@@ -576,37 +552,35 @@ class _Param:
             s.local.copy_(s.piece(t))
 
 def _collective(out, inp, group, reduce_scatter=False):
-    """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter,
-    out (n,) = rank r's piece of the sum of inp (world * n,); return its work. No process group: a copy."""
+    """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter, out (n,) =
+    rank r's piece of the sum of inp (world * n,); return its work. No process group: a copy."""
     if not dist.is_initialized():
         out.copy_(inp)
         return None
-    if reduce_scatter:
-        fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor  # its older name
-        return fn(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)  # AVG: not in older gloo
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    return fn(out, inp, group=group, async_op=True)
+    if reduce_scatter:  # SUM: AVG is not in older gloo
+        return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
 
 @contextlib.contextmanager
 def _side(stream):
-    """Issue the `with` body's work on the side `stream`, after all the compute stream has queued so
-    far, so that it overlaps what the compute stream does next. On the CPU (None): in order."""
+    """Issue the `with` body's work on the side `stream`, after all the compute stream has queued so far, so that it
+    overlaps what the compute stream does next. On the CPU (None): in order."""
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         yield
 
 def _to_host(t, stream):
-    """A host copy of t, made on the side stream. For a GPU t: pinned, so that the copy is asynchronous,
-    and t recorded on that stream, so that its memory is not reused before the copy has read it."""
+    """A host copy of t, made on the side stream; of a GPU t: pinned (so asynchronous), and t recorded on that
+    stream, so that its memory is not reused before the copy has read it."""
     with _side(stream):
         if t.is_cuda:
             t.record_stream(stream)
         return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
 
 class _PostBackward(torch.autograd.Function):
-    """The identity on a unit's input tensors. Its backward runs once they have their gradients, that is once
-    the unit's own backward is done (FSDP2's RegisterPostBackwardFunction)."""
+    """The identity on a unit's inputs: its backward runs once they have their gradients, once the unit's
+    backward is done (FSDP2's RegisterPostBackwardFunction)."""
 
     @staticmethod
     def forward(ctx, unit, *inputs):
@@ -619,16 +593,20 @@ class _PostBackward(torch.autograd.Function):
         ctx.unit.post_backward()
         return (None,) + grads
 
-def _sharded_getattr(module, name):
-    """__getattr__ of a module holding sharded parameters: reading one while its unit is not gathered is a clear
-    error (the full tensor's storage is empty then), not a crash."""
-    fqn = module.__dict__.get("_fsdp_sharded", {}).get(name)
-    if fqn is not None:
+class _Sharded:  # mixed into the class of a module holding sharded parameters
+    def __getattr__(self, name):  # a sharded parameter read outside its unit: a clear error, not a crash
+        fqn = self.__dict__.get("_fsdp_sharded", {}).get(name)
+        if fqn is None:
+            return super().__getattr__(name)
         raise AttributeError(f"{fqn} is sharded by FSDP and exists only while its unit runs (forward, backward); "
                              f"FSDP.full_base() and full_adapters() gather it")
-    return type(module).__mro__[1].__getattr__(module, name)
 
-_SHARDED_CLASSES = {}  # a module's class -> its subclass with _sharded_getattr
+    def extra_repr(self):  # its own, unless it reads one of them (nn.Linear's reads its bias)
+        with contextlib.suppress(AttributeError):
+            return super().extra_repr()
+        return "sharded by FSDP"
+
+_SHARDED_CLASSES = {}  # a module's class -> the same with _Sharded
 
 class ShardedUnit:
     """The parameters of some modules, sharded; hooks on those modules gather and free them."""
@@ -637,9 +615,11 @@ class ShardedUnit:
         self.fsdp, self.index, self.name, self.modules = fsdp, index, name, modules
         self.reshard_after_forward, world, dev = reshard_after_forward, fsdp.world, fsdp.device
         self.params = [_Param(fqn, places, p, fsdp.compute_dtype, world, fsdp.rank) for fqn, places, p in params]
-        # the widest dtypes first, the trainable last among their dtype: every piece aligned, the masters' in a row
-        self.slots = sorted((s for p in self.params for s in p.slots),
-                            key=lambda s: (-s.dtype.itemsize, str(s.dtype), s.trainable))
+        # the widest dtypes first, the trainable last among their dtype: every piece aligned for its dtype, the
+        # masters' in a row; frozen pieces whose bytes are no multiple of 16 last, so the others start 16-aligned
+        # (what compiled kernels assume of their inputs)
+        self.slots = sorted((s for p in self.params for s in p.slots), key=lambda s: (
+            s.nbytes % 16 != 0 and not s.trainable, -s.dtype.itemsize, str(s.dtype), s.trainable))
         self.adapters = [s for s in self.slots if s.trainable]
         self.unit_bytes = 0
         for s in self.slots:
@@ -650,6 +630,8 @@ class ShardedUnit:
         # unit), laid out as a row of the reduce-scatter's input. Padding stays 0 under AdamW (0 gradient, moments).
         n = sum(s.shard_numel for s in self.adapters)
         self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
+        if n:  # in place of the ones it shards: model.parameters() are what the optimizer steps, as with fully_shard
+            modules[0].register_parameter("fsdp_master", self.master)
         # The full tensors: a (world, shard bytes) block of one storage each, in slot order, empty until gathered
         self.storage = torch.empty(world * self.unit_bytes, dtype=torch.uint8, device=dev).untyped_storage()
         self.casts, start = {}, 0  # dtype -> the first and last trainable slot of that dtype (one cast each)
@@ -671,10 +653,9 @@ class ShardedUnit:
             p.value = p.unflatten([s.full for s in p.slots])
             for m, attr in places:
                 m._parameters.pop(attr, None)
-                if "_fsdp_sharded" not in m.__dict__:  # its class, with _sharded_getattr
+                if "_fsdp_sharded" not in m.__dict__:
                     cls, m._fsdp_sharded = type(m), {}
-                    m.__class__ = _SHARDED_CLASSES.setdefault(cls, type(cls.__name__, (cls,), {"__getattr__":
-                                                                                              _sharded_getattr}))
+                    m.__class__ = _SHARDED_CLASSES.setdefault(cls, type(cls.__name__, (_Sharded, cls), {}))
                 m._fsdp_sharded[attr] = p.fqn
         self.places = [(m, attr, p.value) for p in self.params for m, attr in p.places]
         self.gathered = self.in_backward = self.needs_backward = False
@@ -691,11 +672,10 @@ class ShardedUnit:
         fsdp = self.fsdp
         if self.gathered or self.inflight is not None or not self.slots:
             return
-        # The receive buffer belongs to the compute stream, which reads and frees it: made on the side
-        # stream, its memory could not be reused until the GPU had caught up with the copy-out.
+        # The receive buffer is the compute stream's, which reads and frees it (made on the side stream, its memory
+        # could not be reused before the GPU caught up). On the side stream, after the optimizer's last update:
+        # the shard's copy to the GPU (with offload) and the all-gather, overlapping the previous unit.
         out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
-        # On the side stream (CUDA), after the optimizer's last update of the masters: the
-        # shard's copy to the GPU (with offload) and the all-gather overlap the previous unit.
         with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
             send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
             for first, last in self.casts.values():  # the fp32 masters cast into the wire dtype
@@ -725,12 +705,13 @@ class ShardedUnit:
     def free(self):
         if self.inflight is not None:  # a prefetch that will not be used: let it finish, drop it
             self.fsdp.wait(self.inflight[0], "fsdp::wait_all_gather")
-            self.inflight = None
+        self.inflight = None
         self.storage.resize_(0)
         for m, attr, _ in self.places:
             m.__dict__.pop(attr, None)
         self.gathered, self.version = False, None
 
+    @torch.compiler.disable  # the hooks stay eager under a torch.compile'd model (FSDP2's do too)
     def _pre_forward(self, module, args, kwargs):
         if self.index < 0:  # the root: a new forward of the whole model, every unit starts afresh
             for u in self.fsdp.all_units:
@@ -751,6 +732,7 @@ class ShardedUnit:
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)
 
+    @torch.compiler.disable
     def _post_forward(self, module, args, output):
         self.to_run.discard(module)
         if self.to_run or self.in_backward:  # more of this unit to run; or a recompute inside backward
@@ -760,18 +742,17 @@ class ShardedUnit:
                 if isinstance(t, torch.Tensor) and t.requires_grad:  # the first gradient to arrive starts backward
                     t.register_hook(self._pre_backward)
                     self.needs_backward = True
-        if self.reshard_after_forward:
+        if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward after a no-grad forward
             self.free()
         return None
 
     def _pre_backward(self, grad):
-        fsdp = self.fsdp
-        fsdp.queue_end_of_backward()
+        self.fsdp.queue_end_of_backward()
         if not self.in_backward:
             self.in_backward = True
             self.gather()
-            if self.index > 0 and fsdp.units[self.index - 1].needs_backward:
-                fsdp.units[self.index - 1].prefetch()  # the unit whose backward is next
+            if self.index > 0 and self.fsdp.units[self.index - 1].needs_backward:
+                self.fsdp.units[self.index - 1].prefetch()  # the unit whose backward is next
 
     def post_backward(self):
         """This unit's backward is done: reduce-scatter its gradients, free its weights."""
@@ -784,30 +765,28 @@ class ShardedUnit:
         self.free()
 
 class FSDP:
-    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors. `units`, in the order forward
-    runs them: modules, or lists of modules sharded (and gathered) together; the parameters in no unit form the
-    root unit, gathered at model's forward. A unit in a unit is its own (FSDP2's nesting); a parameter in two
-    units is refused. `compute_dtype` (FSDP2's param_dtype): every plain floating parameter is gathered and
-    computed in it (None: its own dtype); a tensor subclass keeps its inner dtypes; masters and gradient
-    reductions are fp32. `device` (default: the current GPU, else the CPU) computes; with `offload` the
-    shards, masters and optimizer stay on the host. The last unit stays gathered after forward (backward
-    starts with it), the root too. Outside a unit's forward and backward its parameters are not on its
-    modules (reading one is an AttributeError saying so); parameters() are what the optimizer steps:
+    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors. `units`, in the order forward runs
+    them: modules, or lists of modules gathered together; the parameters in no unit form the root unit, gathered at
+    model's forward (a unit inside a unit is its own; a parameter in two units is refused). `compute_dtype` (FSDP2's
+    param_dtype): every plain floating parameter is kept and gathered in it (None: its own); a tensor subclass keeps
+    its inner dtypes; masters and gradient reductions are fp32, one flat master per unit. `device`: the current GPU,
+    else the CPU; `offload`: shards, masters and AdamW on the host. Outside a unit's forward and backward its
+    parameters are off its modules (reading one is an AttributeError); model.parameters() are the masters:
 
         model = nn.Sequential(nn.Embedding(1000, 64), *(Block(64) for _ in range(4)), nn.Linear(64, 1000))
         fsdp = FSDP(model, units=list(model), device="cuda", compute_dtype=torch.bfloat16)
-        optimizer = AdamW(fsdp.parameters(), lr=1e-4)
+        optimizer = AdamW(model.parameters(), lr=1e-4)  # (= fsdp.parameters()), made after FSDP
         for x, y in batches:                   # under torchrun: dist.init_process_group() first
             for x_micro, y_micro in zip(x.chunk(2), y.chunk(2)):
                 F.cross_entropy(model(x_micro).flatten(0, 1), y_micro.flatten()).backward()  # accumulates
-            fsdp.clip_grad_norm_(1.0)
+            fsdp.clip_grad_norm_(1.0)          # over all ranks (torch's would see this rank's shards)
             optimizer.step()
             optimizer.zero_grad()
         adapters = fsdp.full_adapters()        # {name: full fp32 tensor}, on every rank
 
-    The state in full, for checkpoints (collectives: every rank calls them): full_adapters(of=...) (of: any
-    tensor laid out like the masters, e.g. of=lambda m: optimizer.state[m]["exp_avg"]) and full_base();
-    load_full(name, tensor) keeps this rank's piece of one full tensor."""
+    Unit outputs are tensors in tuples, lists and dicts; a block's forward may be torch.compile'd (the hooks stay
+    eager). In full, for checkpoints (collectives): full_adapters(of=...) (of: a tensor laid out like the masters,
+    e.g. of=lambda m: optimizer.state[m]["exp_avg"]), full_base(); load_full(name, t) keeps this rank's piece."""
 
     def __init__(self, model, units, device=None, compute_dtype=None, offload=False, group=None):
         device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
@@ -876,7 +855,7 @@ class FSDP:
 
     def reduce(self, unit, grads):
         """Issue unit's reduce-scatter: its gradients, fp32, chunk-cat in one op into (world, master numel), row
-        r in the layout of rank r's master, summed over ranks. The one before is finished first: one in flight."""
+        r in the layout of rank r's master, summed over ranks (then divided: the mean). One in flight at a time."""
         self._finish_reduction()
         with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
             send = torch.empty(self.world, unit.master.numel(), dtype=torch.float32, device=self.device)
@@ -887,7 +866,7 @@ class FSDP:
     def _finish_reduction(self):
         if self.pending is None:
             return
-        (unit, work, grad, _), self.pending = self.pending, None  # its input (send) lives until now
+        (unit, work, grad, _), self.pending = self.pending, None  # its input (send) was kept alive until now
         self.wait(work, "fsdp::wait_reduce_scatter")
         grad.div_(self.world)  # the sum over ranks -> their mean, as FSDP2's gradients
         if self.offload and grad.is_cuda:  # to the host as soon as it is reduced, all added after one wait
@@ -898,8 +877,7 @@ class FSDP:
     def _now(self):  # a point in time: a CUDA event on the compute stream, or the host's clock
         if self.side_stream is None:
             return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
+        (event := torch.cuda.Event(enable_timing=True)).record()
         return event
 
     def wait(self, work, label):
@@ -907,9 +885,9 @@ class FSDP:
         NCCL's wait()): the compute stream waits, timed by events on it; on the CPU the host waits."""
         with torch.profiler.record_function(label):
             start = self._now()
-            if work is not None:
-                work.wait()
-            if self.side_stream is not None:
+            if work is not None:  # NCCL: the compute stream waits for the collective, and so for what came before
+                work.wait()  # it on its stream (the shard's copy to the GPU, the masters' cast)
+            elif self.side_stream is not None:  # no process group: the "collective" was a copy on the side stream
                 torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
             self.waits.append((start, self._now()))
 
@@ -923,11 +901,10 @@ class FSDP:
         (padding is 0), summed over ranks, gives the global L2 norm that scales every shard."""
         sq = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None]).square()
         if dist.is_initialized():
-            sq = sq.to(self.device)
-            dist.all_reduce(sq, group=self.group)
+            dist.all_reduce(sq := sq.to(self.device), group=self.group)
         norm = sq.sqrt()
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
-        return norm.item()
+        return norm
 
     def reshard(self):
         """Free every unit still gathered (the last one and the root stay after a forward without backward)."""
@@ -956,11 +933,11 @@ class FSDP:
         unit, p = self.param_of[fqn]
         if of is None:
             return p.keep(tensor)
-        s = p.slots[0]
-        of(unit.master)[s.start:s.start + s.shard_numel].copy_(s.piece(tensor))
+        of(unit.master)[(s := p.slots[0]).start:s.start + s.shard_numel].copy_(s.piece(tensor))
 
     def full_base(self):
-        """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time."""
+        """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time: a tensor's memory is
+        freed with its unit (clone it to keep it)."""
         for u in self.all_units:
             frozen = [p for p in u.params if not p.trainable]
             if frozen:
@@ -978,12 +955,10 @@ class FSDP:
         return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.all_units)
 
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
-    """While active, the saved tensor that is the input given to `start` -- a checkpointed block's
-    input, all that checkpointing keeps of it -- lives in host memory (pinned, copied on `stream`)
-    and comes back when backward recomputes the block; the gradient through the block stays on the
-    device. The copy out starts before the block runs, to overlap its forward (a compiled block saves
-    its input only once its whole forward is queued); the copy back of the block before it starts as
-    this one's backward begins, to overlap that."""
+    """While active, the saved tensor that is the input given to `start` -- a checkpointed block's input, all that
+    checkpointing keeps of it -- waits in host memory (pinned, copied on `stream`) for the block's recompute. The
+    copy out starts before the block runs (a compiled block saves its input only once its forward is queued), the
+    copy back of the block before's as this one's backward begins: both overlap compute."""
 
     def __init__(self, stream=None):
         self.stream, self.input, self.host, self.last = stream, None, None, None
@@ -1001,35 +976,36 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
         self.last = [t.device, self.host, None, self.last]  # its place, its host copy, back on it, the one before
         return self.last
 
-    def _fetch(self, packed):  # issue the copy back of a packed block input, unless issued
-        device, host, back, _ = packed
-        if back is None:
-            back = packed[2] = torch.empty(host.shape, dtype=host.dtype, device=device)  # the compute stream's
+    def _fetch(self, packed):  # issue the copy back of a packed block input, once, into the compute stream's memory
+        if packed is not None and packed[2] is None:
+            back, done = torch.empty(packed[1].shape, dtype=packed[1].dtype, device=packed[0]), None
             with _side(self.stream):
-                back.copy_(host, non_blocking=True)
+                back.copy_(packed[1], non_blocking=True)
+                if self.stream is not None:  # what the compute stream waits for: this copy, not the next one's
+                    (done := torch.cuda.Event()).record()
+            packed[2] = back, done
 
     def _unpack(self, packed):
         if isinstance(packed, torch.Tensor):
             return packed
         self._fetch(packed)
-        if packed[3] is not None:
-            self._fetch(packed[3])  # the block before's, for its backward, next
-        t, packed[2], packed[3] = packed[2], None, None
-        if self.stream is not None:
-            torch.cuda.current_stream(t.device).wait_stream(self.stream)
+        self._fetch(packed[3])  # the block before's, for its backward, next
+        (t, done), packed[2], packed[3] = packed[2], None, None
+        if done is not None:
+            torch.cuda.current_stream(t.device).wait_event(done)
         return t
 
 # -----------------------------------------------------------------------------
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
 # Needs: import math, torch.
-# torch.optim.AdamW over FSDP2's DTensors pays Python + DTensor dispatch per tensor per op; FSDP above
-# hands over one flat shard per unit (Llama-2-7B: 32 tensors instead of 448), so each update below is
-# one foreach call over a few tensors (Loshchilov & Hutter 2019, decoupled weight decay):
+# torch.optim.AdamW over FSDP2's DTensors pays Python + DTensor dispatch per tensor per op; FSDP above hands over
+# one flat shard per unit (Llama-2-7B: 32 tensors, not 448): each update below is one foreach call over a few
+# tensors (Loshchilov & Hutter 2019, decoupled weight decay):
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-# On the CPU these 7 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later
-# passes find them in cache; on a GPU all tensors form one chunk: one kernel launch per pass.
+# On the CPU these 7 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later passes find
+# them in cache; on a GPU all tensors form one chunk: one kernel launch per pass.
 ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: one chunk
 # torch.optim.AdamW's other keywords, at their defaults: what this AdamW implements (foreach may also be True)
 TORCH_ADAMW = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
@@ -1045,20 +1021,11 @@ class AdamW(torch.optim.Optimizer):
             raise TypeError(f"AdamW got an unexpected keyword argument {key!r}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                                       **{**TORCH_ADAMW, **torch_keywords}))
-
-    def add_param_group(self, group):
-        super().add_param_group(group)
-        self._check(self.param_groups[-1])
-
-    def __setstate__(self, state):  # load_state_dict: torch's keeps "step" as a tensor
-        super().__setstate__(state)
         for group in self.param_groups:
             self._check(group)
-        for s in self.state.values():
-            s["step"] = int(s["step"])
 
     @staticmethod
-    def _check(group):
+    def _check(group):  # at construction, and at each step (a loaded state_dict's groups)
         for key, default in TORCH_ADAMW.items():
             value = group.setdefault(key, default)
             if value != default and not (key == "foreach" and value) and not (key == "fused" and value is False):
@@ -1068,6 +1035,7 @@ class AdamW(torch.optim.Optimizer):
     def step(self, closure=None):  # closure: as every torch.optim optimizer takes it
         loss = None if closure is None else torch.enable_grad()(closure)()
         for group in self.param_groups:
+            self._check(group)
             params = [p for p in group["params"] if p.grad is not None]
             if not params:
                 continue
@@ -1079,7 +1047,7 @@ class AdamW(torch.optim.Optimizer):
             for p in params:
                 if not self.state[p]:
                     self.state[p] = dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                self.state[p]["step"] += 1
+                self.state[p]["step"] = int(self.state[p]["step"]) + 1  # torch's state_dict: a tensor
                 if nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf) or self.state[p]["step"] != chunks[-1][0]:
                     chunks, nbytes = chunks + [(self.state[p]["step"], [])], 0
                 chunks[-1][1].append(p)
@@ -1297,14 +1265,6 @@ class LMHead(NF4Linear):
         return chunked_cross_entropy(h.flatten(0, -2), self.weight, targets.reshape(-1), reduction=reduction,
                                      compile=self.compile)
 
-class LlamaModel(nn.Module):  # a container that gives Hugging Face's "model." names; Llama.forward runs it
-    def __init__(self, c, lora):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=lora["dtype"])
-        self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers))
-        self.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
-
 class Llama(nn.Module):
     """LlamaForCausalLM with every projection a LoRALinear over NF4 and an NF4 lm_head; compile: the NF4
     kernels' and the loss's (section 2)."""
@@ -1314,9 +1274,12 @@ class Llama(nn.Module):
         self.config, self.dtype = config, dtype
         self.checkpointing = True  # activation checkpointing per block
         self.offload_activations = None  # an OffloadedInputs: each block's saved input on the host
-        lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, compile=compile)
-        self.model = LlamaModel(config, lora)
-        self.lm_head = LMHead(config.hidden_size, config.vocab_size, dtype=dtype, compile=compile)
+        lora, c = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, compile=compile), config
+        self.model = nn.Module()  # a container that gives Hugging Face's "model." names; forward runs it
+        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype).requires_grad_(False)
+        self.model.layers = nn.ModuleList(LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers))
+        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = LMHead(c.hidden_size, c.vocab_size, dtype=dtype, compile=compile)
 
     def forward(self, tokens, targets=None, reduction="mean"):  # tokens, targets (B, T) int64
         """Logits (B, T, vocab); with targets, the cross entropy over the targets that count
@@ -1343,9 +1306,9 @@ class Llama(nn.Module):
 # -----------------------------------------------------------------------------
 # Needs: import math; from above: GiB, NF4_BITS_PER_PARAM, count_params, linear_shapes, ADAM_CHUNK_BYTES,
 # LOSS_CHUNK.
-# Section 1 counted the state that lives between steps. A step adds the all-gather buffers of
-# section 5 and the activations autograd keeps for backward, whose peak comes in the loss or in the
-# first block backward runs: every checkpointed block input is alive, plus the loss or that block.
+# Section 1 counted the state that lives between steps. A step adds the all-gather buffers of section 5 and the
+# activations autograd keeps for backward, whose peak comes in the loss or in the first block backward runs:
+# every checkpointed block input is alive, plus the loss or that block.
 
 # cuBLAS's workspace (its Lt shares it), through the caching allocator: 32 MiB on Hopper (4096 KiB x 8; less on
 # older GPUs), one for each thread that runs matmuls: forward's and autograd's backward thread.
@@ -1354,8 +1317,7 @@ CUDA_WORKSPACES = 2 * 32 * 2**20
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
                     checkpointing=True, offload=False, loss_chunk=LOSS_CHUNK, offload_activations=False, compiled=True):
     """Predicted bytes per rank of a QLoRA training step as this file runs it (compiled: with --compile). Sharded
-    state is 1/world of the whole; activations are for one rank's batch_size x seq_len tokens, counted
-    from what each op of a block saves for backward (as eager autograd does)."""
+    state is 1/world of the whole; activations are for one rank's batch_size x seq_len tokens, op by op."""
     c, elt, tokens = config, dtype_bytes, batch_size * seq_len
     d, ffn, vocab, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
     q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
@@ -1369,16 +1331,15 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
         # m and v (AdamW's sqrt(v) lives only during its step, when backward's buffers are gone)
         "AdamW state fp32 (shard)": 8 * lora / world,
     }
-    # All-gathers: the block being computed, the next one's receive buffer (prefetch), and the
-    # current one's receive buffer while it is copied out.
+    # All-gathers: two block units at a time, the one being computed and the next one's receive buffer (prefetched
+    # after the copy-out, whose receive buffer is gone by then).
     block_unit = nf4(linear / layers) + 2 * d * elt + (lora / layers) * elt
-    gathers = 3 * block_unit
-    # Saved by one block for backward, bytes per token, op by op: each RMSNorm its fp32 input and
-    # its output (the LoRA A of the projections it feeds); attention its RoPE'd q and k, v, its
-    # output and an fp32 log-sum-exp per head; o_proj's LoRA its input (a reshaped copy); SwiGLU
-    # the gate, both factors of the product and the product (down_proj's LoRA); each projection's
-    # (rank,) LoRA intermediate. The NF4 linears save only their packed weight (in the all-gather
-    # buffers); RoPE's cos and sin, (T, head_dim) for all blocks, are not counted.
+    gathers = 2 * block_unit
+    # Saved by one block for backward, bytes per token, op by op: each RMSNorm its fp32 input and its output (the
+    # LoRA A of the projections it feeds); attention its RoPE'd q and k, v, its output and an fp32 log-sum-exp per
+    # head; o_proj's LoRA its input (a reshaped copy); SwiGLU the gate, both factors of the product and the product
+    # (down_proj's LoRA); each projection's (rank,) LoRA intermediate. The NF4 linears save only their packed
+    # weight (in the all-gather buffers); RoPE's cos and sin, (T, head_dim) for all blocks, are not counted.
     norms = 2 * (4 * d + elt * d)
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * c.num_attention_heads
     mlp = elt * 4 * ffn
@@ -1387,7 +1348,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     # (tokens, ffn) gradient and one (tokens, d) at a time; and, not per token, the dense weight inside the
     # NF4 matmul that runs (the largest projection's), the block's adapter gradients and the unit before's
     # reduce-scatter input and output (fp32), alive until this unit's is issued (section 5).
-    block_backward = elt * (ffn + d)
+    block_backward = elt * (ffn + d) + 4 * q_dim  # and attention's backward accumulates in fp32 (flash)
     in_flight = elt * max(o * i for o, i in linear_shapes(c).values()) + lora / layers * (elt + 4 + 4 / world)
     act = {}
     if checkpointing:
@@ -1400,23 +1361,21 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     else:
         act["saved activations, all blocks"] = kept = layers * tokens * block_saved
         act["block backward gradients"] = block = tokens * block_backward + in_flight
-    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and, compiled,
-    # their gradient; eager, at its peak, the fp32 copy of bf16 logits and the one-hot (bool, and cast
-    # to fp32) instead; and the gradient wrt the hidden states.
+    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and, compiled, their
+    # gradient; eager, at its peak, the fp32 copy of bf16 logits and the one-hot (bool, and cast to fp32) instead;
+    # and the gradient wrt the hidden states.
     per_logit = 2 * elt if compiled else elt + 4 * (elt != 4) + 1 + 4
     act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
         tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * per_logit + tokens * d * elt)
-    # The loss's buffers are gone before the blocks' backward, where the incoming gradient
-    # (tokens x d) joins the recomputed block.
+    # The loss's buffers are gone before the blocks' backward, where the incoming gradient (tokens x d) joins.
     act_peak = kept + max(block + tokens * d * elt, loss)
     gpu_state = 0 if offload else sum(state.values())
     # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
     largest = max(vocab * d, d * ffn, d * q_dim)
     load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
-    # Host memory. CUDA's pinned allocator (what the GPU copies from and to without blocking)
-    # rounds each allocation up to a power of two: each unit's shard, its fp32 master adapters
-    # and their gradient, each offloaded block input. AdamW's moments (and its sqrt(v), one
-    # ADAM_CHUNK_BYTES chunk at a time) are pageable.
+    # Host memory. CUDA's pinned allocator (what the GPU copies from and to without blocking) rounds each
+    # allocation up to a power of two: each unit's shard, its fp32 master adapters and their gradient, each
+    # offloaded block input. AdamW's moments (and its sqrt(v), one ADAM_CHUNK_BYTES chunk at a time) are pageable.
     pinned = lambda n: 2 ** math.ceil(math.log2(n)) if n >= 1 else 0  # noqa: E731
     host = 0
     if offload:
@@ -1431,7 +1390,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
 def format_estimate(name, est, world, offload):
     where = "host" if offload else "GPU"
     rows = [(f"{k} ({where})", v) for k, v in est["state"].items()]
-    rows += [("all-gather buffers (1 gathered + 2 receiving)", est["gathers"]), *est["activations"].items(),
+    rows += [("all-gather buffers (1 gathered + 1 receiving)", est["gathers"]), *est["activations"].items(),
              ("CUDA workspaces (cuBLAS, 2 threads)", CUDA_WORKSPACES), ("predicted peak per GPU", est["gpu_peak"]),
              ("while loading (one weight at a time), per GPU", est["load_peak"])]
     if est["host_state"] > 0:
@@ -1442,8 +1401,8 @@ def format_estimate(name, est, world, offload):
 # -----------------------------------------------------------------------------
 # 9. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
 # -----------------------------------------------------------------------------
-# Needs: import io, json, math, os, re, shutil, numpy as np, torch, torch.distributed as dist; from dataclasses
-# import fields; from above: seeded, random_weight, lora_A_init, linear_shapes, LlamaConfig, Llama.
+# Needs: import io, itertools, json, math, os, re, shutil, numpy as np, torch, torch.distributed as dist; from
+# dataclasses import fields; from above: seeded, random_weight, lora_A_init, linear_shapes, LlamaConfig, Llama.
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
 # then the raw little-endian bytes, offsets relative to the end of the header.
@@ -1594,22 +1553,15 @@ def config_to_hf(config, dtype):
              hidden_act="silu", attention_bias=False, mlp_bias=False, head_dim=config.head_dim)
     return {k: v for k, v in d.items() if v is not None}
 
-def hf_shape(config, name):
-    """The shape config.json implies for the Hugging Face Llama tensor `name`; None: it has no such tensor."""
+def hf_shapes(config, layer=None):
+    """{name: shape} config.json implies for a Hugging Face Llama checkpoint: block `layer`'s tensors, or with
+    none the others (the embeddings, the final norm, lm_head)."""
     d = config.hidden_size
-    top = {"model.embed_tokens.weight": (config.vocab_size, d), "lm_head.weight": (config.vocab_size, d),
-           "model.norm.weight": (d,)}
-    layer = re.fullmatch(r"model\.layers\.(0|[1-9][0-9]*)\.(.+)\.weight", name)
-    if not layer or int(layer[1]) >= config.num_hidden_layers:
-        return top.get(name)
-    return {"input_layernorm": (d,), "post_attention_layernorm": (d,), **linear_shapes(config)}.get(layer[2])
-
-def hf_names(config):  # every tensor of a Hugging Face Llama checkpoint, in order
-    yield "model.embed_tokens.weight"
-    for i in range(config.num_hidden_layers):
-        yield from (f"model.layers.{i}.{n}.weight" for n in ("input_layernorm", *linear_shapes(config),
-                                                                "post_attention_layernorm"))
-    yield from ("model.norm.weight", "lm_head.weight")
+    if layer is None:
+        return {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,),
+                "lm_head.weight": (config.vocab_size, d)}
+    return {f"model.layers.{layer}.{n}.weight": s for n, s in
+            {"input_layernorm": (d,), "post_attention_layernorm": (d,), **linear_shapes(config)}.items()}
 
 def load_checkpoint(path, config):
     """((name, full tensor) of every weight of the Hugging Face directory `path`, read one at a time as the
@@ -1630,16 +1582,18 @@ def load_checkpoint(path, config):
     sources = {name: (sf, name) for sf in files for name in sf.entries if not name.endswith("rotary_emb.inv_freq")}
     if config.tie_word_embeddings and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
         sources["lm_head.weight"] = sources["model.embed_tokens.weight"]  # tied: the head is the embedding
+    layers = config.num_hidden_layers
     for name, (sf, key) in sources.items():
         dtype, shape, _, _ = sf.entries[key]
-        want = hf_shape(config, name)
+        i = re.fullmatch(r"model\.layers\.(0|[1-9][0-9]*)\..+", name)
+        want = hf_shapes(config, int(i[1]) if i and int(i[1]) < layers else None).get(name)
         require(want is not None, f"{sf.path}: unexpected tensor {name} for a Llama of this config.json")
         require(tuple(shape) == want, f"{sf.path}: tensor {name} has shape {shape}, config.json implies {list(want)}")
         require(dtype.is_floating_point, f"{sf.path}: tensor {name} is {DTYPE_NAMES[dtype]}, not floating point")
-    missing = 3 + 9 * config.num_hidden_layers - len(sources)  # every name left is an expected one
-    if missing:
-        first = next(n for n in hf_names(config) if n not in sources)
-        raise UserError(f"{path}: {missing:,} tensors missing from the checkpoint, e.g. {first}")
+    if len(sources) < 3 + 9 * layers:  # every name left is an expected one: count, and name one (never list them)
+        first = next(n for i in itertools.chain([None], range(layers)) for n in hf_shapes(config, i)
+                     if n not in sources)
+        raise UserError(f"{path}: {3 + 9 * layers - len(sources):,} tensors missing from the checkpoint, e.g. {first}")
     nbytes = sum(end - begin for sf, key in sources.values() for _, _, begin, end in [sf.entries[key]])
     return ((name, sf.get(key)) for name, (sf, key) in sources.items()), nbytes
 
@@ -1785,7 +1739,7 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
     def get(name):
         got, w = next(base)
         assert got == name, (got, name)
-        w, prefix = w.to(torch.float32), name[:-len(".weight")]  # an NF4 weight dequantizes
+        w, prefix = w.to(torch.float32), name.removesuffix(".weight")  # an NF4 weight dequantizes
         if prefix + ".lora_A" in adapters:
             scaling = model.get_submodule(prefix).scaling
             w = w + scaling * (adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]).to(w.device)
@@ -1807,10 +1761,9 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
                 if k not in ("dtype", "quantization_config")} if source else {}
         config = {**kept, **config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # head written
         atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
-        if source and os.path.isfile(os.path.join(source, "generation_config.json")):
-            with open(os.path.join(source, "generation_config.json"), "rb") as f:
-                raw = f.read()
-            atomic_write(os.path.join(out_dir, "generation_config.json"), lambda f: f.write(raw))
+        if source and os.path.isfile(generation := os.path.join(source, "generation_config.json")):
+            with open(generation, "rb") as src:
+                atomic_write(os.path.join(out_dir, "generation_config.json"), lambda f: shutil.copyfileobj(src, f))
     for _ in base:  # the other ranks join the same all-gathers; every rank frees the last unit
         pass
     if dist.is_initialized():
@@ -1945,12 +1898,8 @@ def peak_memory_gib(device, reserved=False):
     the CPU (Linux's VmHWM; elsewhere the process's whole peak)."""
     if device.type == "cuda":
         peak = (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device)
-    else:
-        try:
-            with open("/proc/self/status") as f:
-                peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
-        except (OSError, StopIteration, ValueError):
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+    else:  # getrusage's ru_maxrss (Linux: KiB) cannot be reset
+        peak = proc_bytes("/proc/self/status", "VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     t = torch.tensor(peak / GiB, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -2159,7 +2108,7 @@ def progress(items, what, total, nbytes):
     bytes read, bytes/s, time left) and one at the end."""
     start = last = time.perf_counter()
     n = done = 0
-    for name, t in items:
+    for name, t in items:  # t.nbytes: the bytes read (a checkpoint's dtype) or drawn
         n, done = n + 1, done + t.nbytes
         yield name, t
         now = time.perf_counter()
@@ -2170,26 +2119,26 @@ def progress(items, what, total, nbytes):
     dt = max(time.perf_counter() - start, 1e-9)
     print0(f"{what}: {n:,} tensors, {fmt_bytes(done)} in {dt:.1f} s ({fmt_bytes(done / dt)}/s)")
 
-def host_available():
-    """Bytes of memory this machine can still give (Linux's MemAvailable); None where unknown."""
+def proc_bytes(path, key):  # the "key: N kB" line of a Linux /proc file, in bytes; None where there is none
     try:
-        with open("/proc/meminfo") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+        with open(path) as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
     except (OSError, StopIteration, ValueError):
         return None
 
+def host_available():  # bytes of memory this machine can still give; None where unknown
+    return proc_bytes("/proc/meminfo", "MemAvailable")
+
 def check_fits(args, config, world, device):
-    """Refuse, before anything is allocated, a model whose sharded state (the estimate's rows) would not fit
-    the GPU, or this machine's available memory (offloaded or on the CPU; its ranks share it)."""
+    """Refuse, before anything is allocated, a model whose sharded state (the estimate's rows) would not fit the
+    GPU, or this machine's available memory (offloaded or on the CPU; its ranks share it)."""
     est, local = predicted_memory(args, world, config), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    fix = "more ranks, --cpu_offload, or --fit to choose the settings"
-    if device.type == "cuda":
-        free = torch.cuda.mem_get_info(device)[0]
-        require(est["gpu_state"] <= free, f"the model's shards need {est['gpu_state'] / GiB:.2f} GiB per GPU "
-                                          f"(--estimate), the GPU has {free / GiB:.2f} GiB free: {fix}")
-    host, available = (est["host_state"] + (device.type == "cpu") * est["gpu_state"]) * local, host_available()
-    require(available is None or host <= available, f"the model's shards need {host / GiB:.2f} GiB of this "
-            f"machine's memory for {local} rank(s) (--estimate), {available / GiB:.2f} GiB is available: {fix}")
+    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
+    host = (est["host_state"] + (device.type == "cpu") * est["gpu_state"]) * local
+    for need, have, where in ((est["gpu_state"], free, "per GPU"), (host, host_available() or math.inf,
+                                                                   f"of this machine's memory for {local} rank(s)")):
+        require(need <= have, f"the model's shards need {need / GiB:.2f} GiB {where} (--estimate), {have / GiB:.2f} "
+                              f"GiB is available: more ranks, --cpu_offload, or --fit to choose the settings")
 
 def build(args, config, device, checkpoint=None):
     """Model (meta) -> units -> real, zeroed shards, then each base weight made (read from load_checkpoint's
@@ -2299,9 +2248,8 @@ def train(args):
     require(not args.profile or last_step - start >= 3, f"--profile traces this run's steps 3-5: it has only "
                                                        f"{last_step - start}")
     print0(f"model {name}: {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
-           f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}")
-    if args.compile:
-        print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
+           f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}"
+           + "\ncompiling the first step (about a minute on a CPU); --no-compile skips it" * args.compile)
 
     losses, val_losses, timings = [], [], []  # timings: per step (seconds, comm wait, optimizer seconds)
     tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
@@ -2313,12 +2261,10 @@ def train(args):
             print(json.dumps(r), file=metrics, flush=True)
 
     def export_profile(prof):  # after step 5, or at the end of a shorter run
-        trace = os.path.join(args.profile, f"trace_rank{rank}.json")
-        prof.export_chrome_trace(trace)
+        prof.export_chrome_trace(trace := os.path.join(args.profile, f"trace_rank{rank}.json"))
         print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
         if cuda:  # the allocator's history recorded so far, then no more recording
-            path = os.path.join(args.profile, f"memory_rank{rank}.pickle")
-            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._dump_snapshot(path := os.path.join(args.profile, f"memory_rank{rank}.pickle"))
             torch.cuda.memory._record_memory_history(enabled=None)
             print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
 
@@ -2419,8 +2365,9 @@ def main(argv=None):
                            predicted_host_gib=round(est["host_state"] / GiB, 3), **longest)
         else:
             summary = train(args)[0]
-    except UserError as e:  # bad input: one line, no traceback, non-zero exit
-        print(f"error: {e}", file=sys.stderr, flush=True)
+    except (UserError, torch.OutOfMemoryError) as e:  # bad input, or memory (outside a step too): one line, exit 2
+        why = e if isinstance(e, UserError) else f"out of memory ({str(e).splitlines()[0]}); --fit chooses settings"
+        print(f"error: {why}", file=sys.stderr, flush=True)
         raise SystemExit(2)
     print0(json.dumps(summary))
     if dist.is_initialized():

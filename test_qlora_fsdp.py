@@ -722,7 +722,7 @@ def test_clip_grad_norm_equals_torch():
         for p, r in zip(fsdp.parameters(), ref):
             p.grad = torch.randn(p.shape, generator=g)
             r.grad = p.grad.clone()
-        total = fsdp.clip_grad_norm_(max_norm)
+        total = fsdp.clip_grad_norm_(max_norm).item()  # a tensor, as torch's
         expected = torch.nn.utils.clip_grad_norm_(ref, max_norm).item()
         assert total == pytest.approx(expected, rel=1e-6) and (total > max_norm) == (max_norm == 0.5)
         for p, r in zip(fsdp.parameters(), ref):
@@ -1486,14 +1486,14 @@ def test_estimate_bounds_compiled_blocks_without_checkpointing(mem_runs):
 
 
 def test_estimate_counts_the_real_all_gather_buffers():
-    """The estimate's all-gather row is three of a block unit's all-gathered buffers, each the bytes
+    """The estimate's all-gather row is two of a block unit's all-gathered buffers, each the bytes
     FSDP actually lays out for the unit (within the NF4 scale factors and mean per tensor); its sharded
     rows at world 2 are half of world 1's."""
     args = qf.parse_args(BASE + ["--batch_size", "2"])  # fp32
     _, fsdp = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
     unit = fsdp.units[1]  # a block
     est = qf.estimate_memory(qf.CONFIGS["tiny"], world=1, dtype_bytes=4)
-    assert abs(est["gathers"] / 3 - unit.unit_bytes) <= len(unit.slots) * 8  # NF4's scale factors and mean
+    assert abs(est["gathers"] / 2 - unit.unit_bytes) <= len(unit.slots) * 8  # NF4's scale factors and mean
     half = qf.estimate_memory(qf.CONFIGS["tiny"], world=2, dtype_bytes=4)
     for row, v in est["state"].items():
         assert half["state"][row] == pytest.approx(v / 2), row
@@ -1546,8 +1546,8 @@ def test_fit_plans_fit_keep_the_batch_and_never_get_slower_with_more_memory(mode
                 got = fit_json(argv + ["--fit", str(budget)], world, capsys, monkeypatch)
             except SystemExit as e:
                 assert e.code == 2 and peaks[world, len(plans) - 1]["predicted_peak_gib"] > budget
-                assert f"the smallest predicted peak is {peaks[world, len(plans) - 1]['predicted_peak_gib']:.2f}" \
-                       in capsys.readouterr().err
+                said = re.search(r"the smallest predicted peak is ([\d.]+) GiB", capsys.readouterr().err)
+                assert said and abs(float(said[1]) - peaks[world, len(plans) - 1]["predicted_peak_gib"]) <= 0.006
                 refused += 1
                 continue
             i = next(i for i, p in enumerate(plans) if all(got[k] == getattr(p, k) for k in qf.FIT_FLAGS))
@@ -2698,9 +2698,9 @@ def test_cuda_training_equals_cpu(extra, hf_dir):
     from one checkpoint (a random base drawn on the GPU is another one than the CPU's). Tolerance: matmuls
     and attention sum in another order on the GPU."""
     argv = [a for a in BASE if a not in ("--device", "cpu", "--no-compile")] + ["--batch_size", "4",
-                                                                               "--checkpoint", hf_dir[0]] + extra
-    on_cpu = run_single(argv + ["--device", "cpu"])
-    on_gpu = run_single(argv + ["--device", "cuda"])
+                                                                               "--checkpoint", hf_dir[0]]
+    on_cpu = run_single(argv + ["--device", "cpu", "--no-compile"])  # eager: compiled equals it (tested above)
+    on_gpu = run_single(argv + ["--device", "cuda"] + extra)
     torch.testing.assert_close(torch.tensor(on_gpu["losses"]), torch.tensor(on_cpu["losses"]), rtol=1e-4, atol=1e-4)
     for k, v in on_cpu["adapters"].items():
         torch.testing.assert_close(on_gpu["adapters"][k], v, rtol=1e-3, atol=1e-4, msg=k)
@@ -2718,7 +2718,9 @@ def test_cuda_peak_memory_matches_estimate(extra, monkeypatch):
     argv = ["--device", "cuda", "--model", "gpu-check", "--data", "dummy", "--batch_size", "4", "--seq_len", "1024",
             "--steps", "3", "--log_every", "100"] + extra
     import gc
+    torch._dynamo.reset()  # its blocks compiled afresh for their shapes, not dynamic ones after the tests before
     gc.collect()
+    torch._C._cuda_clearCublasWorkspaces()  # the estimate counts them: not in what was there before
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated() / qf.GiB
     summary, _, _ = qf.train(qf.parse_args(argv))
