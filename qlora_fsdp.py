@@ -1,10 +1,9 @@
 """
 qlora_fsdp.py: fine-tune Llama models that do not fit on a GPU, all of it in this one file.
 
-QLoRA (a frozen 4-bit NormalFloat base with small trainable LoRA adapters) sharded across
-processes the way PyTorch's FSDP2 does it, written out by hand on torch.distributed. The file is
-the talk "Slaying OOMs with PyTorch FSDP and torchao" (Mark Saroufim, Jane Xu) turned into code,
-one lesson per section, each section depending only on torch and the sections above it:
+QLoRA (a frozen 4-bit NormalFloat base with small trainable LoRA adapters) sharded across processes the way
+PyTorch's FSDP2 does it, written out by hand on torch.distributed: the talk "Slaying OOMs with PyTorch FSDP and
+torchao" (Mark Saroufim, Jane Xu) turned into code, one lesson per section, each needing only the ones above it:
 
   1. memory accounting          parameters + gradients + optimizer state, full vs QLoRA
   2. NF4 quantization           blocks of 64, codebook, nibble packing, double-quantized scales
@@ -15,14 +14,13 @@ one lesson per section, each section depending only on torch and the sections ab
   7. Llama                      Hugging Face names, RoPE, GQA, SwiGLU, chunked cross entropy
   8. predicting the peak        every buffer of a training step, before allocating one
   9. Hugging Face checkpoints   safetensors in and out, streamed loading, PEFT adapters, resume
- 10. data, training loop, CLI   one log line per step, a JSON summary, --estimate, --profile
+ 10. data, training loop, CLI   a log line per step, a JSON summary, --estimate, --fit, --val_data, --profile
 
 Run it:
   python qlora_fsdp.py                                   # tiny model on this file's bytes, CPU
   torchrun --nproc_per_node 2 qlora_fsdp.py              # the same, sharded over 2 processes
-  torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy \\
-      --batch_size 8 --seq_len 2048                      # the talk's benchmark, on 2 GPUs
-  WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 --estimate
+  torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy --batch_size 8 --seq_len 2048
+  WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 --estimate --fit 24
   torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.npy --out runs/a
   python qlora_fsdp.py --sample 200 --prompt "def "      # then continue a prompt by 200 tokens
 """
@@ -110,12 +108,10 @@ def format_budget(name, budget):
 # Needs: import sys, torch, torch.nn.functional as F.
 # NormalFloat-4: 16 values placed at quantiles of N(0, 1), rescaled to [-1, 1], with an exact 0.
 # Paper Appendix E; bitsandbytes get_4bit_type("nf4"). Code i is NF4[i], ascending.
-NF4_VALUES = [
-    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
-]
+NF4_VALUES = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+              0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
 NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 # Nearest-value rounding == bucketize on the 15 midpoints: no (numel x 16) distance matrix.
 NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
@@ -129,8 +125,7 @@ QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has
 def use_compiled(compile, t):
     """Whether to run a separately compiled kernel on t: `compile` (None: COMPILE), except inside an outer
     torch.compile (the plain function is traced into that graph) and on meta tensors."""
-    compile = COMPILE if compile is None else compile
-    return compile and t.device.type != "meta" and not torch.compiler.is_compiling()
+    return (COMPILE if compile is None else compile) and t.device.type != "meta" and not torch.compiler.is_compiling()
 
 def _quantize_blocks(w, block_size: int):
     """w: (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32. Each block is
@@ -162,8 +157,7 @@ def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
 _NF4_ON_DEVICE = {}  # the codebook, copied to each device once
 DEQUANT_CHUNK = 1 << 22  # elements per pass
 
-def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
-                scaler_block_size: int, dtype: torch.dtype):
+def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int, scaler_block_size: int, dtype: torch.dtype):
     """Inverse of quantize_nf4: (numel,) tensor of `dtype`, row-major, w = NF4[code] * absmax[block]. The reference,
     and the path for --no-compile and every dtype but bf16: codes index the codebook as int32, a chunk (at most
     half the weight) at a time, so that no temporary (4-byte codes and values) outgrows the output."""
@@ -180,11 +174,10 @@ def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int,
         chunk.copy_(values.mul_(scale[:, None]))
     return out.view(-1)
 
-# What torch.compile gets for bf16 output: the same numbers, bit for bit, in a form the compiler vectorizes. The
-# table lookup above compiles to a gather (a scalar load per element) and the interleaving of the two nibbles to
-# scalar stores. Instead: (1) the lookup is a tree of selects between constants (vector blends); (2) each byte's
-# two bf16 results are packed into one int32 (first element in the low half, as little-endian memory orders
-# them), written contiguously and viewed as bf16 afterwards, rounding fp32 -> bf16 on the bits.
+# What torch.compile gets for bf16 output: the same bits in a form it vectorizes (the table lookup above compiles
+# to a gather, the nibbles' interleaving to scalar stores): (1) the lookup is a tree of selects between constants;
+# (2) each byte's two bf16 results, rounded on the bits, are packed into one int32 (the first in the low half, as
+# little-endian memory orders them), written contiguously and viewed as bf16 afterwards.
 def _nf4_lookup(code):
     """NF4_VALUES[code] for an integer tensor of codes 0..15, without indexing: bit 0 of the code picks within
     each pair of values, bit 1 within pairs of pairs, ... (15 selects, 4 levels)."""
@@ -273,8 +266,7 @@ class NF4Tensor(torch.Tensor):
     def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *block_sizes, **kw_block_sizes):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=packed.device)
 
-    def __init__(self, packed, scale_q, scale_factor, scale_mean, shape, dtype,
-                 block_size=64, scaler_block_size=256):
+    def __init__(self, packed, scale_q, scale_factor, scale_mean, shape, dtype, block_size=64, scaler_block_size=256):
         self.packed, self.scale_q, self.scale_factor, self.scale_mean = packed, scale_q, scale_factor, scale_mean
         self.block_size, self.scaler_block_size = block_size, scaler_block_size
 
@@ -306,8 +298,7 @@ class NF4Tensor(torch.Tensor):
             x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
             y = linear_nf4(x, w)
             return y if bias is None else y + bias
-        # .to(dtype) dequantizes, even to the dtype it reports (how a caller asks for the dense weight); a move,
-        # .to(device), keeps the data packed
+        # .to(dtype) dequantizes, even to its own dtype (how one asks for the dense weight); .to(device) stays packed
         if func is torch.Tensor.to:
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
             t = _nf4_to_copy(args[0], device, non_blocking=non_blocking)
@@ -343,9 +334,7 @@ _NF4_OPS = {
     aten.clone.default: lambda t, **_: t._with_inner(torch.clone),
     aten._pin_memory.default: lambda t, *_: t._with_inner(torch.Tensor.pin_memory),
     aten.is_pinned.default: lambda t, *_: all(getattr(t, n).is_pinned() for n in NF4Tensor.INNER),
-    aten._to_copy.default: _nf4_to_copy,
-    aten.copy_.default: _nf4_copy_,
-}
+    aten._to_copy.default: _nf4_to_copy, aten.copy_.default: _nf4_copy_}
 
 def to_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     """Quantize a float tensor to an NF4Tensor that reports weight's shape and dtype."""
@@ -353,18 +342,16 @@ def to_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
 
 # y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same op (W dequantized
-# again). Saved for backward: the four packed inner tensors, never a dense W. Why an op and not an
-# autograd.Function: torch.compile traces through a Function, and its common-subexpression pass merges the
-# forward's and the backward's identical dequantize into one call whose dense (out, in) result is then kept for
-# backward -- QLoRA's saving, gone. An op is opaque to the compiler: the two dequantizes stay apart.
+# again): saved for backward are the packed inner tensors, never a dense W. Not an autograd.Function: torch.compile
+# traces through one, and its CSE merges forward's and backward's dequantize into one call whose dense result is
+# kept for backward -- QLoRA's saving, gone. An op is opaque to the compiler: the two stay apart.
 @torch.library.custom_op("qlora_fsdp::matmul_nf4", mutates_args=())
 def _matmul_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
                 scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int,
                 transpose: bool, compile: Optional[bool]) -> torch.Tensor:
     """x W^T, (..., in) -> (..., out), if transpose (forward), else x W, (..., out) -> (..., in)."""
     w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, x.dtype, compile)
-    w = w.view(out_features, -1)  # (out, in)
-    return x @ (w.T if transpose else w)
+    return x @ (w.view(out_features, -1).T if transpose else w.view(out_features, -1))  # W: (out, in)
 
 @_matmul_nf4.register_fake
 def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size, transpose, compile):
@@ -399,9 +386,8 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # forward (sharded: at all-gather).
 
 def seeded(*key, device="cpu"):
-    """A generator for one use, e.g. seeded(seed, "batch", step): the same draws on every rank, and a stream of
-    its own for each key (its seed is drawn from a SHA-512 of the key). A CUDA generator draws other numbers
-    than the CPU's for the same key, and about a thousand times as many a second."""
+    """A generator for one use, e.g. seeded(seed, "batch", step): the same draws on every rank, a stream of its own
+    per key (seeded from a SHA-512 of it). A CUDA one draws other numbers than the CPU's, ~1000x as fast."""
     return torch.Generator(device).manual_seed(random.Random("/".join(map(str, key))).getrandbits(63))
 
 def random_weight(shape, generator=None):
@@ -413,9 +399,8 @@ def lora_A_init(shape, generator=None):
     return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
 
 class NF4Linear(nn.Module):
-    """A frozen linear layer, y = x W^T (+ bias), whose weight is an NF4Tensor; the bias (optional) is a
-    frozen tensor of `dtype`. Built from scratch its weight is random (real ones come from a checkpoint or
-    from_linear); compile: as in section 2, for this layer's NF4 kernels (None: COMPILE)."""
+    """A frozen linear layer, y = x W^T (+ bias, optional, frozen), its weight an NF4Tensor: random unless given
+    (a checkpoint's, from_linear's); compile: as in section 2, for this layer's NF4 kernels (None: COMPILE)."""
 
     def __init__(self, in_features, out_features, bias=False, dtype=torch.bfloat16, compile=None, weight=None):
         super().__init__()
@@ -439,8 +424,7 @@ class NF4Linear(nn.Module):
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A dense (Hugging Face) weight is quantized on the way in, with assign=True too (which skips copy_)
-        key = prefix + "weight"
-        if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
+        if (key := prefix + "weight") in state_dict and not isinstance(state_dict[key], NF4Tensor):
             state_dict[key] = to_nf4(state_dict[key].to(self.weight.dtype), compile=self.compile)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
@@ -462,8 +446,7 @@ class LoRALinear(NF4Linear):
         if xA is None:
             xA = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # (..., rank)
         y = linear_nf4(x, self.weight, self.compile)  # (..., out)
-        # y + scaling * xA B^T as one addmm: a compiled backward that recomputes it keeps only the
-        # (..., out) sum, not y and xA B^T apart
+        # y + scaling * xA B^T as one addmm: a compiled backward recomputing it keeps the (..., out) sum alone
         y = torch.addmm(y.view(-1, y.shape[-1]), xA.view(-1, self.rank), self.lora_B.to(x.dtype).T,
                         alpha=self.scaling).view(y.shape)
         return y if self.bias is None else y + self.bias
@@ -533,8 +516,7 @@ class _Param:
 
     def __init__(self, fqn, places, p, compute_dtype, world, rank):
         self.fqn, self.places, self.shape = fqn, places, tuple(p.shape)
-        subclass = hasattr(p, "__tensor_flatten__")
-        self.trainable = p.requires_grad and not subclass
+        self.trainable = not (subclass := hasattr(p, "__tensor_flatten__")) and p.requires_grad
         if subclass:
             inner, ctx = p.__tensor_flatten__()
             names, cls, stride = [f"{fqn}.{n}" for n in inner], type(p), p.stride()  # the lambdas must not keep p alive
@@ -544,8 +526,7 @@ class _Param:
             names, self.flatten, self.unflatten = [fqn], lambda t: [t], lambda full: full[0]
         cast = compute_dtype if compute_dtype and not subclass else None  # a subclass keeps its inner dtypes
         self.slots = [_Slot(n, t, cast if cast and t.is_floating_point() else t.dtype, self.trainable, world, rank)
-                      for n, t in zip(names, self.flatten(p))]
-        self.value = None  # the full parameter, as its modules see it (set by the unit)
+                      for n, t in zip(names, self.flatten(p))]  # (its full value, on its modules: set by the unit)
 
     def keep(self, full):  # a full tensor in this parameter's form (a subclass as such): keep this rank's pieces
         for s, t in zip(self.slots, self.flatten(full)):
@@ -615,27 +596,25 @@ class ShardedUnit:
         self.fsdp, self.index, self.name, self.modules = fsdp, index, name, modules
         self.reshard_after_forward, world, dev = reshard_after_forward, fsdp.world, fsdp.device
         self.params = [_Param(fqn, places, p, fsdp.compute_dtype, world, fsdp.rank) for fqn, places, p in params]
-        # the widest dtypes first, the trainable last among their dtype: every piece aligned for its dtype, the
-        # masters' in a row; frozen pieces whose bytes are no multiple of 16 last, so the others start 16-aligned
-        # (what compiled kernels assume of their inputs)
+        # the widest dtypes first, the trainable last among theirs: every piece aligned for its dtype, the masters'
+        # in a row; frozen ones of a size no multiple of 16 last: the others start 16-aligned, as kernels assume
         self.slots = sorted((s for p in self.params for s in p.slots), key=lambda s: (
             s.nbytes % 16 != 0 and not s.trainable, -s.dtype.itemsize, str(s.dtype), s.trainable))
         self.adapters = [s for s in self.slots if s.trainable]
-        self.unit_bytes = 0
-        for s in self.slots:
-            s.offset, self.unit_bytes = self.unit_bytes, self.unit_bytes + s.nbytes
+        self.unit_bytes = sum(s.nbytes for s in self.slots)
         pin = fsdp.offload and dev.type == "cuda"  # host memory the GPU copies from asynchronously
         self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin)
-        # fp32 master of the trainable tensors: this rank's pieces in one flat tensor (one optimizer tensor per
-        # unit), laid out as a row of the reduce-scatter's input. Padding stays 0 under AdamW (0 gradient, moments).
+        # fp32 master of the trainable tensors: this rank's pieces in one flat tensor, laid out as a row of the
+        # reduce-scatter's input (one optimizer tensor per unit; its padding stays 0 under AdamW)
         n = sum(s.shard_numel for s in self.adapters)
         self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
         if n:  # in place of the ones it shards: model.parameters() are what the optimizer steps, as with fully_shard
             modules[0].register_parameter("fsdp_master", self.master)
         # The full tensors: a (world, shard bytes) block of one storage each, in slot order, empty until gathered
         self.storage = torch.empty(world * self.unit_bytes, dtype=torch.uint8, device=dev).untyped_storage()
-        self.casts, start = {}, 0  # dtype -> the first and last trainable slot of that dtype (one cast each)
+        self.casts, start, offset = {}, 0, 0  # casts: dtype -> its first and last trainable slot (one cast each)
         for s in self.slots:
+            s.offset, offset = offset, offset + s.nbytes  # in the shard bytes
             if s.trainable:
                 s.start, start = start, start + s.shard_numel
                 s.local = self.master.detach()[s.start:start]  # detach(), not .data: writes bump the version
@@ -665,7 +644,7 @@ class ShardedUnit:
             m.register_forward_hook(self._post_forward)
 
     def _version(self):  # moves whenever this rank's pieces are written (an optimizer step, load_full)
-        return self.shard_bytes._version, 0 if self.master is None else self.master._version
+        return self.shard_bytes._version, self.master is not None and self.master._version
 
     def prefetch(self):
         """Issue this unit's all-gather, unless gathered or in flight; it runs asynchronously (gloo: in a thread)."""
@@ -744,7 +723,6 @@ class ShardedUnit:
                     self.needs_backward = True
         if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward after a no-grad forward
             self.free()
-        return None
 
     def _pre_backward(self, grad):
         self.fsdp.queue_end_of_backward()
@@ -765,13 +743,12 @@ class ShardedUnit:
         self.free()
 
 class FSDP:
-    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors. `units`, in the order forward runs
-    them: modules, or lists of modules gathered together; the parameters in no unit form the root unit, gathered at
-    model's forward (a unit inside a unit is its own; a parameter in two units is refused). `compute_dtype` (FSDP2's
-    param_dtype): every plain floating parameter is kept and gathered in it (None: its own); a tensor subclass keeps
-    its inner dtypes; masters and gradient reductions are fp32, one flat master per unit. `device`: the current GPU,
-    else the CPU; `offload`: shards, masters and AdamW on the host. Outside a unit's forward and backward its
-    parameters are off its modules (reading one is an AttributeError); model.parameters() are the masters:
+    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors. `units`, in forward's order: modules
+    or lists of modules gathered together; parameters in no unit form the root unit (a unit in a unit is its own; a
+    parameter in two units is refused). compute_dtype (param_dtype): every plain floating parameter is kept and
+    gathered in it; masters (one flat fp32 tensor per unit) and gradient reductions are fp32. device: the current
+    GPU, else the CPU; offload: shards, masters and AdamW on the host. Outside its unit's forward and backward a
+    parameter is off its module (reading it: an AttributeError); model.parameters() are the masters:
 
         model = nn.Sequential(nn.Embedding(1000, 64), *(Block(64) for _ in range(4)), nn.Linear(64, 1000))
         fsdp = FSDP(model, units=list(model), device="cuda", compute_dtype=torch.bfloat16)
@@ -784,9 +761,8 @@ class FSDP:
             optimizer.zero_grad()
         adapters = fsdp.full_adapters()        # {name: full fp32 tensor}, on every rank
 
-    Unit outputs are tensors in tuples, lists and dicts; a block's forward may be torch.compile'd (the hooks stay
-    eager). In full, for checkpoints (collectives): full_adapters(of=...) (of: a tensor laid out like the masters,
-    e.g. of=lambda m: optimizer.state[m]["exp_avg"]), full_base(); load_full(name, t) keeps this rank's piece."""
+    Units return tensors in tuples, lists, dicts; a unit's forward may be torch.compile'd. For checkpoints
+    (collectives): full_adapters(of=...) (e.g. of=lambda m: optimizer.state[m]["exp_avg"]), full_base(), load_full."""
 
     def __init__(self, model, units, device=None, compute_dtype=None, offload=False, group=None):
         device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
@@ -794,7 +770,7 @@ class FSDP:
         self.compute_dtype, self.offload, self.group = compute_dtype, offload, group
         self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
         self.store_device = torch.device("cpu") if offload else self.device
-        self.waits, self.pending, self.to_host, self.task = [], None, [], None  # waits: (start, end) on collectives
+        self.waits, self.pending, self.arrived, self.task = [], None, [], None  # waits: (start, end) on collectives
         # CUDA: all-gathers and host copies go on a side stream, to overlap compute; the CPU runs them in order
         self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
@@ -815,10 +791,8 @@ class FSDP:
             for n, c in m._modules.items():
                 if c is not None and c not in tops:
                     walk(c, f"{prefix}{n}.", i)
-        walk(model, "", -1)
-        for i, g in enumerate(groups):
-            for m in g:
-                walk(m, f"{names[m]}." if names[m] else "", i)
+        for m, i in [(model, -1)] + [(m, i) for i, g in enumerate(groups) for m in g]:  # the root's, then each unit's
+            walk(m, f"{names[m]}." if names[m] else "", i)
         params = [[(fqn, places, p) for fqn, places, p, j in found.values() if j == i] for i in range(-1, len(groups))]
         self.root = ShardedUnit(self, -1, "root", [model], params[0], reshard_after_forward=False)
         self.units = [ShardedUnit(self, i, "+".join(names[m] for m in g), g, params[i + 1],
@@ -833,8 +807,7 @@ class FSDP:
         return [u.master for u in self.trained]
 
     def queue_end_of_backward(self):  # once per backward pass, from inside it
-        task = torch._C._current_graph_task_id()
-        if task != self.task:
+        if (task := torch._C._current_graph_task_id()) != self.task:
             self.task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
@@ -846,11 +819,11 @@ class FSDP:
             if u.in_backward or any(s.full.grad is not None for s in u.adapters):
                 u.post_backward()
         self._finish_reduction()
-        if self.to_host:
+        if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
-        for u, grad in self.to_host:
+        for u, grad in self.arrived:
             u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
-        self.to_host = []
+        self.arrived = []
         self.reshard()
 
     def reduce(self, unit, grads):
@@ -863,16 +836,13 @@ class FSDP:
             out = torch.empty(unit.master.numel(), dtype=torch.float32, device=self.device)
             self.pending = (unit, _collective(out, send.view(-1), self.group, reduce_scatter=True), out, send)
 
-    def _finish_reduction(self):
-        if self.pending is None:
-            return
-        (unit, work, grad, _), self.pending = self.pending, None  # its input (send) was kept alive until now
-        self.wait(work, "fsdp::wait_reduce_scatter")
-        grad.div_(self.world)  # the sum over ranks -> their mean, as FSDP2's gradients
-        if self.offload and grad.is_cuda:  # to the host as soon as it is reduced, all added after one wait
-            self.to_host.append((unit, _to_host(grad, self.side_stream)))
-        else:
-            unit.master.grad = grad if unit.master.grad is None else unit.master.grad.add_(grad)
+    def _finish_reduction(self):  # wait for the reduce-scatter in flight; its gradient shard, to add at the end
+        if self.pending is not None:
+            (unit, work, grad, _), self.pending = self.pending, None  # its input (send) was kept alive until now
+            self.wait(work, "fsdp::wait_reduce_scatter")
+            grad.div_(self.world)  # the sum over ranks -> their mean, as FSDP2's gradients
+            # with offload, to the host as soon as it is reduced (all added after one wait)
+            self.arrived.append((unit, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
 
     def _now(self):  # a point in time: a CUDA event on the compute stream, or the host's clock
         if self.side_stream is None:
@@ -891,8 +861,7 @@ class FSDP:
                 torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
             self.waits.append((start, self._now()))
 
-    def take_comm_wait_s(self):
-        """Seconds waited on collectives since the last call (call it once the device is synchronized)."""
+    def take_comm_wait_s(self):  # seconds waited on collectives since the last call (the device synchronized)
         s, self.waits = sum(b - a if isinstance(a, float) else a.elapsed_time(b) / 1000 for a, b in self.waits), []
         return s
 
@@ -902,12 +871,10 @@ class FSDP:
         sq = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None]).square()
         if dist.is_initialized():
             dist.all_reduce(sq := sq.to(self.device), group=self.group)
-        norm = sq.sqrt()
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm := sq.sqrt())
         return norm
 
-    def reshard(self):
-        """Free every unit still gathered (the last one and the root stay after a forward without backward)."""
+    def reshard(self):  # free every unit still gathered
         for u in self.all_units:
             u.free()
 
@@ -939,8 +906,7 @@ class FSDP:
         """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time: a tensor's memory is
         freed with its unit (clone it to keep it)."""
         for u in self.all_units:
-            frozen = [p for p in u.params if not p.trainable]
-            if frozen:
+            if frozen := [p for p in u.params if not p.trainable]:
                 u.gather()
                 yield from ((p.fqn, p.value) for p in frozen)
                 u.free()
@@ -964,10 +930,11 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
         self.stream, self.input, self.host, self.last = stream, None, None, None
         super().__init__(self._pack, self._unpack)
 
-    def start(self, x):  # the next block's input (None: no more blocks): copy it to the host now
+    def start(self, x):  # the next block's input (None: no more blocks): copy it to the host now; -> the hooks
         self.input, self.host = x, None if x is None else _to_host(x, self.stream)
         if x is None:
             self.last = None
+        return self
 
     def _pack(self, t):
         x = self.input
@@ -1000,8 +967,7 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # -----------------------------------------------------------------------------
 # Needs: import math, torch.
 # torch.optim.AdamW over FSDP2's DTensors pays Python + DTensor dispatch per tensor per op; FSDP above hands over
-# one flat shard per unit (Llama-2-7B: 32 tensors, not 448): each update below is one foreach call over a few
-# tensors (Loshchilov & Hutter 2019, decoupled weight decay):
+# one flat shard per unit (Llama-2-7B: 32 tensors, not 448), one foreach call each (decoupled weight decay):
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 # On the CPU these 7 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later passes find
@@ -1012,9 +978,8 @@ TORCH_ADAMW = dict(amsgrad=False, maximize=False, foreach=None, capturable=False
                    decoupled_weight_decay=True)
 
 class AdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW on torch._foreach_* ops: equal to it up to floating-point rounding. It takes torch's
-    keywords at their defaults (TORCH_ADAMW) and refuses, naming it, any other value; it loads a
-    torch.optim.AdamW state_dict and torch loads its; lr may be a tensor; sparse and complex gradients are refused."""
+    """torch.optim.AdamW on torch._foreach_* ops, equal to it up to floating-point rounding: torch's keywords at their
+    defaults (TORCH_ADAMW; others refused, named), its state_dicts both ways, a tensor lr; no sparse or complex."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **torch_keywords):
         for key in sorted(set(torch_keywords) - set(TORCH_ADAMW))[:1]:
@@ -1041,8 +1006,8 @@ class AdamW(torch.optim.Optimizer):
                 continue
             if any(p.grad.is_sparse or p.is_complex() for p in params):
                 raise RuntimeError("AdamW does not support sparse gradients or complex parameters")
-            # [(step count, params)]: runs of consecutive params of ~ADAM_CHUNK_BYTES each, sharing their step
-            # count (one that had no gradient at some step has fewer; FSDP's masters always share theirs)
+            # [(step count, params)]: runs of ~ADAM_CHUNK_BYTES of params that share their step count (one that had no
+            # gradient at some step has fewer)
             chunks, nbytes = [], math.inf
             for p in params:
                 if not self.state[p]:
@@ -1090,7 +1055,7 @@ class LlamaConfig:  # field names are Hugging Face config.json's
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        if self.num_key_value_heads is None:
+        if self.num_key_value_heads is None:  # no GQA: as many kv heads as heads
             self.num_key_value_heads = self.num_attention_heads
 
     @property
@@ -1112,8 +1077,7 @@ CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv hea
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps, dtype):
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
     def forward(self, x):  # normalize in fp32, scale in the compute dtype (as Hugging Face)
         h = x.float()
@@ -1127,8 +1091,7 @@ def rope_inv_freq(config):
     rs = config.rope_scaling or {}
     if rs.get("rope_type", rs.get("type")) == "llama3":
         factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old_len = rs.get("original_max_position_embeddings", 8192)
-        wavelen = 2 * math.pi / inv_freq
+        old_len, wavelen = rs.get("original_max_position_embeddings", 8192), 2 * math.pi / inv_freq
         smooth = (old_len / wavelen - low) / (high - low)
         scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
@@ -1158,9 +1121,7 @@ class LlamaAttention(nn.Module):
     def forward(self, x, cos, sin):  # x (B, T, C)
         B, T, C = x.shape
         q, k, v = LoRALinear.shared_input(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh or nkv, T, hd)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # grouped-query attention: each of the nkv heads serves nh / nkv query heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
@@ -1187,8 +1148,8 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, checkpointing=False):
         if checkpointing and torch.is_grad_enabled():
-            # Keep only the block's input (B, T, C); recompute the rest in backward. The checkpoint sits
-            # inside forward so that, when forward is compiled, the recompute fuses into backward's kernels.
+            # Keep only the block's input (B, T, C), recompute the rest in backward; inside forward, so that
+            # compiled, the recompute fuses into backward's kernels
             return checkpoint(self.block, x, cos, sin, use_reentrant=False)
         return self.block(x, cos, sin)
 
@@ -1199,10 +1160,9 @@ class LlamaDecoderLayer(nn.Module):
 IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
 
 def _cross_entropy_rows(logits, targets, need_grad: bool):
-    """logits (n, V), targets (n,) -> (the sum of the counted rows' losses, fp32; and if need_grad
-    its gradient wrt the logits, softmax - onehot, zero on ignored rows, in logits' dtype). Eager:
-    in place on one fp32 copy of the logits, with the one-hot made as bool and cast to fp32 for the
-    subtraction; compiled, the passes fuse (max, sum of exp, gradient) and neither is ever made."""
+    """logits (n, V), targets (n,) -> (the sum of the counted rows' losses, fp32; and if need_grad its gradient wrt
+    the logits, softmax - onehot, zero on ignored rows, in logits' dtype). Eager: in place on one fp32 copy of the
+    logits, the one-hot made as bool; compiled, the passes fuse (max, sum of exp, gradient), neither is made."""
     keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
     t = targets.masked_fill(targets == IGNORE_INDEX, 0)[:, None]  # ignored rows look up class 0, count 0
     x = logits.float()
@@ -1218,10 +1178,10 @@ def _cross_entropy_rows(logits, targets, need_grad: bool):
 _cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross entropy of h W^T against targets, `chunk` rows at a time (the sum over the counted
-    targets, or their mean). Full logits for Llama-2-7B at T=2048 are 131 MB per sequence in bf16,
-    and as many again for their gradient; here one chunk's exist at a time: forward computes each
-    chunk's loss AND its gradient wrt h, (softmax - onehot) W, and backward just scales it."""
+    """Cross entropy of h W^T against targets, `chunk` rows at a time (the sum over the counted targets, or their
+    mean). Full logits for Llama-2-7B at T=2048 are 131 MB per sequence in bf16, and as many for their gradient;
+    here one chunk's at a time: forward computes each chunk's loss AND its gradient wrt h, (softmax - onehot) W,
+    and backward just scales it (no gradient for the weight: lm_head is frozen)."""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, reduction, compile):  # h (N, C), weight (V, C), targets (N,)
@@ -1243,15 +1203,13 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        (grad_h,) = ctx.saved_tensors
-        # no gradient for the weight: lm_head is frozen
-        return grad_h * (grad_loss / ctx.denominator).to(grad_h.dtype), None, None, None, None, None
+        return ctx.saved_tensors[0] * (grad_loss / ctx.denominator).to(ctx.saved_tensors[0].dtype), *[None] * 5
 
 LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
 
 def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean", compile=None):
-    """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction)
-    for reduction "mean" or "sum", without the full logits; a mean over no target is 0."""
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction) for reduction "mean"
+    or "sum", without the full logits; a mean over no target is 0."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction, compile)
@@ -1290,9 +1248,7 @@ class Llama(nn.Module):
         # With offload each checkpointed block input waits in host memory until the block's backward.
         offload = self.offload_activations if self.checkpointing and torch.is_grad_enabled() else None
         for layer in self.model.layers:
-            if offload:
-                offload.start(h)
-            with offload or contextlib.nullcontext():
+            with offload.start(h) if offload else contextlib.nullcontext():
                 h = layer(h, cos, sin, self.checkpointing)
         if offload:
             offload.start(None)  # so the hooks don't keep the last block's input alive
@@ -1329,8 +1285,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
         "adapters fp32 + wire copy (shard)": lora * (4 + elt) / world,
         "adapter gradients fp32 (shard)": 4 * lora / world,
         # m and v (AdamW's sqrt(v) lives only during its step, when backward's buffers are gone)
-        "AdamW state fp32 (shard)": 8 * lora / world,
-    }
+        "AdamW state fp32 (shard)": 8 * lora / world}
     # All-gathers: two block units at a time, the one being computed and the next one's receive buffer (prefetched
     # after the copy-out, whose receive buffer is gone by then).
     block_unit = nf4(linear / layers) + 2 * d * elt + (lora / layers) * elt
@@ -1377,13 +1332,11 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     # allocation up to a power of two: each unit's shard, its fp32 master adapters and their gradient, each
     # offloaded block input. AdamW's moments (and its sqrt(v), one ADAM_CHUNK_BYTES chunk at a time) are pageable.
     pinned = lambda n: 2 ** math.ceil(math.log2(n)) if n >= 1 else 0  # noqa: E731
-    host = 0
-    if offload:
-        embed_shard, head_shard = vocab * d * elt / world, (nf4(head) + d * elt) / world
-        host = (pinned(embed_shard) + pinned(head_shard) + 8 * lora / world + ADAM_CHUNK_BYTES["cpu"]
-                + layers * (pinned(block_unit / world) + 2 * pinned(4 * lora / layers / world)))
-    if checkpointing and offload_activations:
-        host += layers * pinned(tokens * elt * d)
+    host = layers * pinned(tokens * elt * d) if checkpointing and offload_activations else 0
+    if offload:  # the shards of the embeddings, of norm + lm_head and of each block (+ its masters, gradients)
+        unit = pinned(block_unit / world) + 2 * pinned(4 * lora / layers / world)
+        host += pinned(vocab * d * elt / world) + pinned((nf4(head) + d * elt) / world) + 8 * lora / world + (
+            ADAM_CHUNK_BYTES["cpu"] + layers * unit)
     return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak, gpu_state=gpu_state,
                 host_state=host, gpu_peak=gpu_state + gathers + act_peak + CUDA_WORKSPACES, load_peak=load_peak)
 
@@ -1506,7 +1459,7 @@ def save_safetensors(path, specs, get):
 
 def config_from_hf(d, where="config.json"):
     """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout), every field this file
-    uses checked for its type and range."""
+    uses checked for its type and range (JSON's true is no count)."""
     require(d.get("model_type") == "llama" or any("Llama" in a for a in d.get("architectures") or []),
             f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
     kwargs = {f.name: d[f.name] for f in fields(LlamaConfig) if d.get(f.name) is not None}
@@ -1514,38 +1467,36 @@ def config_from_hf(d, where="config.json"):
     require(isinstance(rope, (dict, type(None))), f"{where}: rope_parameters must be an object")
     if rope:
         kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10000.0))
-        if rope.get("rope_type", "default") != "default":
-            kwargs["rope_scaling"] = rope
-    count = lambda x: type(x) is int and x >= 1  # noqa: E731  (JSON's true is no count)
+        kwargs["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else kwargs.get("rope_scaling")
+    count = lambda x: type(x) is int and x >= 1  # noqa: E731
     positive = lambda x: type(x) in (int, float) and math.isfinite(x) and x > 0  # noqa: E731
     for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
         require(count(kwargs.get(key)), f"{where}: {key} is missing or not a positive integer")
-    config = LlamaConfig(**kwargs)
-    require(count(config.max_position_embeddings), f"{where}: max_position_embeddings must be a positive integer")
-    require(type(config.tie_word_embeddings) is bool, f"{where}: tie_word_embeddings must be true or false, "
-                                                      f"not {config.tie_word_embeddings!r}")
-    head_dim, rest = divmod(config.hidden_size, config.num_attention_heads)
-    require(rest == 0 and d.get("head_dim", head_dim) == head_dim,
-            f"{where}: head_dim must be hidden_size / num_attention_heads")
-    require(isinstance(config.rope_scaling, (dict, type(None))), f"{where}: rope_scaling must be an object")
-    scaling = config.rope_scaling or {"rope_type": "default"}
+    c = LlamaConfig(**kwargs)
+    scaling = c.rope_scaling if isinstance(c.rope_scaling, dict) else {"rope_type": "default"}
     rope_type = scaling.get("rope_type", scaling.get("type"))  # "type": older transformers
-    require(rope_type in ("llama3", "default"), f"{where}: rope_scaling type {rope_type!r} is not supported")
-    if rope_type == "llama3":  # the defaults are Meta's, as rope_inv_freq takes them
-        require(positive(scaling.get("factor")), f"{where}: llama3 rope_scaling needs a positive factor")
-        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
-        require(positive(low) and positive(high) and low < high and count(
-            scaling.get("original_max_position_embeddings", 8192)), f"{where}: llama3 rope_scaling needs positive "
-                f"low_freq_factor < high_freq_factor and a positive integer original_max_position_embeddings")
-    for key in ("rms_norm_eps", "rope_theta"):
-        require(positive(getattr(config, key)), f"{where}: {key} must be a positive number")
-    kv = config.num_key_value_heads
-    require(count(kv) and config.num_attention_heads % kv == 0,
-            f"{where}: num_key_value_heads must divide num_attention_heads")
-    d, kv_dim = config.hidden_size, kv * config.head_dim
-    require(all(d * n % 64 == 0 for n in (d, kv_dim, config.intermediate_size, config.vocab_size)),
-            f"{where}: every weight's size must be a multiple of 64 (NF4's block)")
-    return config
+    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)  # Meta's defaults
+    kv_dim = c.num_key_value_heads * c.head_dim if count(c.num_key_value_heads) else 0
+    for ok, what in [  # in order: the first that fails is the error
+            (count(c.max_position_embeddings), "max_position_embeddings must be a positive integer"),
+            (type(c.tie_word_embeddings) is bool, f"tie_word_embeddings must be true or false, not "
+                                                  f"{c.tie_word_embeddings!r}"),
+            (c.hidden_size % c.num_attention_heads == 0 and d.get("head_dim", c.head_dim) == c.head_dim,
+             "head_dim must be hidden_size / num_attention_heads"),
+            (isinstance(c.rope_scaling, (dict, type(None))), "rope_scaling must be an object"),
+            (rope_type in ("llama3", "default"), f"rope_scaling type {rope_type!r} is not supported"),
+            (rope_type != "llama3" or positive(scaling.get("factor")), "llama3 rope_scaling needs a positive factor"),
+            (rope_type != "llama3" or positive(low) and positive(high) and low < high and count(scaling.get(
+                "original_max_position_embeddings", 8192)), "llama3 rope_scaling needs positive low_freq_factor < "
+                "high_freq_factor and a positive integer original_max_position_embeddings"),
+            (positive(c.rms_norm_eps), "rms_norm_eps must be a positive number"),
+            (positive(c.rope_theta), "rope_theta must be a positive number"),
+            (kv_dim and c.num_attention_heads % c.num_key_value_heads == 0,
+             "num_key_value_heads must divide num_attention_heads"),
+            (all(c.hidden_size * n % 64 == 0 for n in (c.hidden_size, kv_dim, c.intermediate_size, c.vocab_size)),
+             "every weight's size must be a multiple of 64 (NF4's block)")]:
+        require(ok, f"{where}: {what}")
+    return c
 
 def config_to_hf(config, dtype):
     d = {f.name: getattr(config, f.name) for f in fields(LlamaConfig)}
@@ -1564,9 +1515,8 @@ def hf_shapes(config, layer=None):
             {"input_layernorm": (d,), "post_attention_layernorm": (d,), **linear_shapes(config)}.items()}
 
 def load_checkpoint(path, config):
-    """((name, full tensor) of every weight of the Hugging Face directory `path`, read one at a time as the
-    generator goes; their bytes in the files). Every header is read and checked against the shapes config.json
-    implies at once, when this is called: a mismatch is refused before anything of the model's size exists."""
+    """((name, full tensor) of every weight of the Hugging Face directory `path`, read one at a time; their bytes).
+    Every header is checked against config.json at once: a mismatch is refused before anything of its size exists."""
     names = ["model.safetensors"]
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.isfile(index):
@@ -1598,26 +1548,23 @@ def load_checkpoint(path, config):
     return ((name, sf.get(key)) for name, (sf, key) in sources.items()), nbytes
 
 def initial_weights(shapes, seed, device="cpu"):
-    """(name, full tensor) of parameters with no checkpoint, as the modules initialize them, one at a time (as
-    a checkpoint), each from its own seeded generator on `device`: the same at any world size on one kind of
-    device. Adapters are drawn on the CPU (they are small): the same on every device."""
+    """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one at a time, each from a
+    seeded generator on `device`: alike at any world size on one kind of device (adapters: on the CPU, alike)."""
     for name, shape in shapes.items():
-        g = seeded(seed, name, device="cpu" if name.endswith("lora_A") else device)
         if name.endswith("lora_A"):
-            yield name, lora_A_init(shape, g)
+            yield name, lora_A_init(shape, seeded(seed, name))
         elif name.endswith("lora_B"):  # B = 0: the model starts as the base
             yield name, torch.zeros(shape)
         elif "norm" in name:
             yield name, torch.ones(shape, device=device)
         elif "embed_tokens" in name:  # N(0, 1)
-            yield name, torch.randn(shape, generator=g, device=device)
+            yield name, torch.randn(shape, generator=seeded(seed, name, device=device), device=device)
         else:  # linears N(0, 1/in)
-            yield name, random_weight(shape, g)
+            yield name, random_weight(shape, seeded(seed, name, device=device))
 
-def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0,
-                    device=None, seed=0):
-    """Unsharded: a meta Llama whose parameters are replaced one by one as the checkpoint is read
-    (assign=True; NF4Linear quantizes), plus fresh adapters: memory stays near the NF4 size, never a bf16 model."""
+def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, device=None, seed=0):
+    """Unsharded: a meta Llama whose parameters are replaced one by one as the checkpoint is read (assign=True;
+    NF4Linear quantizes), plus fresh adapters: memory stays near the NF4 size, never a bf16 model."""
     config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
     device, (checkpoint, _) = torch.device(device or "cpu"), load_checkpoint(path, config)  # headers checked
     with torch.device("meta"):
@@ -1654,11 +1601,10 @@ def load_adapters(path):
 RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha", "lora_dropout", "seed")
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
-    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training state) under a temporary
-    name, renames it into place, then points out_dir/latest at it: a crash at any moment leaves the
-    previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks. Its
-    training_state.pt: the step, AdamW's step count and moments in full {"exp_avg": {name: tensor},
-    "exp_avg_sq": ...} and the flags --resume checks. (No RNG state: each step seeds its own dropout.)"""
+    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training_state.pt: the step, AdamW's count
+    and moments in full {"exp_avg": {name: tensor}, ...}, the flags --resume checks; no RNG state: each step seeds its
+    own dropout) under a temporary name, renames it, then points out_dir/latest at it: a crash at any moment leaves
+    the previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks."""
     adapters = fsdp.full_adapters()
     kept = "; its last checkpoint is intact" if os.path.isfile(os.path.join(out_dir, "latest")) else ""
     require(all(t.isfinite().all() for t in adapters.values()),
@@ -1690,8 +1636,7 @@ def resume(args, fsdp, optimizer):
     latest = os.path.join(args.out, "latest")  # parse_args: --resume needs --out
     require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {args.out}")
     with open(latest) as f:
-        ckpt = os.path.join(args.out, f.read().strip())
-    path = os.path.join(ckpt, "training_state.pt")
+        path = os.path.join(ckpt := os.path.join(args.out, f.read().strip()), "training_state.pt")
     try:
         state = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- any unreadable file is the same user error
@@ -1729,10 +1674,9 @@ def shard_files(specs, max_bytes):
     return files
 
 def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
-    """Collective. A Hugging Face checkpoint of the base with the adapters merged in, W' = W + (alpha/rank) B A,
-    written unit by unit by rank 0: model.safetensors, or above max_shard_bytes model-00001-of-0000N.safetensors
-    ... and their model.safetensors.index.json; then config.json (keeping the `source` checkpoint's other keys,
-    such as its token ids) and the source's generation_config.json."""
+    """Collective. A Hugging Face checkpoint of the base with the adapters merged in, W' = W + (alpha/rank) B A, by
+    rank 0, unit by unit: model.safetensors, or above max_shard_bytes model-0000k-of-0000n.safetensors and their
+    index; then config.json (the `source`'s other keys kept, its token ids) and its generation_config.json."""
     adapters = fsdp.full_adapters()
     base = fsdp.full_base()  # (name, full tensor), unit by unit, in the order of base_shapes()
 
@@ -1803,8 +1747,7 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
     require(tokens.ndim == 1 and np.issubdtype(tokens.dtype, np.integer),
             f"{where}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}")
     require(len(tokens) > seq_len, f"{where}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
-    hi = int(tokens.max())
-    require(hi < vocab_size, f"{where}: token id {hi} >= vocab_size {vocab_size} of this model")
+    require((hi := int(tokens.max())) < vocab_size, f"{where}: token id {hi} >= vocab_size {vocab_size} of this model")
     lo = int(tokens.min()) if np.issubdtype(tokens.dtype, np.signedinteger) else 0  # one pass fewer if unsigned
     require(lo >= 0, f"{where}: negative token id {lo}")
     if mask is not None:
@@ -1814,24 +1757,24 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
         mask = mask.astype(bool)  # token 0 is never a target: mask[0] is not used
     return tokens, mask
 
+def sequences(data, starts, T):
+    """(inputs, targets), each (len(starts), T) int64: the T + 1 tokens of load_tokens' `data` from each start; a
+    target at position i counts where loss_mask[i] is 1 (else IGNORE_INDEX)."""
+    (ids, mask), starts = data, list(starts)
+    tokens = torch.from_numpy(np.stack([ids[s:s + T + 1].astype(np.int64) for s in starts]))
+    counted = torch.from_numpy(np.stack([mask[s + 1:s + T + 1] for s in starts])) if mask is not None else True
+    return tokens[:, :-1], tokens[:, 1:].masked_fill(~torch.as_tensor(counted), IGNORE_INDEX)
+
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """This rank's rows (inputs, targets), each (batch_size, seq_len) int64, of micro-batch `micro` of the step's
-    global batch, whose rows depend only on (seed, step) and batch_size x grad_accum x world: any split of it
-    (--fit's too) trains on the same rows, laid out (micro, rank, row). data: load_tokens' pair, or None (random)."""
+    """This rank's rows (inputs, targets), each (batch_size, seq_len), of micro-batch `micro` of the step's batch:
+    rows of (seed, step) and batch_size x grad_accum x world alone, (micro, rank, row); data None: random tokens."""
     g = seeded(args.seed, "batch", step)
     n, T, first = args.batch_size * args.grad_accum * world, args.seq_len, (micro * world + rank) * args.batch_size
     rows = slice(first, first + args.batch_size)
     if data is None:
         tokens = torch.randint(vocab_size, (n, T + 1), generator=g)[rows]
         return tokens[:, :-1], tokens[:, 1:]
-    ids, mask = data
-    starts = torch.randint(len(ids) - T, (n,), generator=g)[rows].tolist()
-    tokens = torch.from_numpy(np.stack([ids[s:s + T + 1].astype(np.int64) for s in starts]))
-    targets = tokens[:, 1:]
-    if mask is not None:  # the target at position i counts where loss_mask[i] is 1
-        counted = torch.from_numpy(np.stack([mask[s + 1:s + T + 1] for s in starts]))
-        targets = targets.masked_fill(~counted, IGNORE_INDEX)
-    return tokens[:, :-1], targets
+    return sequences(data, torch.randint(len(data[0]) - T, (n,), generator=g)[rows].tolist(), T)
 
 def encode_prompt(text, vocab_size):
     """--prompt as token ids: its UTF-8 bytes for a byte-level model (default a newline), else comma-separated ids."""
@@ -1847,32 +1790,26 @@ def encode_prompt(text, vocab_size):
 
 @torch.no_grad()
 def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
-    """n tokens continuing `prompt`: greedy (temperature 0) or drawn from softmax(logits / T) by a
-    seeded CPU generator (the same draws on any device). No KV cache: forward re-runs on the last
-    `window` tokens. Sharded, every rank runs the same forward and takes rank 0's token."""
+    """n tokens continuing `prompt`: greedy (temperature 0) or drawn from softmax(logits / T) by a seeded CPU
+    generator (the same on any device). No KV cache: forward re-runs on the last `window` tokens, on every rank."""
     g = seeded(seed, "sample")
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
     model.eval()  # no LoRA dropout
-    # Compiled blocks would compile again for every new length: run them eagerly; what is
-    # already compiled for these shapes (the NF4 kernels) is still used.
+    # Compiled blocks would compile again for every new length: eager (the NF4 kernels still compiled)
     with torch.compiler.set_stance("eager_on_recompile"):
         for _ in range(n):
             logits = model(ids[:, -window:])[0, -1].float()  # (V,): the last position's
-            if temperature > 0:
-                probs = torch.softmax((logits - logits.max()).double() / temperature, -1)  # no overflow, any T
-                nxt = torch.multinomial(probs.cpu(), 1, generator=g).to(device)
-            else:
-                nxt = logits.argmax().view(1)
+            probs = torch.softmax((logits - logits.max()).double() / max(temperature, 1e-300), -1)  # no overflow
+            nxt = torch.multinomial(probs.cpu(), 1, generator=g).to(device) if temperature > 0 else logits.argmax()
             if dist.is_initialized():
-                dist.broadcast(nxt, src=0)
+                dist.broadcast(nxt := nxt.view(1), src=0)
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     model.train()
     return ids[0, len(prompt):].tolist()
 
 def check_writable(args, rank):
-    """Create --out, --merge_to (rank 0 writes them) and --profile (every rank) and write a file in
-    each now, so that a bad path stops every rank before the first step, not at the end. Nothing is
-    overwritten: an --out holding a run's checkpoint needs --resume, a --merge_to holding a model is refused."""
+    """Create --out, --merge_to (rank 0's) and --profile (every rank's), write a file in each: a bad path stops every
+    rank now. Nothing is overwritten: --out with a checkpoint needs --resume, a --merge_to with a model is refused."""
     problem = None
     if rank == 0 and args.out and not args.resume and os.path.isfile(os.path.join(args.out, "latest")):
         problem = f"--out {args.out}: holds a run's checkpoint; --resume continues it, or choose another --out"
@@ -1906,16 +1843,14 @@ def peak_memory_gib(device, reserved=False):
     return t.item()
 
 def open_metrics(out, start):
-    """--out's metrics.jsonl, open to append, its records after step `start` dropped (a fresh run: every one)."""
-    path = os.path.join(out, "metrics.jsonl")
-
-    def before(line):
-        try:
-            return json.loads(line)["step"] <= start
-        except (ValueError, KeyError, TypeError):  # a line cut short by a crash, say
-            return False
-    kept = [line for line in open(path)] if start and os.path.isfile(path) else []
-    atomic_write(path, lambda f: f.writelines(line for line in kept if before(line)), "w")
+    """--out's metrics.jsonl, open to append, its records after step `start` dropped (a fresh run: every one; a
+    line a crash cut short too: it does not end in "}")."""
+    path, kept = os.path.join(out, "metrics.jsonl"), []
+    if start and os.path.isfile(path):
+        with open(path) as f:
+            kept = [line.rstrip() + "\n" for line in f
+                    if line.rstrip().endswith("}") and json.loads(line)["step"] <= start]
+    atomic_write(path, lambda f: f.writelines(kept), "w")
     return open(path, "a")
 
 def reset_peak_memory(device):
@@ -1927,19 +1862,17 @@ def reset_peak_memory(device):
 
 @torch.no_grad()
 def evaluate(model, val, args, world, rank, device):
-    """(mean loss over the counted targets, sequences) of --val_data's first --eval_seqs sequences, sequence i
-    being tokens [i * seq_len, i * seq_len + seq_len + 1): in micro-batches of --batch_size sequences per rank,
-    that every rank runs (a row past the last sequence counts nothing), so the same at any world and split."""
-    (ids, mask), T, B = val, args.seq_len, args.batch_size
-    n = min(args.eval_seqs, (len(ids) - 1) // T)
+    """(mean loss over the counted targets, sequences) of --val_data's first --eval_seqs sequences, i being tokens
+    [i T, i T + T + 1): micro-batches of --batch_size a rank, every rank runs each (empty rows count nothing)."""
+    T, B = args.seq_len, args.batch_size
+    n = min(args.eval_seqs, (len(val[0]) - 1) // T)
     total = torch.zeros(2, dtype=torch.float64, device=device)  # the loss's sum and the count of its targets
     model.eval()
     for g in range(-(-n // (world * B))):  # global micro-batches: this rank's B rows of each
-        first, x, y = (g * world + rank) * B, torch.zeros(B, T, dtype=torch.long), torch.full((B, T), IGNORE_INDEX)
-        for row, i in enumerate(range(first, min(first + B, n))):
-            seq = torch.from_numpy(ids[i * T:i * T + T + 1].astype(np.int64))
-            x[row], y[row] = seq[:-1], seq[1:] if mask is None else seq[1:].masked_fill(
-                ~torch.from_numpy(mask[i * T + 1:i * T + T + 1]), IGNORE_INDEX)
+        rows = range((g * world + rank) * B, min((g * world + rank + 1) * B, n))
+        x, y = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), IGNORE_INDEX)
+        if rows:
+            x[:len(rows)], y[:len(rows)] = sequences(val, (i * T for i in rows), T)
         total += torch.stack([model(x.to(device), y.to(device), reduction="sum").double(),
                               (y != IGNORE_INDEX).sum().to(device, torch.float64)])
     model.train()
@@ -1959,9 +1892,8 @@ def parse_args(argv=None):
     # model
     p.add_argument("--model", default="tiny", help=f"one of {', '.join(CONFIGS)}")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
-    p.add_argument("--lora_rank", type=int, default=8)
-    p.add_argument("--lora_alpha", type=float, default=16.0)
-    p.add_argument("--lora_dropout", type=float, default=0.0)
+    for flag, default in (("lora_rank", 8), ("lora_alpha", 16.0), ("lora_dropout", 0.0)):
+        p.add_argument(f"--{flag}", type=type(default), default=default)
     p.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face Llama directory; overrides --model")
     # data
     p.add_argument("--data", metavar="PATH", help=".npy, .npz (+ loss_mask), .bin, .txt or dummy; default: this file")
@@ -1971,14 +1903,10 @@ def parse_args(argv=None):
     p.add_argument("--eval_every", type=int, default=0, help="evaluate --val_data every N steps (0: at the end)")
     p.add_argument("--eval_seqs", type=int, default=64, help="the first K sequences of --val_data are evaluated")
     # optimization
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--grad_accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup_steps", type=int, default=10)
-    p.add_argument("--weight_decay", type=float, default=0.0)
-    p.add_argument("--adam_eps", type=float, default=1e-8)
+    for flag, default in (("steps", 200), ("grad_accum", 1), ("lr", 3e-3), ("warmup_steps", 10), ("weight_decay", 0.0),
+                          ("adam_eps", 1e-8), ("seed", 1337)):
+        p.add_argument(f"--{flag}", type=type(default), default=default)
     p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    p.add_argument("--seed", type=int, default=1337)
     # checkpoints
     p.add_argument("--out", metavar="DIR", help="write PEFT adapters and resumable state here")
     p.add_argument("--save_every", type=int, default=0, help="save to --out every N steps (0: at the end)")
@@ -1997,7 +1925,7 @@ def parse_args(argv=None):
         return v if v == "auto" else float(v)
     p.add_argument("--fit", nargs="?", const="auto", type=gib, metavar="GIB", help="choose the micro-batch, "
                    "checkpointing and offloads that fit GIB per GPU, keeping the batch (no GIB, on CUDA: the free "
-                   f"memory less {FIT_MARGIN:.0%} of the GPU's); the flags for them are then ignored")
+                   f"memory less {FIT_MARGIN * 100:.0f}%% of the GPU's); the flags for them are then ignored")
     p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (on CUDA with a memory snapshot) to DIR")
     p.add_argument("--log_every", type=int, default=1)
     # sampling
@@ -2108,11 +2036,10 @@ def progress(items, what, total, nbytes):
     bytes read, bytes/s, time left) and one at the end."""
     start = last = time.perf_counter()
     n = done = 0
-    for name, t in items:  # t.nbytes: the bytes read (a checkpoint's dtype) or drawn
-        n, done = n + 1, done + t.nbytes
+    for n, (name, t) in enumerate(items, 1):  # t.nbytes: the bytes read (a checkpoint's dtype) or drawn
+        done += t.nbytes
         yield name, t
-        now = time.perf_counter()
-        if now - last >= PROGRESS_S:
+        if (now := time.perf_counter()) - last >= PROGRESS_S:
             last, rate = now, done / (now - start)
             print0(f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}, {fmt_bytes(rate)}/s, "
                    f"{max(0, nbytes - done) / rate:.0f} s left")
@@ -2142,8 +2069,7 @@ def check_fits(args, config, world, device):
 
 def build(args, config, device, checkpoint=None):
     """Model (meta) -> units -> real, zeroed shards, then each base weight made (read from load_checkpoint's
-    `checkpoint` or drawn), quantized and cut to this rank's piece one at a time: never two unsharded weights
-    alive; progress on rank 0 every PROGRESS_S seconds."""
+    `checkpoint` or drawn), quantized and cut to this rank's piece one at a time: no two unsharded weights alive."""
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with torch.device("meta"):
         model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout, compile=args.compile)
@@ -2170,16 +2096,13 @@ def build(args, config, device, checkpoint=None):
 
 def learning_rate(step, args):
     """Linear warmup over --warmup_steps, then cosine decay to 10% of --lr at --steps."""
-    w = args.warmup_steps
-    if step < w:
+    if step < (w := args.warmup_steps):
         return args.lr * ((step + 1) / w)
-    progress = min(1.0, (step - w) / max(1, args.steps - w))
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, args.steps - w)))))
 
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
-    """One AdamW step over this rank's micro-batches [(inputs, targets)] -> (loss, optimizer seconds). The
-    loss is the mean over the global batch's counted targets: any split of the batch gives the same
-    loss and gradients. A non-finite loss skips the update, and its gradients are dropped."""
+    """One AdamW step over this rank's micro-batches [(inputs, targets)] -> (loss, optimizer seconds). The loss is
+    the mean over the global batch's counted targets (any split gives the same); a non-finite one skips the update."""
     count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
     if dist.is_initialized():
         dist.all_reduce(count)
@@ -2189,8 +2112,7 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
         with torch.profiler.record_function("forward"):
             loss = model(x.to(device), y.to(device), reduction="sum")
         with torch.profiler.record_function("backward"):
-            # x world: the reduce-scatter averages over ranks, so the masters get d(global sum); the
-            # 1 / count comes after, in fp32 (a bf16 backward would round it)
+            # x world: the reduce-scatter averages, so the masters get d(global sum); 1 / count after, in fp32
             (loss * fsdp.world).backward()  # each unit's gradients are reduce-scattered as its backward ends
         loss_sum += loss.detach()
     if dist.is_initialized():
@@ -2234,8 +2156,7 @@ def train(args):
     check_fits(args, config, world, device)
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
     model, fsdp = build(args, config, device, checkpoint)
-    # The peaks of training, not of loading (--estimate has both). The reserved peak restarts from what
-    # is reserved now, so the blocks loading left in the cache go back first.
+    # The peaks of training, not of loading (--estimate has both): what loading left cached goes back first
     if cuda:
         torch.cuda.empty_cache()
     reset_peak_memory(device)
@@ -2285,16 +2206,14 @@ def train(args):
             raise UserError(f"out of memory on {device} at step {step + 1}: --estimate predicted a peak of "
                             f"{predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
                             "settings that fit") from None
-        if not math.isfinite(loss):  # stopped before the update: the last checkpoint stays good
-            kept = f"; the last checkpoint in {args.out} is intact" if args.out else ""
-            raise UserError(f"loss is {loss} at step {step + 1}; stopped before updating{kept}")
+        require(math.isfinite(loss), f"loss is {loss} at step {step + 1}; stopped before updating"  # no save since
+                + (f"; the last checkpoint in {args.out} is intact" if args.out else ""))
         dt = time.perf_counter() - t0
         losses.append(loss)
         timings.append((dt, fsdp.take_comm_wait_s(), optim_s))  # the step is done: so are its events
         if profiler is not None:
             profiler.step()
-            if profiler.step_num == 2 and cuda:  # after step 2: on CUDA also the allocator's history over 3-5, with
-                # Python stacks only (C++ stacks would be unwound at every allocation)
+            if profiler.step_num == 2 and cuda:  # on CUDA the allocator's history over 3-5 (Python stacks: cheap)
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
         if step % args.log_every == 0 or step + 1 == last_step:
             mem = peak_memory_gib(device)
@@ -2349,13 +2268,11 @@ def main(argv=None):
         if args.estimate:  # the memory tables from the config alone: nothing is allocated
             world, (name, config), longest = int(os.environ.get("WORLD_SIZE", 1)), model_config(args), {}
             if args.fit is not None:  # the plan --fit would run, and the longest context at micro-batch 1
-                budget = fit_budget(args, torch.device("cuda" if torch.cuda.is_available() and args.device != "cpu"
-                                                       else "cpu"))
-                args = fit(args, world, config, *budget)
-                tokens, plan = longest_context(args, world, config, *budget)
-                print0(f"longest context that fits at micro-batch 1: {tokens:,} tokens ({plan_name(plan)}); "
-                       f"the model's max_position_embeddings: {config.max_position_embeddings:,}")
-                longest = dict(max_seq_len=tokens)
+                cuda = torch.cuda.is_available() and args.device != "cpu"
+                args = fit(args, world, config, *(budget := fit_budget(args, torch.device("cuda" if cuda else "cpu"))))
+                longest = dict(zip(("max_seq_len", "plan"), longest_context(args, world, config, *budget)))
+                print0(f"longest context that fits at micro-batch 1: {longest['max_seq_len']:,} tokens "
+                       f"({plan_name(longest.pop('plan'))}); the model allows {config.max_position_embeddings:,}")
             est = predicted_memory(args, world, config)
             print0(format_budget(name, memory_budget(config, args.lora_rank)))
             print0(format_estimate(name, est, world, args.cpu_offload))
@@ -2371,8 +2288,7 @@ def main(argv=None):
         raise SystemExit(2)
     print0(json.dumps(summary))
     if dist.is_initialized():
-        # gloo's worker threads outlive the process group and free each collective's tensors after it
-        # completes: the barrier lets them finish before the interpreter tears down (else it can abort)
+        # gloo's threads free each collective's tensors after it completes: let them, before teardown (else: abort)
         dist.barrier()
         dist.destroy_process_group()
     return summary

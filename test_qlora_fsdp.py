@@ -2179,6 +2179,14 @@ def test_bad_flag_refused_by_the_parser(argv, words, capsys):
     assert exc.value.code == 2 and words in capsys.readouterr().err
 
 
+def test_help_lists_every_flag(capsys):
+    """--help prints (every help string formats) and names --fit's budget without a number."""
+    with pytest.raises(SystemExit) as exc:
+        qf.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and "--fit [GIB]" in out and "10% of the GPU's" in out and "--val_data PATH" in out
+
+
 def test_bad_input_no_traceback_in_a_real_process(tmp_path):
     """From the shell: exit status 2, one line on stderr, no Python traceback."""
     p = subprocess.run([sys.executable, os.path.join(HERE, "qlora_fsdp.py"), "--checkpoint", str(tmp_path / "nope")],
