@@ -2,7 +2,7 @@
 # bash run.sh         train under torchrun, 2 processes: on 2+ GPUs the talk's benchmark
 #                     (Llama-2-7B shape, QLoRA, batch 8/GPU, context 2048, dummy data),
 #                     on a CPU-only machine the tiny model on this repo's own bytes over gloo.
-# Environment overrides: NPROC MODEL BATCH SEQ STEPS DATA, and EXTRA for any other flags
+# Environment overrides: NPROC MODEL BATCH SEQ STEPS DATA, EXTRA for any other flags, PYTHON
 #   e.g. MODEL=llama2-13b STEPS=5 EXTRA="--cpu_offload" bash run.sh
 # bash run.sh bench   the benchmarks in benchmarks/: NF4 dequantization and AdamW against their
 #                     references (bench_kernels.py), a step against its floor of dense work with
@@ -12,20 +12,27 @@
 #                     plain and with --offload_activations (benchmarks/gpu_check.py)
 set -euo pipefail
 cd "$(dirname "$0")"
-python -c "import torch, numpy" 2>/dev/null || python -m pip install -q -r requirements.txt
+# PYTHON: the interpreter to use; by default python3 or python, the first that has torch (else python3 installs it)
+if [ -z "${PYTHON:-}" ]; then
+  for PYTHON in python3 python ""; do
+    [ -n "$PYTHON" ] && "$PYTHON" -c "import torch" 2>/dev/null && break
+  done
+  : "${PYTHON:=$(command -v python3 || command -v python)}"
+fi
+"$PYTHON" -c "import torch, numpy" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements.txt
 
 case "${1:-}" in
   bench)  # each script prints why a run failed; all of them run, and the exit code says if any failed
     status=0
     export PYTHONUNBUFFERED=1  # progress shows as it happens, also through a pipe
-    python benchmarks/bench_kernels.py || status=1
-    python benchmarks/bench_step.py || status=1
-    python benchmarks/bench_vs_torchao.py || status=1
+    "$PYTHON" benchmarks/bench_kernels.py || status=1
+    "$PYTHON" benchmarks/bench_step.py || status=1
+    "$PYTHON" benchmarks/bench_vs_torchao.py || status=1
     exit "$status" ;;
-  gpu) exec python benchmarks/gpu_check.py "${@:2}" ;;
+  gpu) exec "$PYTHON" benchmarks/gpu_check.py "${@:2}" ;;
 esac
 
-gpus=$(python -c "import torch; print(torch.cuda.device_count())")
+gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 1 ]; then
   : "${MODEL:=llama2-7b}" "${BATCH:=8}" "${SEQ:=2048}" "${STEPS:=10}" "${DATA:=dummy}"
   : "${NPROC:=$(( gpus < 2 ? gpus : 2 ))}"
@@ -38,4 +45,4 @@ args=(--model "$MODEL" --batch_size "$BATCH" --seq_len "$SEQ" --steps "$STEPS")
 [ -n "$DATA" ] && args+=(--data "$DATA")
 [ "$STEPS" -gt 50 ] && args+=(--log_every 10)
 [ "$gpus" -eq 0 ] && [ "$MODEL" = tiny ] && args+=(--sample 160 --prompt "def " --temperature 0.8)  # what it learned
-exec python -m torch.distributed.run --standalone --nproc_per_node "$NPROC" qlora_fsdp.py "${args[@]}" ${EXTRA:-}
+exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" qlora_fsdp.py "${args[@]}" ${EXTRA:-}
