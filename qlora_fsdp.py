@@ -410,11 +410,11 @@ class NF4Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
 
     @classmethod
-    def from_linear(cls, linear, compile=None, **lora):
+    def from_linear(cls, linear, *lora, compile=None, **lora_kw):
         """This class around an existing nn.Linear: its weight quantized (reporting its dtype), its bias
-        kept, frozen; no base weight drawn. LoRALinear takes rank=, alpha=, dropout= too."""
-        m = cls(linear.in_features, linear.out_features, dtype=linear.weight.dtype, compile=compile,
-                weight=linear.weight, **lora)
+        kept, frozen; no base weight drawn. LoRALinear takes rank, alpha, dropout too (as its constructor)."""
+        m = cls(linear.in_features, linear.out_features, *lora, dtype=linear.weight.dtype, compile=compile,
+                weight=linear.weight, **lora_kw)
         m.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return m
 

@@ -414,6 +414,7 @@ def test_from_linear_wraps_the_layer_itself(bias, monkeypatch):
     assert torch.equal(torch.random.get_rng_state(), state)
     lora = qf.LoRALinear.from_linear(linear, rank=4, alpha=8.0, compile=False)
     assert lora.rank == 4 and lora.scaling == 2.0 and lora.lora_B.abs().sum() == 0
+    assert qf.LoRALinear.from_linear(linear, 4, 8.0, 0.1, compile=False).scaling == 2.0  # positional too
     codes = qf.to_nf4(linear.weight.detach(), compile=False).packed
     for m in plain, lora:
         assert torch.equal(m.weight.packed, codes) and m.weight.dtype == torch.bfloat16
@@ -2299,6 +2300,21 @@ def test_val_loss_is_the_masked_cross_entropy_of_the_first_sequences(tmp_path):
     sharded = [r["summary"]["val_loss"] for r in run_sharded(3, argv + ["--batch_size", "2"], tmp_path)]
     single = train_run(argv + ["--batch_size", "6"])["summary"]["val_loss"]
     assert sharded + [single] == pytest.approx([want[5]] * 4, rel=1e-6)
+
+
+def test_evaluation_stays_inside_the_training_step_peak(tmp_path):
+    """An evaluation allocates at its peak less than a training step's forward of the same micro-batch (under
+    no_grad nothing is saved for backward; without checkpointing the forward keeps every block's activations),
+    and less than the step's predicted activation peak."""
+    path, _ = val_file(tmp_path)
+    args = qf.parse_args(BASE + ["--batch_size", "8", "--eval_seqs", "8", "--no-checkpointing"])
+    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
+    val, cpu = qf.load_tokens(path, 256, 32, "--val_data"), torch.device("cpu")
+    x, y = qf.get_batch(None, 0, 0, args, 1, 0, 256)
+    model(x, y).backward()  # the first backward's one-time allocations (the masters' gradients) made
+    _, forward_peak, _ = _allocated_peak(lambda: model(x, y))
+    _, eval_peak, _ = _allocated_peak(lambda: qf.evaluate(model, val, args, 1, 0, cpu))
+    assert 0 < eval_peak < 0.5 * forward_peak and eval_peak < qf.predicted_memory(args, 1)["activation_peak"]
 
 
 def test_metrics_file_has_every_step_once_across_a_resume(tmp_path, monkeypatch):
