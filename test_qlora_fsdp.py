@@ -418,7 +418,8 @@ def test_from_linear_wraps_the_layer_itself(bias, monkeypatch):
     codes = qf.to_nf4(linear.weight.detach(), compile=False).packed
     for m in plain, lora:
         assert torch.equal(m.weight.packed, codes) and m.weight.dtype == torch.bfloat16
-        assert (m.bias is None) == (not bias) and (not bias or (torch.equal(m.bias, linear.bias) and not m.bias.requires_grad))
+        assert (m.bias is None) == (not bias)
+        assert not bias or (torch.equal(m.bias, linear.bias) and not m.bias.requires_grad)
         ref = x @ m.weight.dequantize(compile=False).T
         assert torch.equal(m(x), ref if linear.bias is None else ref + linear.bias)
     assert [n for n, p in lora.named_parameters() if p.requires_grad] == ["lora_A", "lora_B"]
@@ -1531,7 +1532,7 @@ def test_fit_plans_fit_keep_the_batch_and_never_get_slower_with_more_memory(mode
     the budget, keeps this rank's batch (micro-batch x grad_accum = 8), is --estimate's prediction with the plan's
     flags given by hand, and a larger budget never picks a plan later (slower) in fit_plans' order, every plan
     before it not fitting; a budget nothing fits is one error naming the smallest peak (the list's last plan)."""
-    monkeypatch.setattr(qf, "host_available", lambda: None)  # this machine's memory: test_fit_weighs_the_host_memory_too
+    monkeypatch.setattr(qf, "host_available", lambda: None)  # the host's memory: test_fit_weighs_the_host_memory_too
     argv = ["--model", model, "--batch_size", "4", "--grad_accum", "2", "--seq_len", "2048"]
     plans = qf.fit_plans(qf.parse_args(argv))
     peaks = {}
@@ -1870,7 +1871,8 @@ def test_sharded_export_round_trips_bit_for_bit(tmp_path):
     assert sorted(os.listdir(one)) == ["config.json", "model.safetensors"]
     index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
     files = sorted(set(index["weight_map"].values()))
-    assert len(files) > 3 and files == [f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    n = len(files)
+    assert n > 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
     assert sorted(os.listdir(sharded)) == sorted(files + ["config.json", "model.safetensors.index.json"])
     whole = qf.SafetensorsFile(os.path.join(one, "model.safetensors"))
     assert sorted(index["weight_map"]) == sorted(whole.entries)  # every tensor, once
@@ -1960,7 +1962,8 @@ def _bad(tmp_path, hf_dir, case):
             json.dump({"weight_map": {"lm_head.weight": target}}, f)
         return args, f"entry lm_head.weight names {target!r}, not a file in the checkpoint directory"
     if case == "boolean as text":
-        return ckpt(cfg={**cfg, "tie_word_embeddings": "false"}), "tie_word_embeddings must be true or false, not 'false'"
+        return (ckpt(cfg={**cfg, "tie_word_embeddings": "false"}),
+                "tie_word_embeddings must be true or false, not 'false'")
     if case == "context length 0":
         return ckpt(cfg={**cfg, "max_position_embeddings": 0}), "max_position_embeddings must be a positive integer"
     if case == "layers as true":
@@ -2098,8 +2101,9 @@ BAD_CHECKPOINT_CASES = [  # section 9: checkpoints, their config.json, resuming,
     "negative offsets", "non-finite weight", "head dim", "rope yarn",
     "llama3 rope without factor", "infinite theta", "eps as text", "kv heads", "kv heads as text", "hidden size",
     "index of numbers", "far more layers", "far wider", "index climbs out", "index absolute", "boolean as text",
-    "context length 0", "layers as true", "merge onto the base", "out holds a checkpoint", "resume other rank", "resume another layout",
-    "resume other seed", "resume other shapes", "training state not a dict", "save blocked", "non-finite update"]
+    "context length 0", "layers as true", "merge onto the base", "out holds a checkpoint", "resume other rank",
+    "resume another layout", "resume other seed", "resume other shapes", "training state not a dict", "save blocked",
+    "non-finite update"]
 
 
 def assert_one_line_error(case, tmp_path, hf_dir, capsys):
@@ -2231,7 +2235,8 @@ def test_fit_runs_the_plan_it_prints(capsys):
     assert all(fitted["summary"][k] == getattr(plans[1], k) for k in qf.FIT_FLAGS)
     by_hand = train_run(argv[:-4] + ["--steps", "2", "--batch_size", "2", "--grad_accum", "2", "--no-checkpointing"])
     assert fitted["losses"] == by_hand["losses"]
-    torch.testing.assert_close(torch.tensor(fitted["losses"]), torch.tensor(train_run(argv)["losses"]), rtol=1e-5, atol=0)
+    plain = train_run(argv)["losses"]
+    torch.testing.assert_close(torch.tensor(fitted["losses"]), torch.tensor(plain), rtol=1e-5, atol=0)
 
 
 def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
@@ -2250,18 +2255,27 @@ def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatc
         qf.main(BASE + ["--batch_size", "2", "--out", out, "--save_every", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: out of memory on cpu at step 2: --estimate predicted a peak of ") and "--fit" in err[0]
-    assert open(os.path.join(out, "latest")).read() == "checkpoint-1" and qf.load_adapters(os.path.join(out, "checkpoint-1"))
+    assert err[0].startswith("error: out of memory on cpu at step 2: --estimate predicted a peak of ")
+    assert "--fit" in err[0] and open(os.path.join(out, "latest")).read() == "checkpoint-1"
+    assert qf.load_adapters(os.path.join(out, "checkpoint-1"))
 
 
 def test_out_of_memory_on_one_rank_ends_every_rank(tmp_path):
     """Under torchrun, an out-of-memory error on rank 1 is its one error line and exit 2, and torchrun ends rank 0,
     which was waiting in a collective: the run stops within seconds, nothing left hanging."""
     script = tmp_path / "oom.py"
-    script.write_text(f"import sys, torch\nsys.path.insert(0, {HERE!r})\nimport qlora_fsdp as qf\nreal = qf.train_step\n"
-                      "def oom(*a, **k):\n    if torch.distributed.get_rank() == 1 and qf.oom_calls:\n"
-                      "        raise torch.OutOfMemoryError('CUDA out of memory')\n    qf.oom_calls = 1\n"
-                      "    return real(*a, **k)\nqf.oom_calls, qf.train_step = 0, oom\nqf.main(sys.argv[1:])\n")
+    script.write_text("\n".join([  # rank 1's second step raises what CUDA raises when it runs out of memory
+        "import sys, torch",
+        f"sys.path.insert(0, {HERE!r})",
+        "import qlora_fsdp as qf",
+        "real = qf.train_step",
+        "def oom(*a, **k):",
+        "    if torch.distributed.get_rank() == 1 and qf.oom_calls:",
+        "        raise torch.OutOfMemoryError('CUDA out of memory')",
+        "    qf.oom_calls = 1",
+        "    return real(*a, **k)",
+        "qf.oom_calls, qf.train_step = 0, oom",
+        "qf.main(sys.argv[1:])", ""]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
            str(script)] + BASE + ["--batch_size", "2"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -108,8 +108,8 @@ def main():
         if all(x is None for x in numbers):  # the tests: their summary line is the result
             print(name.ljust(widths[0]) + status + f" ({seconds:.0f} s)")
         else:
-            print(table_row((name, status) + tuple(fmt(x, spec) for x, spec in
-                                                   zip(numbers + [seconds], (".2f", ".2f", ".2f", ".2f", ",.0f", ".0f")))))
+            specs = (".2f", ".2f", ".2f", ".2f", ",.0f", ".0f")
+            print(table_row((name, status) + tuple(fmt(x, spec) for x, spec in zip(numbers + [seconds], specs))))
     print(f"all checks: {time.perf_counter() - start:.0f} s of wall time")
     for name, err in errors:
         print(f"\n{name}: {err}")
