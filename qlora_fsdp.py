@@ -538,9 +538,10 @@ def _collective(out, inp, group, reduce_scatter=False):
     if not dist.is_initialized():
         out.copy_(inp)
         return None
-    if reduce_scatter:  # SUM: AVG is not in older gloo
-        return dist.reduce_scatter_tensor(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
-    return dist.all_gather_into_tensor(out, inp, group=group, async_op=True)
+    if reduce_scatter:  # SUM: AVG is not in older gloo. The *_single names: torch 2.13's (the old ones warn there)
+        return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, op=dist.ReduceOp.SUM,
+                                                                                   group=group, async_op=True)
+    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group, async_op=True)
 
 @contextlib.contextmanager
 def _side(stream):
@@ -1728,8 +1729,8 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
     where = f"{flag} {path}"
     require(os.path.isfile(path), f"{where}: no such file")
     ext = ".txt" if os.path.samefile(path, __file__) else os.path.splitext(path)[1].lower()  # default: our bytes
-    require(ext in (".npy", ".npz", ".bin", ".txt"),
-            f"{where}: unknown format {ext or '(no extension)'}; use .npy, .npz, .bin, .txt or dummy")
+    require(ext in (".npy", ".npz", ".bin", ".txt"), f"{where}: unknown format {ext or '(no extension)'}; use .npy, "
+                                                     ".npz, .bin, .txt" + " or dummy" * (flag == "--data"))
     require(ext != ".bin" or vocab_size <= 65536, f"{where}: a .bin holds uint16 ids, too few for this model's "
                                                   f"{vocab_size:,}-token vocabulary; save the tokens as .npy (uint32)")
     mask = None
