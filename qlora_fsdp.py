@@ -118,7 +118,7 @@ NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 
 # torch.compile turns the plain-Python kernels below into fused loops (CUDA: Triton, CPU: C++). Every function
 # and layer of sections 2-4 takes compile=None (this default), True or False; both give the same bits. The
-# first compiled call of each kernel compiles it: seconds on a CPU (about 15 s for the quantize kernel).
+# first compiled call of each kernel compiles it: seconds on a CPU, the quantize kernel the longest.
 COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
 
