@@ -933,8 +933,7 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 
     def start(self, x):  # the next block's input (None: no more blocks): copy it to the host now; -> the hooks
         self.input, self.host = x, None if x is None else _to_host(x, self.stream)
-        if x is None:
-            self.last = None
+        self.last = None if x is None else self.last  # no more blocks: the chain of packed inputs ends
         return self
 
     def _pack(self, t):
@@ -1213,6 +1212,9 @@ def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"
     or "sum", without the full logits; a mean over no target is 0."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    # a target outside [0, vocab) is an error, as in F.cross_entropy; the compiled kernel's own check could abort
+    torch._assert_async(((targets >= 0) & (targets < weight.shape[0]) | (targets == IGNORE_INDEX)).all(),
+                        "chunked_cross_entropy: a target is outside [0, vocab) and not IGNORE_INDEX")
     return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction, compile)
 
 class LMHead(NF4Linear):
@@ -1289,8 +1291,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
         "AdamW state fp32 (shard)": 8 * lora / world}
     # All-gathers: two block units at a time, the one being computed and the next one's receive buffer (prefetched
     # after the copy-out, whose receive buffer is gone by then).
-    block_unit = nf4(linear / layers) + 2 * d * elt + (lora / layers) * elt
-    gathers = 2 * block_unit
+    gathers = 2 * (block_unit := nf4(linear / layers) + 2 * d * elt + (lora / layers) * elt)
     # Saved by one block for backward, bytes per token, op by op: each RMSNorm its fp32 input and its output (the
     # LoRA A of the projections it feeds); attention its RoPE'd q and k, v, its output and an fp32 log-sum-exp per
     # head; o_proj's LoRA its input (a reshaped copy); SwiGLU the gate, both factors of the product and the product
@@ -1324,8 +1325,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
         tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * per_logit + tokens * d * elt)
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient (tokens x d) joins.
-    act_peak = kept + max(block + tokens * d * elt, loss)
-    gpu_state = 0 if offload else sum(state.values())
+    act_peak, gpu_state = kept + max(block + tokens * d * elt, loss), 0 if offload else sum(state.values())
     # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
     largest = max(vocab * d, d * ffn, d * q_dim)
     load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
@@ -2167,8 +2167,7 @@ def train(args):
     last_step = min(args.steps, args.stop_at or args.steps)
     require(start < last_step, f"nothing to do: --resume is at step {start}, the run ends at step {last_step} "
                                f"(--steps {args.steps}, --stop_at {args.stop_at})")
-    require(not args.profile or last_step - start >= 3, f"--profile traces this run's steps 3-5: it has only "
-                                                       f"{last_step - start}")
+    require(not args.profile or last_step - start >= 3, f"--profile traces steps 3-5: this run has {last_step - start}")
     print0(f"model {name}: {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
            f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}"
            + "\ncompiling the first step (about a minute on a CPU); --no-compile skips it" * args.compile)
@@ -2286,6 +2285,9 @@ def main(argv=None):
     except (UserError, torch.OutOfMemoryError) as e:  # bad input, or memory (outside a step too): one line, exit 2
         why = e if isinstance(e, UserError) else f"out of memory ({str(e).splitlines()[0]}); --fit chooses settings"
         print(f"error: {why}", file=sys.stderr, flush=True)
+        if dist.is_initialized() and dist.get_world_size() > 1:  # a peer may wait in a collective: tearing gloo's
+            sys.stdout.flush()  # threads down under it aborts this process: leave at once; torchrun ends the peer
+            os._exit(2)
         raise SystemExit(2)
     print0(json.dumps(summary))
     if dist.is_initialized():

@@ -1261,14 +1261,15 @@ def test_loss_equals_logits_cross_entropy():
 
 
 @pytest.mark.parametrize("compile", [False, True])
-def test_loss_refuses_negative_targets(compile, monkeypatch):
-    """A negative target other than IGNORE_INDEX (-100) is an error, as in F.cross_entropy, not
-    silently class 0."""
+@pytest.mark.parametrize("bad", [-1, 50])
+def test_loss_refuses_targets_out_of_range(bad, compile, monkeypatch):
+    """A target outside [0, vocab) other than IGNORE_INDEX (-100) is an error, as in F.cross_entropy, not
+    silently class 0; checked before the compiled kernel, whose own bounds check can abort the process."""
     monkeypatch.setattr(qf, "COMPILE", compile)
-    h, W, y = torch.randn(6, 32), torch.randn(50, 32), torch.tensor([1, 2, -1, 4, -100, 6])
+    h, W, y = torch.randn(6, 32), torch.randn(50, 32), torch.tensor([1, 2, bad, 4, -100, 6])
     with pytest.raises(IndexError):
         F.cross_entropy(h @ W.T, y)
-    with pytest.raises(RuntimeError):
+    with pytest.raises(RuntimeError, match=r"a target is outside \[0, vocab\) and not IGNORE_INDEX"):
         qf.chunked_cross_entropy(h, W, y)
 
 
@@ -2086,7 +2087,7 @@ def _bad(tmp_path, hf_dir, case):
         return ["--lr", "1e38", "--weight_decay", "10", "--steps", "1", "--out", str(tmp_path / "out")], \
             "out: the adapters hold inf or NaN after step 1, not saved"
     if case == "profile too short":
-        return ["--profile", str(tmp_path / "prof")], "--profile traces this run's steps 3-5: it has only 2"
+        return ["--profile", str(tmp_path / "prof")], "--profile traces steps 3-5: this run has 2"
     if case == "non-finite weight":
         return ckpt(sd={**sd, "model.norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)}), \
             "tensor model.norm.weight holds inf or NaN"
