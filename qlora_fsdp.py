@@ -1209,7 +1209,7 @@ LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
 
 def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean", compile=None):
     """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction) for reduction "mean"
-    or "sum", without the full logits; a mean over no target is 0."""
+    or "sum", without the full logits; a mean over no target is 0; a target out of [0, vocab) raises."""
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
     # a target outside [0, vocab) is an error, as in F.cross_entropy; the compiled kernel's own check could abort
