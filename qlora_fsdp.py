@@ -1,28 +1,39 @@
 """
 qlora_fsdp.py: fine-tune Llama models that do not fit on a GPU, all of it in this one file.
 
-QLoRA (a frozen 4-bit NormalFloat base with small trainable LoRA adapters) sharded across processes the way
-PyTorch's FSDP2 does it, written out by hand on torch.distributed: the talk "Slaying OOMs with PyTorch FSDP and
-torchao" (Mark Saroufim, Jane Xu) turned into code, one lesson per section, each needing only the ones above it:
+QLoRA (a frozen 4-bit NormalFloat base with small trainable LoRA adapters), sharded across
+processes the way PyTorch's FSDP2 does it, written out by hand on torch.distributed. It is the
+talk "Slaying OOMs with PyTorch FSDP and torchao" (Mark Saroufim, Jane Xu) turned into code.
 
-  1. memory accounting          parameters + gradients + optimizer state, full vs QLoRA
-  2. NF4 quantization           blocks of 64, codebook, nibble packing, double-quantized scales
-  3. NF4 tensor subclass        NF4 weights that behave like tensors (F.linear, .to, save/load)
-  4. LoRA                       frozen NF4 base + trainable low-rank adapters
-  5. sharding and offload       per-parameter shards, one all-gather per unit, reduce-scatter
-  6. foreach AdamW              one kernel launch per op for all shards
-  7. Llama                      Hugging Face names, RoPE, GQA, SwiGLU, chunked cross entropy
-  8. predicting the peak        every buffer of a training step, before allocating one
-  9. Hugging Face checkpoints   safetensors in and out, streamed loading, PEFT adapters, resume
- 10. data, training loop, CLI   a log line per step, a JSON summary, --estimate, --fit, --val_data, --profile
+Part I is the reference. It tells the story in order, one lesson per section, and ends with
+the training loop. Each section needs only torch and the sections above it, so it can be
+lifted out alone; its first comment names what it needs.
+
+   1. memory accounting       parameters + gradients + optimizer state, full vs QLoRA
+   2. NF4 quantization        blocks of 64, a codebook, nibble packing, double-quantized scales
+   3. NF4 tensor subclass     NF4 weights that behave like tensors (F.linear, .to, save/load)
+   4. LoRA                    a frozen NF4 base plus trainable low-rank adapters
+   5. sharding and offload    per-parameter shards, one all-gather per unit, reduce-scatter
+   6. foreach AdamW           one kernel launch per op for all shards
+   7. Llama                   Hugging Face names, RoPE, GQA, SwiGLU, chunked cross entropy
+   8. training                batches, one step, the loop over steps
+
+Part II is what a real run needs around the loop. Skip it on a first read.
+
+   9. predicting the peak     every buffer of a step, counted before one exists; --fit
+  10. Hugging Face files      safetensors in and out, PEFT adapters, resumable checkpoints
+  11. a run                   data files, evaluation, metrics, progress, set-up and summary
+  12. the command line        flags, their checks, main()
 
 Run it:
-  python qlora_fsdp.py                                   # tiny model on this file's bytes, CPU
-  torchrun --nproc_per_node 2 qlora_fsdp.py              # the same, sharded over 2 processes
-  torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy --batch_size 8 --seq_len 2048
-  WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 --estimate --fit 24
+  python qlora_fsdp.py                          # tiny model on this file's bytes, CPU
+  torchrun --nproc_per_node 2 qlora_fsdp.py     # the same, sharded over 2 processes
+  torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy \\
+      --batch_size 8 --seq_len 2048
+  WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 \\
+      --estimate --fit 24
   torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.npy --out runs/a
-  python qlora_fsdp.py --sample 200 --prompt "def "      # then continue a prompt by 200 tokens
+  python qlora_fsdp.py --sample 200 --prompt "def "   # then continue a prompt by 200 tokens
 """
 
 import argparse
@@ -40,7 +51,7 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, fields
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
@@ -52,40 +63,100 @@ from torch.utils.checkpoint import checkpoint
 
 GiB = 1024**3
 
+# =============================================================================
+# Part I: the reference
+# =============================================================================
+
 # -----------------------------------------------------------------------------
 # 1. Memory accounting: where the bytes go before a single activation exists
 # -----------------------------------------------------------------------------
-# Needs: nothing (a config's attributes).
-# Full fine-tuning in bf16 keeps, per parameter: the weight (2 B), its gradient (2 B) and Adam's two moments
-# (2 x 2 B): 8 B/param, so a 7B model needs 56 GB (Llama-2-7B, 6.74 B parameters: 13.5 + 13.5 + 27 = 54 GB).
-# QLoRA freezes the base in NF4 (~0.516 B/param, section 2) and trains only LoRA adapters, kept in fp32 (4 B)
-# with fp32 gradients (4 B) and two fp32 moments (8 B): 16 B per *adapter* parameter, of which there are ~0.3%.
+# Needs: from typing import NamedTuple.
+#
+# Full fine-tuning in bf16 keeps, per parameter, the weight (2 B), its gradient (2 B) and
+# Adam's two moments (2 x 2 B): 8 B per parameter. A 7B model needs 56 GB before a single
+# activation exists (Llama-2-7B has 6.74 B parameters: 13.5 + 13.5 + 27 = 54 GB).
+# QLoRA freezes the base in NF4 (about 0.516 B per parameter, section 2) and trains only
+# LoRA adapters. They are kept in fp32 (4 B) with fp32 gradients (4 B) and two fp32 moments
+# (8 B): 16 B per *adapter* parameter, and there are only about 0.3% of them.
 
-# NF4 storage per 64 weights (section 2): 32 B of codes + 1 B int8 scale, + 4 B fp32 factor per 256 scales:
-# 4 + 8/64 + 32/(64*256) = 4.127 bits/param (the paper's 0.127 bits of scale overhead).
+# NF4 stores 64 weights in 32 B of codes, a 1 B int8 scale, and a 4 B fp32 factor shared by
+# 256 scales: 4 + 8/64 + 32/(64*256) = 4.127 bits per parameter. The 0.127 bits are the
+# paper's scale overhead after double quantization.
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
+
 
 def linear_shapes(config):
     """(out, in) of each of a Llama block's 7 projections, by their Hugging Face names."""
-    d, ffn = config.hidden_size, config.intermediate_size
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    return {"self_attn.q_proj": (q, d), "self_attn.k_proj": (kv, d), "self_attn.v_proj": (kv, d),
-            "self_attn.o_proj": (d, q), "mlp.gate_proj": (ffn, d), "mlp.up_proj": (ffn, d), "mlp.down_proj": (d, ffn)}
+    d = config.hidden_size
+    ffn = config.intermediate_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    return {
+        "self_attn.q_proj": (q_dim, d),
+        "self_attn.k_proj": (kv_dim, d),
+        "self_attn.v_proj": (kv_dim, d),
+        "self_attn.o_proj": (d, q_dim),
+        "mlp.gate_proj": (ffn, d),
+        "mlp.up_proj": (ffn, d),
+        "mlp.down_proj": (d, ffn),
+    }
+
+
+class ParamCounts(NamedTuple):
+    """A Llama config's parameters, by what QLoRA does with each kind."""
+
+    linear: int  # the 7 projections of every block: frozen, NF4
+    head: int  # lm_head: frozen, NF4
+    dense: int  # the embeddings and the norms: frozen, in the compute dtype
+    lora: int  # LoRA's A and B on every projection: trained, fp32
+
 
 def count_params(config, lora_rank=8):
-    """Parameter counts of a Llama config: (linear weights of the blocks, lm_head,
-    embeddings + norms, LoRA adapters on the 7 projections of every block)."""
-    d, layers, shapes = config.hidden_size, config.num_hidden_layers, linear_shapes(config).values()
-    linear, lora = layers * sum(o * i for o, i in shapes), layers * sum(lora_rank * (i + o) for o, i in shapes)
-    return linear, config.vocab_size * d, config.vocab_size * d + (2 * layers + 1) * d, lora  # dense: embed + norms
+    """The parameters of a Llama config, counted from its shapes."""
+    layers = config.num_hidden_layers
+    shapes = linear_shapes(config).values()
+    linear = layers * sum(out * inp for out, inp in shapes)
+    lora = layers * sum(lora_rank * (inp + out) for out, inp in shapes)
+    embeddings = config.vocab_size * config.hidden_size
+    norms = (2 * layers + 1) * config.hidden_size  # two per block, one final
+    head = config.vocab_size * config.hidden_size
+    return ParamCounts(linear=linear, head=head, dense=embeddings + norms, lora=lora)
+
+
+class StateBytes(NamedTuple):
+    """Bytes that live from one step to the next."""
+
+    params: float
+    grads: float
+    optimizer: float
+
+    def total(self):
+        return self.params + self.grads + self.optimizer
+
+
+class MemoryBudget(NamedTuple):
+    n_params: int
+    n_lora: int
+    full_bf16: StateBytes
+    qlora: StateBytes
+
 
 def memory_budget(config, lora_rank=8):
     """Bytes of weights, gradients and optimizer state: full bf16 fine-tuning vs QLoRA."""
-    linear, head, dense, lora = count_params(config, lora_rank)
-    total, nf4 = linear + head + dense, (linear + head) * NF4_BITS_PER_PARAM / 8
-    return {"full_bf16": {"params": 2 * total, "grads": 2 * total, "optimizer": 4 * total},
-            "qlora": {"params": nf4 + 2 * dense + 4 * lora, "grads": 4 * lora, "optimizer": 8 * lora},
-            "n_params": total, "n_lora": lora}
+    counts = count_params(config, lora_rank)
+    total = counts.linear + counts.head + counts.dense
+    nf4 = (counts.linear + counts.head) * NF4_BITS_PER_PARAM / 8
+    # Everything trains in bf16: weights, gradients, two moments.
+    full = StateBytes(params=2 * total, grads=2 * total, optimizer=4 * total)
+    # An NF4 base, bf16 embeddings and norms, and fp32 adapters that alone have gradients
+    # and moments.
+    qlora = StateBytes(
+        params=nf4 + 2 * counts.dense + 4 * counts.lora,
+        grads=4 * counts.lora,
+        optimizer=8 * counts.lora,
+    )
+    return MemoryBudget(n_params=total, n_lora=counts.lora, full_bf16=full, qlora=qlora)
+
 
 def fmt_bytes(n):
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
@@ -93,216 +164,345 @@ def fmt_bytes(n):
             return f"{n / size:.2f} {unit}"
     return f"{n:.0f} B"
 
+
 def format_budget(name, budget):
-    rows = [f"memory before activations, {name} ({budget['n_params'] / 1e6:,.1f} M params, "
-            f"{budget['n_lora'] / 1e6:,.2f} M LoRA params):"]
-    for method, label in (("full_bf16", "full fine-tune, bf16"), ("qlora", "QLoRA, NF4 base")):
-        b = budget[method]
-        rows.append(f"  {label:<21} params {fmt_bytes(b['params']):>9} + grads {fmt_bytes(b['grads']):>9}"
-                    f" + Adam {fmt_bytes(b['optimizer']):>9} = {fmt_bytes(sum(b.values())):>9}")
+    n_params = budget.n_params / 1e6
+    n_lora = budget.n_lora / 1e6
+    rows = [
+        f"memory before activations, {name} "
+        f"({n_params:,.1f} M params, {n_lora:,.2f} M LoRA params):"
+    ]
+    for label, b in (("full fine-tune, bf16", budget.full_bf16), ("QLoRA, NF4 base", budget.qlora)):
+        rows.append(
+            f"  {label:<21} params {fmt_bytes(b.params):>9} + grads {fmt_bytes(b.grads):>9}"
+            f" + Adam {fmt_bytes(b.optimizer):>9} = {fmt_bytes(b.total()):>9}"
+        )
     return "\n".join(rows)
+
 
 # -----------------------------------------------------------------------------
 # 2. NF4 quantization with double-quantized scales (QLoRA, Dettmers et al. 2023)
 # -----------------------------------------------------------------------------
 # Needs: import sys, torch, torch.nn.functional as F.
-# NormalFloat-4: 16 values placed at quantiles of N(0, 1), rescaled to [-1, 1], with an exact 0.
-# Paper Appendix E; bitsandbytes get_4bit_type("nf4"). Code i is NF4[i], ascending.
-NF4_VALUES = [-1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
-              -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
-              0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
-              0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0]
+#
+# NormalFloat-4 has 16 values placed at quantiles of N(0, 1), rescaled to [-1, 1], with an
+# exact 0 (paper, Appendix E; bitsandbytes' get_4bit_type("nf4")). Code i is NF4[i], ascending.
+# fmt: off
+NF4_VALUES = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]
+# fmt: on
 NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
-# Nearest-value rounding == bucketize on the 15 midpoints: no (numel x 16) distance matrix.
+# Rounding to the nearest value is bucketize on the 15 midpoints: no (numel x 16) distances.
 NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 
-# torch.compile turns the plain-Python kernels below into fused loops (CUDA: Triton, CPU: C++). Every function
-# and layer of sections 2-4 takes compile=None (this default), True or False; both give the same bits. The
-# first compiled call of each kernel compiles it: seconds on a CPU, the quantize kernel the longest.
+# torch.compile turns the plain-Python kernels below into fused loops (Triton on CUDA, C++ on
+# the CPU). Every function and layer of sections 2-4 takes compile=None (meaning COMPILE),
+# True or False; both paths give the same bits. The first compiled call of a kernel compiles
+# it, which takes seconds on a CPU.
 COMPILE = True
-QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has a full fp32 copy
+QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has an fp32 copy
+
 
 def use_compiled(compile, t):
-    """Whether to run a separately compiled kernel on t: `compile` (None: COMPILE), except inside an outer
-    torch.compile (the plain function is traced into that graph) and on meta tensors."""
-    return (COMPILE if compile is None else compile) and t.device.type != "meta" and not torch.compiler.is_compiling()
+    """Whether to run a separately compiled kernel on t.
+
+    `compile` decides (None: COMPILE), except inside an outer torch.compile, which traces the
+    plain function into its own graph, and on meta tensors, which have no data to compute on.
+    """
+    wanted = COMPILE if compile is None else compile
+    return wanted and t.device.type != "meta" and not torch.compiler.is_compiling()
+
 
 def _quantize_blocks(w, block_size: int):
-    """w: (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32. Each block is
-    scaled by its exact absmax into [-1, 1], rounded to the nearest NF4 value (as bitsandbytes and torchao do)."""
+    """w (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32.
+
+    Each block is scaled by its exact absmax into [-1, 1] and rounded to the nearest NF4
+    value, as bitsandbytes and torchao do.
+    """
     blocks = w.float().view(-1, block_size)  # (n_blocks, 64)
     absmax = blocks.abs().amax(dim=1)  # (n_blocks,)
     normalized = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
-    codes = torch.bucketize(normalized, torch.tensor(NF4_MIDPOINTS, device=w.device)).to(torch.uint8).view(-1)
-    # two codes per byte, first element in the high nibble: [a, b, c, d] -> [ab, cd]
+    midpoints = torch.tensor(NF4_MIDPOINTS, device=w.device)
+    codes = torch.bucketize(normalized, midpoints).to(torch.uint8).view(-1)
+    # Two codes per byte, the first element in the high nibble: [a, b, c, d] -> [ab, cd].
     packed = (codes[0::2] << 4) | codes[1::2]
     return packed, absmax
 
+
 def _double_quantize(absmax, scaler_block_size: int):
-    """The fp32 block scales to int8, torchao's scheme: subtract the global mean, then per group of 256 scales
-    factor = 127 / absmax(group), q = round(s * factor) (torchao uses 128 and clamps, clipping each group's largest
-    scale a step; 127 never clips); a partial last group is zero padded. -> scale_q (n_blocks,) int8,
-    scale_factor (n_groups,) fp32, scale_mean () fp32."""
-    n, mean = absmax.numel(), absmax.mean()
-    padded = F.pad(absmax - mean, (0, -n % scaler_block_size)).view(-1, scaler_block_size)  # (n_groups, 256)
-    factor = 127.0 / padded.abs().amax(dim=1).clamp_min(1e-30)  # finite for a group of equal scales (0s)
-    q = (padded * factor[:, None]).round().clamp(-128, 127).to(torch.int8).view(-1)[:n]
-    return q, factor, mean
+    """The fp32 block scales to int8, by torchao's scheme.
+
+    Subtract the global mean, then per group of 256 scales take factor = 127 / absmax(group)
+    and q = round(s * factor). (torchao uses 128 and clamps, which clips each group's largest
+    scale by a step; 127 never clips.) A partial last group is zero padded.
+    Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32.
+    """
+    n = absmax.numel()
+    mean = absmax.mean()
+    padded = F.pad(absmax - mean, (0, -n % scaler_block_size))
+    groups = padded.view(-1, scaler_block_size)  # (n_groups, 256)
+    # The clamp keeps the factor finite for a group of equal scales (all 0 after the mean).
+    factor = 127.0 / groups.abs().amax(dim=1).clamp_min(1e-30)
+    q = (groups * factor[:, None]).round().clamp(-128, 127).to(torch.int8)
+    return q.view(-1)[:n], factor, mean
+
 
 def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
     """The (n_blocks,) fp32 block scales back from their int8 codes: q / factor[group] + mean."""
     group = torch.arange(scale_q.numel(), device=scale_q.device) // scaler_block_size
     return scale_q.float() / scale_factor[group] + scale_mean
 
-_NF4_ON_DEVICE = {}  # the codebook, copied to each device once
-DEQUANT_CHUNK = 1 << 22  # elements per pass
 
-def _dequantize(packed, scale_q, scale_factor, scale_mean, block_size: int, scaler_block_size: int, dtype: torch.dtype):
-    """Inverse of quantize_nf4: (numel,) tensor of `dtype`, row-major, w = NF4[code] * absmax[block]. The reference,
-    and the path for --no-compile and every dtype but bf16: codes index the codebook as int32, a chunk (at most
-    half the weight) at a time, so that no temporary (4-byte codes and values) outgrows the output."""
+_NF4_ON_DEVICE = {}  # the codebook, copied to each device once
+DEQUANT_CHUNK = 1 << 22  # elements per pass of the eager dequantize
+
+
+def _dequantize(
+    packed,
+    scale_q,
+    scale_factor,
+    scale_mean,
+    block_size: int,
+    scaler_block_size: int,
+    dtype: torch.dtype,
+):
+    """The inverse of quantize_nf4: a (numel,) tensor of `dtype`, w = NF4[code] * absmax[block].
+
+    This is the reference, and the path for --no-compile and for every dtype but bf16. Codes
+    index the codebook as int32, a chunk (at most half the weight) at a time, so that no
+    temporary of 4-byte codes and values outgrows the output.
+    """
     if packed.device not in _NF4_ON_DEVICE:
         _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
-    table, absmax = _NF4_ON_DEVICE[packed.device], _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)
+    table = _NF4_ON_DEVICE[packed.device]
+    absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)
     blocks = packed.view(-1, block_size // 2)  # (n_blocks, 32)
-    out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=packed.device)  # (n_blocks, 64)
-    # blocks per chunk: DEQUANT_CHUNK elements, at most half the weight (packed.numel() is numel / 2)
+    out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=packed.device)
+    # Blocks per chunk: DEQUANT_CHUNK elements, at most half the weight (numel / 2 = packed).
     step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)
     for byte, scale, chunk in zip(blocks.split(step), absmax.split(step), out.split(step)):
-        codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()  # unpack the nibbles
+        codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()  # the nibbles
         values = table.index_select(0, codes).view(-1, block_size)  # (blocks in the chunk, 64)
         chunk.copy_(values.mul_(scale[:, None]))
     return out.view(-1)
 
-# What torch.compile gets for bf16 output: the same bits in a form it vectorizes (the table lookup above compiles
-# to a gather, the nibbles' interleaving to scalar stores): (1) the lookup is a tree of selects between constants;
-# (2) each byte's two bf16 results, rounded on the bits, are packed into one int32 (the first in the low half, as
-# little-endian memory orders them), written contiguously and viewed as bf16 afterwards.
+
+# What torch.compile gets for bf16 output: the same bits, in a form it vectorizes. (The table
+# lookup above compiles to a gather, the interleaving of the nibbles to scalar stores.)
+#   1. The lookup is a tree of selects between constants.
+#   2. Each byte's two bf16 results, rounded on their bits, are packed into one int32 (the
+#      first in the low half, as little-endian memory orders them), written contiguously, and
+#      viewed as bf16 afterwards.
 def _nf4_lookup(code):
-    """NF4_VALUES[code] for an integer tensor of codes 0..15, without indexing: bit 0 of the code picks within
-    each pair of values, bit 1 within pairs of pairs, ... (15 selects, 4 levels)."""
+    """NF4_VALUES[code] for an integer tensor of codes 0..15, without indexing.
+
+    Bit 0 of the code picks within each pair of values, bit 1 within pairs of pairs, and so
+    on: 15 selects on 4 levels.
+    """
     values = NF4_VALUES
     for bit in range(4):
         take_upper = (code & (1 << bit)) != 0
-        values = [torch.where(take_upper, hi, lo) for lo, hi in zip(values[0::2], values[1::2])]
+        pairs = zip(values[0::2], values[1::2])
+        values = [torch.where(take_upper, hi, lo) for lo, hi in pairs]
     return values[0]
 
+
 def _bf16_bits(x):
-    """fp32 x -> the 16 bits of x.to(torch.bfloat16) (round to nearest even; finite x), in an int32."""
+    """fp32 x -> the 16 bits of x.to(torch.bfloat16), in an int32 (round to nearest even)."""
     bits = x.view(torch.int32)
     return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
 
-def _dequantize_bf16_pairs(packed, scale_q, scale_factor, scale_mean, block_size: int, scaler_block_size: int):
-    """(numel/2,) int32: each the two bf16 values of one packed byte; .view(torch.bfloat16) is _dequantize's."""
-    absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)[:, None]  # (n_blocks, 1)
+
+def _dequantize_bf16_pairs(
+    packed, scale_q, scale_factor, scale_mean, block_size: int, scaler_block_size: int
+):
+    """(numel/2,) int32, each the two bf16 values of one packed byte.
+
+    Viewed as bf16, it equals _dequantize's output.
+    """
+    absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)[:, None]
     byte = packed.view(-1, block_size // 2).int()  # (n_blocks, 32)
     first = _bf16_bits(_nf4_lookup(byte >> 4) * absmax)  # elements 0, 2, 4, ... of each block
     second = _bf16_bits(_nf4_lookup(byte & 0xF) * absmax)  # elements 1, 3, 5, ...
     return (first | (second << 16)).view(-1)
 
+
 _quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
 _dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=True)
 
-# Inside a bigger compiled graph (a compiled block), the kernel above, traced into it, loses its vectorization
-# to the int32 -> bf16 view. As a custom op it stays one opaque call there, running the compiled kernel.
+
+# Traced into a bigger compiled graph (a compiled block), the kernel above loses its
+# vectorization to the int32 -> bf16 view. As a custom op it stays one opaque call there, and
+# that call runs the separately compiled kernel.
 @torch.library.custom_op("qlora_fsdp::dequantize_nf4_bf16", mutates_args=())
-def _dequantize_bf16(packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
-                     scale_mean: torch.Tensor, block_size: int, scaler_block_size: int) -> torch.Tensor:
-    args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
-    return _dequantize_bf16_pairs_compiled(*args).view(torch.bfloat16)
+def _dequantize_bf16(
+    inner: list[torch.Tensor], block_size: int, scaler_block_size: int
+) -> torch.Tensor:
+    """inner: packed, scale_q, scale_factor, scale_mean -> the weight, flat, in bf16."""
+    pairs = _dequantize_bf16_pairs_compiled(*inner, block_size, scaler_block_size)
+    return pairs.view(torch.bfloat16)
+
 
 @_dequantize_bf16.register_fake
-def _(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size):
+def _(inner, block_size, scaler_block_size):
+    packed = inner[0]
     return packed.new_empty(2 * packed.numel(), dtype=torch.bfloat16)
 
+
 def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
-    """weight (any shape, numel % block_size == 0) -> (packed, scale_q, scale_factor, scale_mean)."""
+    """weight (any shape, numel % block_size == 0) -> packed, scale_q, scale_factor, scale_mean."""
     if weight.numel() % block_size or weight.numel() == 0:
-        raise ValueError(f"NF4 needs a positive number of elements divisible by block_size={block_size}; got shape "
-                         f"{tuple(weight.shape)} ({weight.numel()} elements)")
+        raise ValueError(
+            f"NF4 needs a positive number of elements divisible by block_size={block_size}; "
+            f"got shape {tuple(weight.shape)} ({weight.numel()} elements)"
+        )
     if block_size % 2:
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
     kernel = _quantize_blocks_compiled if use_compiled(compile, weight) else _quantize_blocks
-    flat, step = weight.detach().reshape(-1), max(block_size, QUANT_CHUNK // block_size * block_size)
-    with torch.no_grad():  # chunked: a big matrix never has a whole fp32 copy
-        chunks = [kernel(flat[i:i + step], block_size) for i in range(0, flat.numel(), step)]
-    packed, absmax = map(torch.cat, zip(*chunks))
-    if absmax.device.type != "meta" and not absmax.isfinite().all():  # through the scales' mean: every block
-        raise ValueError(f"NF4 cannot quantize a weight holding inf or NaN (shape {tuple(weight.shape)})")
-    return (packed,) + _double_quantize(absmax, scaler_block_size)
+    flat = weight.detach().reshape(-1)
+    # In chunks of whole blocks: a big matrix never has a whole fp32 copy.
+    step = max(block_size, QUANT_CHUNK // block_size * block_size)
+    packed_chunks = []
+    absmax_chunks = []
+    with torch.no_grad():
+        for start in range(0, flat.numel(), step):
+            packed, absmax = kernel(flat[start : start + step], block_size)
+            packed_chunks.append(packed)
+            absmax_chunks.append(absmax)
+    packed = torch.cat(packed_chunks)
+    absmax = torch.cat(absmax_chunks)
+    # An inf or NaN anywhere reaches every block through the scales' mean.
+    if absmax.device.type != "meta" and not absmax.isfinite().all():
+        raise ValueError(
+            f"NF4 cannot quantize a weight holding inf or NaN (shape {tuple(weight.shape)})"
+        )
+    scale_q, scale_factor, scale_mean = _double_quantize(absmax, scaler_block_size)
+    return packed, scale_q, scale_factor, scale_mean
 
-def dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size=64, scaler_block_size=256,
-                   dtype=torch.bfloat16, compile=None):
-    """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`. Compiled and bf16: the kernel above,
-    an opaque custom op (so also inside an outer torch.compile); else the eager reference."""
-    args = (packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size)
-    fast = (use_compiled(compile, packed) or torch.compiler.is_compiling()) and packed.device.type != "meta"
-    with torch.no_grad():  # frozen weights: never part of the autograd graph
+
+def dequantize_nf4(
+    packed,
+    scale_q,
+    scale_factor,
+    scale_mean,
+    block_size=64,
+    scaler_block_size=256,
+    dtype=torch.bfloat16,
+    compile=None,
+):
+    """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`.
+
+    Compiled and in bf16: the vectorized kernel above (also when traced inside an outer
+    torch.compile); otherwise the eager reference.
+    """
+    inner = [packed, scale_q, scale_factor, scale_mean]
+    compiled = use_compiled(compile, packed) or torch.compiler.is_compiling()
+    fast = compiled and packed.device.type != "meta"
+    with torch.no_grad():  # frozen weights are never part of the autograd graph
         if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
-            return _dequantize_bf16(*args)
-        return _dequantize(*args, dtype)
+            return _dequantize_bf16(inner, block_size, scaler_block_size)
+        return _dequantize(*inner, block_size, scaler_block_size, dtype)
+
 
 # -----------------------------------------------------------------------------
 # 3. NF4Tensor: a tensor subclass so 4-bit weights behave like ordinary tensors
 # -----------------------------------------------------------------------------
-# Needs: import torch, torch.nn.functional as F; from typing import Optional; from above: quantize_nf4,
-# dequantize_nf4.
-# A "wrapper" subclass has no storage of its own: it reports the original shape and float dtype and holds four
-# inner tensors; F.linear, .to(), torch.save and torch.compile see a tensor. A (out, in) weight, numel = out * in:
-#   packed        (numel/2,)  uint8   codes, row-major, first element of each pair in the high nibble
-#   scale_q       (numel/64,) int8    double-quantized absmax of each block of 64
-#   scale_factor  (ceil(numel/64/256),) fp32  per group of 256 scales (a partial last group too)
-#   scale_mean    ()          fp32    mean subtracted from the scales
-# Everything is flat, so sharding (section 5) can split each inner tensor in its own dtype.
+# Needs: import torch, torch.nn.functional as F; from typing import Optional; from above:
+# quantize_nf4, dequantize_nf4.
+#
+# A "wrapper" subclass has no storage of its own. It reports the original shape and float
+# dtype and holds four inner tensors, so F.linear, .to(), torch.save and torch.compile see a
+# tensor. For an (out, in) weight, numel = out * in:
+#   packed        (numel/2,)             uint8  codes, row-major, first of each pair high
+#   scale_q       (numel/64,)            int8   double-quantized absmax of each block of 64
+#   scale_factor  (ceil(numel/64/256),)  fp32   one per group of 256 scales (a partial too)
+#   scale_mean    ()                     fp32   the mean subtracted from the scales
+# Everything is flat, so that sharding (section 5) can split each inner tensor in its own dtype.
 
 aten = torch.ops.aten
 
+
 class NF4Tensor(torch.Tensor):
-    """A 4-bit weight (the layout above) as a tensor of its shape and float dtype: F.linear, .to(), .cpu()/.cuda(),
-    pin_memory, clone, copy_, torch.save and torch.compile work on it; any other op raises, naming itself."""
+    """A 4-bit weight (the layout above) as a tensor of its shape and float dtype.
+
+    F.linear, .to(), .cpu()/.cuda(), pin_memory, clone, copy_, torch.save and torch.compile
+    work on it; any other op raises, naming itself.
+    """
+
     INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
 
     @staticmethod
-    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *block_sizes, **kw_block_sizes):
+    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *sizes, **kw_sizes):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=packed.device)
 
-    def __init__(self, packed, scale_q, scale_factor, scale_mean, shape, dtype, block_size=64, scaler_block_size=256):
-        self.packed, self.scale_q, self.scale_factor, self.scale_mean = packed, scale_q, scale_factor, scale_mean
-        self.block_size, self.scaler_block_size = block_size, scaler_block_size
+    def __init__(
+        self,
+        packed,
+        scale_q,
+        scale_factor,
+        scale_mean,
+        shape,
+        dtype,
+        block_size=64,
+        scaler_block_size=256,
+    ):
+        self.packed = packed
+        self.scale_q = scale_q
+        self.scale_factor = scale_factor
+        self.scale_mean = scale_mean
+        self.block_size = block_size
+        self.scaler_block_size = scaler_block_size
 
-    def _with_inner(self, fn):  # a new NF4Tensor whose inner tensors are fn(inner); same shape, dtype, block sizes
-        return NF4Tensor(*(fn(getattr(self, n)) for n in self.INNER), self.shape, self.dtype,
-                         self.block_size, self.scaler_block_size)
+    def inner(self):
+        """The inner tensors, in INNER's order."""
+        return [getattr(self, name) for name in self.INNER]
+
+    def _with_inner(self, fn):
+        """A new NF4Tensor whose inner tensors are fn(inner); the same shape, dtype, blocks."""
+        inner = [fn(t) for t in self.inner()]
+        return NF4Tensor(*inner, self.shape, self.dtype, self.block_size, self.scaler_block_size)
 
     def dequantize(self, dtype=None, compile=None):
-        return dequantize_nf4(self.packed, self.scale_q, self.scale_factor, self.scale_mean, self.block_size,
-                              self.scaler_block_size, dtype or self.dtype, compile).view(self.shape)
+        dtype = dtype or self.dtype
+        blocks = (self.block_size, self.scaler_block_size)
+        return dequantize_nf4(*self.inner(), *blocks, dtype, compile).view(self.shape)
 
     # torch.compile flattens the subclass into its inner tensors and rebuilds it from them.
     def __tensor_flatten__(self):
-        return list(self.INNER), (tuple(self.shape), self.dtype, self.block_size, self.scaler_block_size)
+        meta = (tuple(self.shape), self.dtype, self.block_size, self.scaler_block_size)
+        return list(self.INNER), meta
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
         shape, dtype, block_size, scaler_block_size = meta
-        return NF4Tensor(*(inner[n] for n in NF4Tensor.INNER), shape, dtype, block_size, scaler_block_size)
+        tensors = [inner[name] for name in NF4Tensor.INNER]
+        return NF4Tensor(*tensors, shape, dtype, block_size, scaler_block_size)
 
     def __repr__(self):
-        return (f"NF4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, device={self.device}, "
-                f"block_size={self.block_size})")
+        return (
+            f"NF4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
+            f"device={self.device}, block_size={self.block_size})"
+        )
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is F.linear:  # y = x W^T (+ b), gradient for x only
-            x, w, bias = args[0], args[1], args[2] if len(args) > 2 else kwargs.get("bias")
-            y = linear_nf4(x, w)
+        if func is F.linear:  # y = x W^T (+ b), with a gradient for x only
+            x = args[0]
+            weight = args[1]
+            bias = args[2] if len(args) > 2 else kwargs.get("bias")
+            y = linear_nf4(x, weight)
             return y if bias is None else y + bias
-        # .to(dtype) dequantizes, even to its own dtype (how one asks for the dense weight); .to(device) stays packed
+        # .to(dtype) dequantizes, even to its own dtype: that is how one asks for the dense
+        # weight. .to(device) keeps the data packed.
         if func is torch.Tensor.to:
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-            t = _nf4_to_copy(args[0], device, non_blocking=non_blocking)
-            return t.dequantize(dtype) if dtype is not None else t
+            moved = _nf4_to_copy(args[0], device, non_blocking=non_blocking)
+            return moved if dtype is None else moved.dequantize(dtype)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -312,262 +512,496 @@ class NF4Tensor(torch.Tensor):
             return _NF4_OPS[func](*args, **(kwargs or {}))
         raise NotImplementedError(f"NF4Tensor does not support {func}; call .dequantize() first")
 
+
 def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
-    """A move (.to(device); .cpu(), .cuda() as aten._to_copy) keeps the data packed; a cast (.float()) dequantizes."""
+    """A move keeps the data packed; a cast (.float()) dequantizes.
+
+    This is .to(device), and .cpu() or .cuda() as aten._to_copy.
+    """
     if device is not None and device != t.device:
-        t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
-    return t.dequantize(dtype) if dtype is not None and dtype != t.dtype else t
+        t = t._with_inner(lambda inner: inner.to(device, non_blocking=non_blocking))
+    if dtype is not None and dtype != t.dtype:
+        return t.dequantize(dtype)
+    return t
+
 
 def _nf4_copy_(dst, src, non_blocking=False):
-    """dst.copy_(src): src is an NF4Tensor with the same layout (exact), or dense (quantized from dst's dtype)."""
+    """dst.copy_(src): src an NF4Tensor of the same layout (exact), or dense (quantized)."""
     if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(f"copy_ into NF4Tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}")
-    src = src if isinstance(src, NF4Tensor) else to_nf4(src.to(dst.dtype), dst.block_size, dst.scaler_block_size)
-    for n in NF4Tensor.INNER:
-        getattr(dst, n).copy_(getattr(src, n), non_blocking=non_blocking)
+        raise ValueError(
+            f"copy_ into NF4Tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}"
+        )
+    if not isinstance(src, NF4Tensor):
+        src = to_nf4(src.to(dst.dtype), dst.block_size, dst.scaler_block_size)
+    for name in NF4Tensor.INNER:
+        getattr(dst, name).copy_(getattr(src, name), non_blocking=non_blocking)
     return dst
 
-# Every op an NF4Tensor supports (anything else raises, naming the op). A clone copies the codes exactly.
+
+def _nf4_is_pinned(t, *_):
+    return all(getattr(t, name).is_pinned() for name in NF4Tensor.INNER)
+
+
+# Every op an NF4Tensor supports; anything else raises, naming the op. A clone copies the
+# codes exactly.
 _NF4_OPS = {
     aten.detach.default: lambda t: t._with_inner(aten.detach.default),
     aten.alias.default: lambda t: t._with_inner(aten.alias.default),
     aten.clone.default: lambda t, **_: t._with_inner(torch.clone),
     aten._pin_memory.default: lambda t, *_: t._with_inner(torch.Tensor.pin_memory),
-    aten.is_pinned.default: lambda t, *_: all(getattr(t, n).is_pinned() for n in NF4Tensor.INNER),
-    aten._to_copy.default: _nf4_to_copy, aten.copy_.default: _nf4_copy_}
+    aten.is_pinned.default: _nf4_is_pinned,
+    aten._to_copy.default: _nf4_to_copy,
+    aten.copy_.default: _nf4_copy_,
+}
+
 
 def to_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     """Quantize a float tensor to an NF4Tensor that reports weight's shape and dtype."""
     inner = quantize_nf4(weight, block_size, scaler_block_size, compile)
     return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
 
-# y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same op (W dequantized
-# again): saved for backward are the packed inner tensors, never a dense W. Not an autograd.Function: torch.compile
-# traces through one, and its CSE merges forward's and backward's dequantize into one call whose dense result is
-# kept for backward -- QLoRA's saving, gone. An op is opaque to the compiler: the two stay apart.
+
+# y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same
+# op with W dequantized again. Saved for backward are the packed inner tensors, never a dense W.
+# It is not an autograd.Function: torch.compile traces through one, and its CSE merges the
+# forward's and the backward's dequantize into one call whose dense result is kept for
+# backward, and QLoRA's saving is gone. A custom op is opaque to the compiler: the two stay apart.
 @torch.library.custom_op("qlora_fsdp::matmul_nf4", mutates_args=())
-def _matmul_nf4(x: torch.Tensor, packed: torch.Tensor, scale_q: torch.Tensor, scale_factor: torch.Tensor,
-                scale_mean: torch.Tensor, out_features: int, block_size: int, scaler_block_size: int,
-                transpose: bool, compile: Optional[bool]) -> torch.Tensor:
-    """x W^T, (..., in) -> (..., out), if transpose (forward), else x W, (..., out) -> (..., in)."""
-    w = dequantize_nf4(packed, scale_q, scale_factor, scale_mean, block_size, scaler_block_size, x.dtype, compile)
-    return x @ (w.view(out_features, -1).T if transpose else w.view(out_features, -1))  # W: (out, in)
+def _matmul_nf4(
+    x: torch.Tensor,
+    inner: list[torch.Tensor],
+    sizes: list[int],
+    transpose: bool,
+    compile: Optional[bool],
+) -> torch.Tensor:
+    """x W^T, (..., in) -> (..., out), if transpose (forward); else x W, (..., out) -> (..., in).
+
+    inner: W's packed, scale_q, scale_factor, scale_mean; sizes: out_features, block_size,
+    scaler_block_size.
+    """
+    out_features, block_size, scaler_block_size = sizes
+    w = dequantize_nf4(*inner, block_size, scaler_block_size, x.dtype, compile)
+    w = w.view(out_features, -1)  # (out, in)
+    return x @ (w.T if transpose else w)
+
 
 @_matmul_nf4.register_fake
-def _(x, packed, scale_q, scale_factor, scale_mean, out_features, block_size, scaler_block_size, transpose, compile):
-    return x.new_empty(*x.shape[:-1], out_features if transpose else 2 * packed.numel() // out_features)
+def _(x, inner, sizes, transpose, compile):
+    out_features = sizes[0]
+    in_features = 2 * inner[0].numel() // out_features
+    return x.new_empty(*x.shape[:-1], out_features if transpose else in_features)
 
-def _matmul_nf4_setup(ctx, inputs, output):  # saved: packed, scale_q, scale_factor, scale_mean; and the rest
-    ctx.save_for_backward(*inputs[1:5])
-    ctx.meta = inputs[5:]  # out_features, block_size, scaler_block_size, transpose, compile
+
+def _matmul_nf4_setup(ctx, inputs, output):
+    x, inner, sizes, transpose, compile = inputs
+    ctx.save_for_backward(*inner)
+    ctx.sizes = sizes
+    ctx.transpose = transpose
+    ctx.compile = compile
+
 
 def _matmul_nf4_backward(ctx, grad):
-    *meta, transpose, compile = ctx.meta
-    grad_x = _matmul_nf4(grad, *ctx.saved_tensors, *meta, not transpose, compile) if ctx.needs_input_grad[0] else None
-    return (grad_x,) + (None,) * 9
+    grad_x = None
+    if ctx.needs_input_grad[0]:
+        inner = list(ctx.saved_tensors)
+        grad_x = _matmul_nf4(grad, inner, ctx.sizes, not ctx.transpose, ctx.compile)
+    return grad_x, [None] * 4, None, None, None
+
 
 _matmul_nf4.register_autograd(_matmul_nf4_backward, setup_context=_matmul_nf4_setup)
 
+
 def linear_nf4(x, weight, compile=None):
     """y = x W^T for an NF4Tensor W; autograd gives a gradient to x only."""
-    return _matmul_nf4(x, weight.packed, weight.scale_q, weight.scale_factor, weight.scale_mean,
-                       weight.shape[0], weight.block_size, weight.scaler_block_size, True, compile)
+    sizes = [weight.shape[0], weight.block_size, weight.scaler_block_size]
+    return _matmul_nf4(x, weight.inner(), sizes, True, compile)
 
-# torch.load's safe (weights_only) unpickler must be told the class may be rebuilt.
+
+# torch.load's safe (weights_only) unpickler must be told that the class may be rebuilt.
 torch.serialization.add_safe_globals([NF4Tensor])
+
 
 # -----------------------------------------------------------------------------
 # 4. LoRA over a frozen NF4 base (QLoRA)
 # -----------------------------------------------------------------------------
-# Needs: import math, random, torch, torch.nn as nn, torch.nn.functional as F; from above: NF4Tensor, to_nf4,
-# linear_nf4.
-# y = x W^T + (alpha / rank) * dropout(x) A^T B^T; W (out, in) frozen in NF4, A (rank, in), B (out, rank). B starts
-# at zero: the model starts as the base (Hu et al. 2021). The adapters are fp32, cast to the compute dtype in
-# forward (sharded: at all-gather).
+# Needs: import math, random, torch, torch.nn as nn, torch.nn.functional as F; from above:
+# NF4Tensor, to_nf4, linear_nf4.
+#
+# y = x W^T + (alpha / rank) * dropout(x) A^T B^T, with W (out, in) frozen in NF4, A (rank, in)
+# and B (out, rank). B starts at zero, so the model starts as the base (Hu et al. 2021). The
+# adapters are fp32, cast to the compute dtype in forward (when sharded: at the all-gather).
+
 
 def seeded(*key, device="cpu"):
-    """A generator for one use, e.g. seeded(seed, "batch", step): the same draws on every rank, a stream of its own
-    per key (seeded from a SHA-512 of it). A CUDA one draws other numbers than the CPU's, ~1000x as fast."""
-    return torch.Generator(device).manual_seed(random.Random("/".join(map(str, key))).getrandbits(63))
+    """A generator for one use, e.g. seeded(seed, "batch", step).
+
+    Every rank draws the same numbers from it, and each key is a stream of its own (seeded
+    from a SHA-512 of the key). A CUDA generator draws other numbers than the CPU's, about
+    1000x as fast.
+    """
+    seed = random.Random("/".join(map(str, key))).getrandbits(63)
+    return torch.Generator(device).manual_seed(seed)
+
 
 def random_weight(shape, generator=None):
-    """A random base for an (out, in) weight with no checkpoint: N(0, 1/in), on the generator's device."""
-    return torch.randn(shape, generator=generator, device=generator and generator.device) * shape[-1] ** -0.5
+    """A random base for an (out, in) weight that has no checkpoint: N(0, 1/in).
+
+    It is drawn on the generator's device.
+    """
+    device = generator.device if generator is not None else None
+    return torch.randn(shape, generator=generator, device=device) * shape[-1] ** -0.5
+
 
 def lora_A_init(shape, generator=None):
-    """LoRA's A (rank, in) as nn.Linear and PEFT draw it: kaiming-uniform(a=sqrt(5)), U(-1/sqrt(in), 1/sqrt(in))."""
+    """LoRA's A (rank, in) as nn.Linear and PEFT draw it: kaiming-uniform(a=sqrt(5)).
+
+    That is U(-1/sqrt(in), 1/sqrt(in)).
+    """
     return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
 
-class NF4Linear(nn.Module):
-    """A frozen linear layer, y = x W^T (+ bias, optional, frozen), its weight an NF4Tensor: random unless given
-    (a checkpoint's, from_linear's); compile: as in section 2, for this layer's NF4 kernels (None: COMPILE)."""
 
-    def __init__(self, in_features, out_features, bias=False, dtype=torch.bfloat16, compile=None, weight=None):
+class NF4Linear(nn.Module):
+    """A frozen linear layer, y = x W^T (+ bias, optional, frozen), its weight an NF4Tensor.
+
+    The weight is random unless given (a checkpoint's, from_linear's). compile: as in
+    section 2, for this layer's NF4 kernels (None: COMPILE).
+    """
+
+    def __init__(
+        self, in_features, out_features, bias=False, dtype=torch.bfloat16, compile=None, weight=None
+    ):
         super().__init__()
-        self.in_features, self.out_features, self.compile = in_features, out_features, compile
-        w = random_weight((out_features, in_features)) if weight is None else weight.detach()
-        self.weight = nn.Parameter(to_nf4(w.to(dtype), compile=compile), requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype), requires_grad=False) if bias else None
+        self.in_features = in_features
+        self.out_features = out_features
+        self.compile = compile
+        if weight is None:
+            weight = random_weight((out_features, in_features))
+        nf4 = to_nf4(weight.detach().to(dtype), compile=compile)
+        self.weight = nn.Parameter(nf4, requires_grad=False)
+        self.bias = None
+        if bias:
+            zeros = torch.zeros(out_features, dtype=dtype)
+            self.bias = nn.Parameter(zeros, requires_grad=False)
 
     @classmethod
     def from_linear(cls, linear, *lora, compile=None, **lora_kw):
-        """This class around an existing nn.Linear: its weight quantized (reporting its dtype), its bias
-        kept, frozen; no base weight drawn. LoRALinear takes rank, alpha, dropout too (as its constructor)."""
-        m = cls(linear.in_features, linear.out_features, *lora, dtype=linear.weight.dtype, compile=compile,
-                weight=linear.weight, **lora_kw)
-        m.bias = None if linear.bias is None else nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
-        return m
+        """This class around an existing nn.Linear, with nothing drawn at random.
+
+        Its weight is quantized (reporting its dtype) and its bias kept, both frozen.
+        LoRALinear takes rank, alpha and dropout too, as its constructor does.
+        """
+        module = cls(
+            linear.in_features,
+            linear.out_features,
+            *lora,
+            dtype=linear.weight.dtype,
+            compile=compile,
+            weight=linear.weight,
+            **lora_kw,
+        )
+        module.bias = None
+        if linear.bias is not None:
+            module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
+        return module
 
     def forward(self, x):
         y = linear_nf4(x, self.weight, self.compile)
         return y if self.bias is None else y + self.bias
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A dense (Hugging Face) weight is quantized on the way in, with assign=True too (which skips copy_)
-        if (key := prefix + "weight") in state_dict and not isinstance(state_dict[key], NF4Tensor):
-            state_dict[key] = to_nf4(state_dict[key].to(self.weight.dtype), compile=self.compile)
+        # A dense (Hugging Face) weight is quantized on the way in. This also serves
+        # assign=True, which skips copy_.
+        key = prefix + "weight"
+        if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
+            dense = state_dict[key].to(self.weight.dtype)
+            state_dict[key] = to_nf4(dense, compile=self.compile)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
-class LoRALinear(NF4Linear):
-    """QLoRA's layer: NF4Linear's frozen W (and bias) plus trainable fp32 lora_A (rank, in), drawn as nn.Linear
-    draws a weight (torch's global RNG), and lora_B (out, rank) = 0, so that it starts as the base layer."""
 
-    def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, bias=False,
-                 dtype=torch.bfloat16, compile=None, weight=None):
+class LoRALinear(NF4Linear):
+    """QLoRA's layer: NF4Linear's frozen W (and bias) plus trainable fp32 lora_A and lora_B.
+
+    lora_A (rank, in) is drawn as nn.Linear draws a weight (from torch's global RNG), and
+    lora_B (out, rank) is 0, so that the layer starts as the base layer.
+    """
+
+    def __init__(
+        self,
+        in_features,
+        out_features,
+        rank=8,
+        alpha=16.0,
+        dropout=0.0,
+        bias=False,
+        dtype=torch.bfloat16,
+        compile=None,
+        weight=None,
+    ):
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
         super().__init__(in_features, out_features, bias, dtype, compile, weight)
-        self.rank, self.scaling = rank, alpha / rank
+        self.rank = rank
+        self.scaling = alpha / rank
         self.lora_A = nn.Parameter(lora_A_init((rank, in_features)))  # fp32
         self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=torch.float32))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
-    def forward(self, x, xA=None):  # x (..., in) -> (..., out); xA: dropout(x) A^T if already made
+    def forward(self, x, xA=None):
+        """x (..., in) -> (..., out). xA: dropout(x) A^T, if the caller made it already."""
         if xA is None:
             xA = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # (..., rank)
         y = linear_nf4(x, self.weight, self.compile)  # (..., out)
-        # y + scaling * xA B^T as one addmm: a compiled backward recomputing it keeps the (..., out) sum alone
-        y = torch.addmm(y.view(-1, y.shape[-1]), xA.view(-1, self.rank), self.lora_B.to(x.dtype).T,
-                        alpha=self.scaling).view(y.shape)
+        # y + scaling * xA B^T as one addmm: a compiled backward that recomputes it then
+        # keeps the (..., out) sum alone.
+        y2d = y.view(-1, y.shape[-1])
+        xA2d = xA.view(-1, self.rank)
+        B = self.lora_B.to(x.dtype)
+        y = torch.addmm(y2d, xA2d, B.T, alpha=self.scaling).view(y.shape)
         return y if self.bias is None else y + self.bias
 
     @staticmethod
     def shared_input(x, *layers):
-        """[m(x) for m in layers] for LoRALinears that read the same x (q, k, v; gate, up), with one x [A_1; A_2]^T
-        matmul for all: one pass over x, here and for the gradients. With dropout (a mask each) each runs alone."""
+        """[m(x) for m in layers], for LoRALinears that read the same x (q, k, v; gate, up).
+
+        One x [A_1; A_2]^T matmul serves them all: one pass over x, here and for the
+        gradients. With dropout (a mask per layer) each layer runs alone.
+        """
         if any(not isinstance(m.dropout, nn.Identity) for m in layers):
             return [m(x) for m in layers]
-        xA = F.linear(x, torch.cat([m.lora_A for m in layers]).to(x.dtype))  # (..., sum of ranks)
-        return [m(x, a) for m, a in zip(layers, xA.split([m.rank for m in layers], dim=-1))]
+        A = torch.cat([m.lora_A for m in layers]).to(x.dtype)
+        xA = F.linear(x, A)  # (..., sum of the ranks)
+        parts = xA.split([m.rank for m in layers], dim=-1)
+        return [m(x, part) for m, part in zip(layers, parts)]
 
     def merged_weight(self, dtype=torch.float32):
         """W + (alpha/rank) B A, dense: what to export for serving without adapters."""
-        w = self.weight.dequantize(torch.float32) + self.scaling * (self.lora_B.float() @ self.lora_A.float())
+        delta = self.lora_B.float() @ self.lora_A.float()
+        w = self.weight.dequantize(torch.float32) + self.scaling * delta
         return w.to(dtype)
+
 
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, time, torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F,
-# torch.utils._pytree as pytree.
+# Needs: import contextlib, time, torch, torch.distributed as dist, torch.nn as nn,
+# torch.nn.functional as F, torch.utils._pytree as pytree; from typing import NamedTuple, Optional.
 #
-# The model is cut into *units*, as FSDP2's fully_shard cuts it (Llama: the embeddings, each block, the final
-# norm + lm_head; parameters in no unit form the root unit). Every tensor of a unit -- each inner tensor of a tensor
-# subclass (an NF4 weight comes apart by __tensor_flatten__), each frozen and each trainable weight -- is flattened
-# and split into `world` pieces of ceil(numel / world), zero padded; rank r keeps piece r in the dtype the tensor
-# travels in (FSDP2 splits dim 0: the same order, but a flat split takes any shape at any world). One collective
-# moves a unit's pieces, side by side in one byte buffer, widest dtypes first (so each starts aligned):
+# The model is cut into *units*, as FSDP2's fully_shard cuts it. For Llama they are the
+# embeddings, each block, and the final norm with lm_head; parameters in no unit form the root
+# unit. Every tensor of a unit is flattened and split into `world` pieces of ceil(numel / world)
+# elements, zero padded, and rank r keeps piece r in the dtype the tensor travels in. That means
+# each inner tensor of a tensor subclass (an NF4 weight comes apart by __tensor_flatten__), each
+# frozen and each trainable weight. (FSDP2 splits dim 0: the same order, but a flat split takes
+# any shape at any world size.) One collective moves all of a unit's pieces, side by side in one
+# byte buffer, the widest dtypes first so that each piece starts aligned:
 #
-#   rank 0 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed | q.scale_q | ... ]
-#   rank 1 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed | q.scale_q | ... ]
+#   rank 0 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed ...]
+#   rank 1 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed ...]
 #        \__ all-gather __/
-#   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's columns into its (world, shard bytes)
-#   block of the unit's full storage -> the full tensors, on their modules while the unit is gathered
+#   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's columns into its
+#   (world, shard bytes) block of the unit's full storage -> the full tensors, set on their
+#   modules while the unit is gathered
 #
 # A unit's life, run by hooks on its modules (FSDP2's, written small):
-#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's; its inputs pass
-#                  through an identity autograd function whose backward marks the end of the unit's backward
-#   post-forward:  free (storage resized to 0); a hook on each output tensor marks the start of its backward
-#   pre-backward:  all-gather again, prefetch the previous unit
-#   post-backward: (after the recompute and backward) one reduce-scatter, fp32, of the gradients (their mean); free
-#   end of backward (a callback queued on the autograd engine): units whose inputs needed no gradient reduce
-#                  now; every reduction is added to the masters' .grad: several backward() calls accumulate
-# CPU offload keeps shards, fp32 masters, their gradients and the optimizer on the host. Plain tensors, not
-# FSDP2's DTensors, whose dispatch every optimizer op would pay (section 6).
+#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's. Its
+#                  inputs pass through an identity autograd function whose backward marks the
+#                  end of the unit's backward.
+#   post-forward:  free (the storage resized to 0). A hook on each output tensor marks the
+#                  start of its backward.
+#   pre-backward:  all-gather again, prefetch the previous unit.
+#   post-backward: after the recompute and the backward, one reduce-scatter, in fp32, of the
+#                  gradients (their mean); free.
+#   end of backward (a callback queued on the autograd engine): units whose inputs needed no
+#                  gradient reduce now. Every reduction is added to the masters' .grad, so that
+#                  several backward() calls accumulate.
+# CPU offload keeps the shards, the fp32 masters, their gradients and the optimizer on the
+# host. They are plain tensors, not FSDP2's DTensors, whose dispatch every optimizer op would
+# pay (section 6).
+
 
 class _Slot:
-    """One tensor of a unit, sharded: `world` pieces of shard_numel elements of `dtype` (it travels and computes in
-    it), this rank's kept (`local`: in the unit's shard bytes or, trainable, its fp32 master) and the full tensor."""
+    """One tensor of a unit, sharded into `world` pieces of shard_numel elements of `dtype`.
+
+    `dtype` is what the tensor travels and computes in. This rank keeps its piece (`local`:
+    in the unit's shard bytes or, if trainable, in its fp32 master), and while the unit is
+    gathered the full tensor exists too (`full`).
+    """
 
     def __init__(self, name, tensor, dtype, trainable, world, rank):
-        self.name, self.shape, self.dtype, self.trainable, self.rank = name, tuple(tensor.shape), dtype, trainable, rank
-        self.numel, self.shard_numel = tensor.numel(), -(-tensor.numel() // world)  # ceil
+        self.name = name
+        self.shape = tuple(tensor.shape)
+        self.dtype = dtype
+        self.trainable = trainable
+        self.rank = rank
+        self.numel = tensor.numel()
+        self.shard_numel = -(-self.numel // world)  # ceil: every rank's piece is this long
         self.nbytes = self.shard_numel * dtype.itemsize
-        self.offset = self.start = self.local = self.full = self.padded_bytes = None  # set by the unit
+        # Set by the unit's layout: where the piece starts in the unit's shard bytes, and for a
+        # trainable slot where it starts in the unit's master.
+        self.offset = None
+        self.start = None
+        # Set when the unit allocates: this rank's piece, the full tensor (a view of the unit's
+        # gathered storage), and the same storage as (world, nbytes) bytes, where the
+        # all-gather's columns land.
+        self.local = None
+        self.full = None
+        self.padded_bytes = None
 
     def piece(self, full):
         """This rank's piece of a full tensor of this shape (on any device): flat, zero padded."""
-        flat = full.detach().reshape(-1)[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]
-        return F.pad(flat, (0, self.shard_numel - flat.numel()))
+        flat = full.detach().reshape(-1)
+        begin = self.rank * self.shard_numel
+        mine = flat[begin : begin + self.shard_numel]
+        return F.pad(mine, (0, self.shard_numel - mine.numel()))
+
 
 class _Param:
-    """A parameter as slots: one for a plain tensor (floating: in the compute dtype), one per inner tensor, in its
-    own dtype, for a tensor subclass (frozen), by __tensor_flatten__. `places`: the (module, name)s holding it."""
+    """A parameter as slots, and the (module, name) places that hold it.
+
+    A plain tensor is one slot; floating, it travels in the compute dtype. A tensor subclass
+    (frozen) is one slot per inner tensor, each in its own dtype, by __tensor_flatten__.
+    """
 
     def __init__(self, fqn, places, p, compute_dtype, world, rank):
-        self.fqn, self.places, self.shape = fqn, places, tuple(p.shape)
-        self.trainable = not (subclass := hasattr(p, "__tensor_flatten__")) and p.requires_grad
-        if subclass:
-            inner, ctx = p.__tensor_flatten__()
-            names, cls, stride = [f"{fqn}.{n}" for n in inner], type(p), p.stride()  # the lambdas must not keep p alive
-            self.flatten = lambda t: [getattr(t, n) for n in inner]
-            self.unflatten = lambda full: cls.__tensor_unflatten__(dict(zip(inner, full)), ctx, self.shape, stride)
-        else:
-            names, self.flatten, self.unflatten = [fqn], lambda t: [t], lambda full: full[0]
-        cast = compute_dtype if compute_dtype and not subclass else None  # a subclass keeps its inner dtypes
-        self.slots = [_Slot(n, t, cast if cast and t.is_floating_point() else t.dtype, self.trainable, world, rank)
-                      for n, t in zip(names, self.flatten(p))]  # (its full value, on its modules: set by the unit)
+        self.fqn = fqn
+        self.places = places
+        self.shape = tuple(p.shape)
+        self.subclass = hasattr(p, "__tensor_flatten__")
+        self.trainable = p.requires_grad and not self.subclass
+        names = [fqn]
+        if self.subclass:
+            # What rebuilds it, and never p itself: the unit must not keep the original alive.
+            self.inner_names, self.flatten_meta = p.__tensor_flatten__()
+            self.cls = type(p)
+            self.stride = p.stride()
+            names = [f"{fqn}.{inner}" for inner in self.inner_names]
+        self.slots = []
+        for name, t in zip(names, self.flatten(p)):
+            dtype = t.dtype
+            if compute_dtype is not None and not self.subclass and t.is_floating_point():
+                dtype = compute_dtype
+            self.slots.append(_Slot(name, t, dtype, self.trainable, world, rank))
+        self.value = None  # the full parameter while gathered, rebuilt from the full slots
 
-    def keep(self, full):  # a full tensor in this parameter's form (a subclass as such): keep this rank's pieces
-        for s, t in zip(self.slots, self.flatten(full)):
-            s.local.copy_(s.piece(t))
+    def flatten(self, t):
+        if self.subclass:
+            return [getattr(t, inner) for inner in self.inner_names]
+        return [t]
+
+    def unflatten(self, tensors):
+        if self.subclass:
+            inner = dict(zip(self.inner_names, tensors))
+            return self.cls.__tensor_unflatten__(inner, self.flatten_meta, self.shape, self.stride)
+        return tensors[0]
+
+    def keep(self, full):
+        """Keep this rank's pieces of a full tensor in this parameter's form (a subclass too)."""
+        for slot, t in zip(self.slots, self.flatten(full)):
+            slot.local.copy_(slot.piece(t))
+
+
+def _layout_order(slot):
+    """The sort key that places a slot in its unit's shard bytes.
+
+    1. Frozen slots whose bytes are no multiple of 16 go last, so that every other slot
+       starts 16-byte aligned, as vectorized kernels assume.
+    2. Wider dtypes first: every slot then starts aligned for its own dtype.
+    3. Slots of one dtype together (the name breaks ties between dtypes of one width).
+    4. Trainable slots last among their dtype: their masters are cast in one run.
+    """
+    unaligned = slot.nbytes % 16 != 0 and not slot.trainable
+    return (unaligned, -slot.dtype.itemsize, str(slot.dtype), slot.trainable)
+
+
+class _CastRun(NamedTuple):
+    """The trainable slots of one dtype: contiguous in the shard bytes and in the master."""
+
+    dtype: torch.dtype
+    byte_start: int
+    byte_end: int
+    master_start: int
+    master_end: int
+
+
+class _AllGather(NamedTuple):
+    """An all-gather in flight: its work (None without a process group), its output buffer."""
+
+    work: Optional[dist.Work]
+    output: torch.Tensor
+
+
+class _Reduction(NamedTuple):
+    """A reduce-scatter in flight. Its input is held here until the collective is done."""
+
+    unit: "ShardedUnit"
+    work: Optional[dist.Work]
+    output: torch.Tensor
+    input: torch.Tensor
+
+
+class _Arrived(NamedTuple):
+    """A unit's reduced gradient shard, waiting to be added to its master's .grad."""
+
+    unit: "ShardedUnit"
+    grad: torch.Tensor
+
 
 def _collective(out, inp, group, reduce_scatter=False):
-    """Issue an all-gather, out (world * n,) = every rank's inp (n,) in rank order, or a reduce-scatter, out (n,) =
-    rank r's piece of the sum of inp (world * n,); return its work. No process group: a copy."""
+    """Issue an all-gather or a reduce-scatter and return its work.
+
+    All-gather: out (world * n,) is every rank's inp (n,), in rank order. Reduce-scatter:
+    out (n,) is rank r's piece of the sum of inp (world * n,). Without a process group it is
+    a copy.
+    """
     if not dist.is_initialized():
         out.copy_(inp)
         return None
-    if reduce_scatter:  # SUM: AVG is not in older gloo. The *_single names: torch 2.13's (the old ones warn there)
-        return getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(out, inp, op=dist.ReduceOp.SUM,
-                                                                                   group=group, async_op=True)
-    return getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(out, inp, group=group, async_op=True)
+    # The *_single names are torch 2.13's; the old ones warn there.
+    if reduce_scatter:
+        reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        # SUM, because AVG is not in older gloo.
+        return reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    return all_gather_single(out, inp, group=group, async_op=True)
+
 
 @contextlib.contextmanager
 def _side(stream):
-    """Issue the `with` body's work on the side `stream`, after all the compute stream has queued so far, so that it
-    overlaps what the compute stream does next. On the CPU (None): in order."""
+    """Issue the `with` body's work on the side `stream`.
+
+    It starts after all that the compute stream has queued so far, and overlaps what the
+    compute stream does next. On the CPU (stream None) everything runs in order.
+    """
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
         yield
 
+
 def _to_host(t, stream):
-    """A host copy of t, made on the side stream; of a GPU t: pinned (so asynchronous), and t recorded on that
-    stream, so that its memory is not reused before the copy has read it."""
+    """A host copy of t, made on the side stream.
+
+    A GPU tensor's copy is pinned (so the copy is asynchronous), and t is recorded on the
+    stream, so that its memory is not reused before the copy has read it.
+    """
     with _side(stream):
         if t.is_cuda:
             t.record_stream(stream)
-        return torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda).copy_(t, non_blocking=True)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        return host.copy_(t, non_blocking=True)
+
 
 class _PostBackward(torch.autograd.Function):
-    """The identity on a unit's inputs: its backward runs once they have their gradients, once the unit's
-    backward is done (FSDP2's RegisterPostBackwardFunction)."""
+    """The identity on a unit's inputs: its backward runs once they have their gradients.
+
+    That is when the unit's backward is done (FSDP2's RegisterPostBackwardFunction).
+    """
 
     @staticmethod
     def forward(ctx, unit, *inputs):
         ctx.unit = unit
-        ctx.set_materialize_grads(False)  # an input that gets no gradient: None, not a tensor of zeros
+        # An input that gets no gradient gets None, not a tensor of zeros.
+        ctx.set_materialize_grads(False)
         return inputs
 
     @staticmethod
@@ -575,473 +1009,788 @@ class _PostBackward(torch.autograd.Function):
         ctx.unit.post_backward()
         return (None,) + grads
 
-class _Sharded:  # mixed into the class of a module holding sharded parameters
-    def __getattr__(self, name):  # a sharded parameter read outside its unit: a clear error, not a crash
+
+class _Sharded:
+    """Mixed into the class of a module holding sharded parameters."""
+
+    def __getattr__(self, name):
+        # A sharded parameter read outside its unit is a clear error, not a crash.
         fqn = self.__dict__.get("_fsdp_sharded", {}).get(name)
         if fqn is None:
             return super().__getattr__(name)
-        raise AttributeError(f"{fqn} is sharded by FSDP and exists only while its unit runs (forward, backward); "
-                             f"FSDP.full_base() and full_adapters() gather it")
+        raise AttributeError(
+            f"{fqn} is sharded by FSDP and exists only while its unit runs (forward, backward); "
+            f"FSDP.full_base() and full_adapters() gather it"
+        )
 
-    def extra_repr(self):  # its own, unless it reads one of them (nn.Linear's reads its bias)
+    def extra_repr(self):
+        # The module's own, unless it reads a sharded parameter (nn.Linear's reads its bias).
         with contextlib.suppress(AttributeError):
             return super().extra_repr()
         return "sharded by FSDP"
 
-_SHARDED_CLASSES = {}  # a module's class -> the same with _Sharded
+
+_SHARDED_CLASSES = {}  # a module's class -> the same class with _Sharded mixed in
+
+
+def _mark_sharded(module, attr, fqn):
+    """Note that module.attr is sharded; the module's class gains _Sharded (once per class)."""
+    if "_fsdp_sharded" not in module.__dict__:
+        cls = type(module)
+        if cls not in _SHARDED_CLASSES:
+            _SHARDED_CLASSES[cls] = type(cls.__name__, (_Sharded, cls), {})
+        module.__class__ = _SHARDED_CLASSES[cls]
+        module._fsdp_sharded = {}
+    module._fsdp_sharded[attr] = fqn
+
 
 class ShardedUnit:
     """The parameters of some modules, sharded; hooks on those modules gather and free them."""
 
     def __init__(self, fsdp, index, name, modules, params, reshard_after_forward):
-        self.fsdp, self.index, self.name, self.modules = fsdp, index, name, modules
-        self.reshard_after_forward, world, dev = reshard_after_forward, fsdp.world, fsdp.device
-        self.params = [_Param(fqn, places, p, fsdp.compute_dtype, world, fsdp.rank) for fqn, places, p in params]
-        # the widest dtypes first, the trainable last among theirs: every piece aligned for its dtype, the masters'
-        # in a row; frozen ones of a size no multiple of 16 last: the others start 16-aligned, as kernels assume
-        self.slots = sorted((s for p in self.params for s in p.slots), key=lambda s: (
-            s.nbytes % 16 != 0 and not s.trainable, -s.dtype.itemsize, str(s.dtype), s.trainable))
-        self.adapters = [s for s in self.slots if s.trainable]
-        self.unit_bytes = sum(s.nbytes for s in self.slots)
-        pin = fsdp.offload and dev.type == "cuda"  # host memory the GPU copies from asynchronously
-        self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin)
-        # fp32 master of the trainable tensors: this rank's pieces in one flat tensor, laid out as a row of the
-        # reduce-scatter's input (one optimizer tensor per unit; its padding stays 0 under AdamW)
-        n = sum(s.shard_numel for s in self.adapters)
-        self.master = nn.Parameter(torch.zeros(n, device=fsdp.store_device, pin_memory=pin)) if n else None
-        if n:  # in place of the ones it shards: model.parameters() are what the optimizer steps, as with fully_shard
-            modules[0].register_parameter("fsdp_master", self.master)
-        # The full tensors: a (world, shard bytes) block of one storage each, in slot order, empty until gathered
-        self.storage = torch.empty(world * self.unit_bytes, dtype=torch.uint8, device=dev).untyped_storage()
-        self.casts, start, offset = {}, 0, 0  # casts: dtype -> its first and last trainable slot (one cast each)
-        for s in self.slots:
-            s.offset, offset = offset, offset + s.nbytes  # in the shard bytes
-            if s.trainable:
-                s.start, start = start, start + s.shard_numel
-                s.local = self.master.detach()[s.start:start]  # detach(), not .data: writes bump the version
-                self.casts[s.dtype] = (self.casts.get(s.dtype, (s,))[0], s)
-            else:
-                s.local = self.shard_bytes[s.offset:s.offset + s.nbytes].view(s.dtype)
-            s.full = torch.empty(0, dtype=s.dtype, device=dev).set_(self.storage, world * s.offset // s.dtype.itemsize,
-                                                                     s.shape).requires_grad_(s.trainable)
-            s.padded_bytes = torch.empty(0, dtype=torch.uint8, device=dev).set_(self.storage, world * s.offset,
-                                                                                (world, s.nbytes))
-        self.storage.resize_(0)
-        for p, (_, places, original) in zip(self.params, params):  # the parameters give way to the full tensors
-            if original.device.type != "meta":  # a model built on "meta" is loaded later (load_full)
-                p.keep(original)
-            p.value = p.unflatten([s.full for s in p.slots])
-            for m, attr in places:
-                m._parameters.pop(attr, None)
-                if "_fsdp_sharded" not in m.__dict__:
-                    cls, m._fsdp_sharded = type(m), {}
-                    m.__class__ = _SHARDED_CLASSES.setdefault(cls, type(cls.__name__, (_Sharded, cls), {}))
-                m._fsdp_sharded[attr] = p.fqn
-        self.places = [(m, attr, p.value) for p in self.params for m, attr in p.places]
-        self.gathered = self.in_backward = self.needs_backward = False
-        self.to_run, self.inflight, self.version = set(), None, None  # to_run: its modules yet to run forward
+        self.fsdp = fsdp
+        self.index = index  # the place in forward's order; -1 for the root unit
+        self.name = name
+        self.modules = modules
+        self.reshard_after_forward = reshard_after_forward
+        self.params = []
+        for fqn, places, p in params:
+            self.params.append(_Param(fqn, places, p, fsdp.compute_dtype, fsdp.world, fsdp.rank))
+        all_slots = [slot for p in self.params for slot in p.slots]
+        self.slots = sorted(all_slots, key=_layout_order)
+        self.adapters = [slot for slot in self.slots if slot.trainable]
+        self._lay_out()
+        self._allocate()
+        self._take_over([p for _, _, p in params])
+        # The state that the hooks move through.
+        self.gathered = False
+        self.in_backward = False
+        self.needs_backward = False
+        self.to_run = set()  # its modules yet to run in this forward
+        self.inflight = None  # its all-gather in flight, an _AllGather
+        self.version = None  # _version() when it was gathered or prefetched
         for m in modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)
 
-    def _version(self):  # moves whenever this rank's pieces are written (an optimizer step, load_full)
-        return self.shard_bytes._version, self.master is not None and self.master._version
+    def _lay_out(self):
+        """Place each slot: its offset in the shard bytes; a trainable one's start in the master."""
+        offset = 0
+        start = 0
+        for slot in self.slots:
+            slot.offset = offset
+            offset += slot.nbytes
+            if slot.trainable:
+                slot.start = start
+                start += slot.shard_numel
+        self.unit_bytes = offset
+        self.master_numel = start
+        # Each dtype's trainable slots are one run (_layout_order), cast from the master at once.
+        self.cast_runs = []
+        for dtype in dict.fromkeys(slot.dtype for slot in self.adapters):
+            run = [slot for slot in self.adapters if slot.dtype == dtype]
+            first = run[0]
+            last = run[-1]
+            cast = _CastRun(
+                dtype=dtype,
+                byte_start=first.offset,
+                byte_end=last.offset + last.nbytes,
+                master_start=first.start,
+                master_end=last.start + last.shard_numel,
+            )
+            self.cast_runs.append(cast)
+
+    def _allocate(self):
+        """This rank's shard bytes and fp32 master, and the full tensors as views of one storage."""
+        fsdp = self.fsdp
+        world = fsdp.world
+        device = fsdp.device
+        # Offloaded to the host, the shards are pinned: the GPU copies from them asynchronously.
+        pin = fsdp.offload and device.type == "cuda"
+        self.shard_bytes = torch.zeros(
+            self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin
+        )
+        # The fp32 master of the trainable tensors: this rank's pieces in one flat tensor, laid
+        # out as a row of the reduce-scatter's input. AdamW steps one tensor per unit, and the
+        # padding stays 0 under it.
+        self.master = None
+        if self.master_numel:
+            zeros = torch.zeros(self.master_numel, device=fsdp.store_device, pin_memory=pin)
+            self.master = nn.Parameter(zeros)
+        # Each full tensor is a (world, shard bytes) block of one storage, in slot order. The
+        # storage is empty until the unit is gathered.
+        flat = torch.empty(world * self.unit_bytes, dtype=torch.uint8, device=device)
+        self.storage = flat.untyped_storage()
+        for slot in self.slots:
+            if slot.trainable:
+                # detach(), not .data: writes through the view bump the master's version.
+                end = slot.start + slot.shard_numel
+                slot.local = self.master.detach()[slot.start : end]
+            else:
+                end = slot.offset + slot.nbytes
+                slot.local = self.shard_bytes[slot.offset : end].view(slot.dtype)
+            full = torch.empty(0, dtype=slot.dtype, device=device)
+            full.set_(self.storage, world * slot.offset // slot.dtype.itemsize, slot.shape)
+            slot.full = full.requires_grad_(slot.trainable)
+            padded = torch.empty(0, dtype=torch.uint8, device=device)
+            slot.padded_bytes = padded.set_(self.storage, world * slot.offset, (world, slot.nbytes))
+        self.storage.resize_(0)
+
+    def _take_over(self, originals):
+        """The parameters give way to this rank's pieces, and to full ones when gathered."""
+        if self.master is not None:
+            # model.parameters() are then what the optimizer steps, as with fully_shard.
+            self.modules[0].register_parameter("fsdp_master", self.master)
+        for p, original in zip(self.params, originals):
+            # A model built on "meta" is loaded later (FSDP.load_full).
+            if original.device.type != "meta":
+                p.keep(original)
+            p.value = p.unflatten([slot.full for slot in p.slots])
+            for module, attr in p.places:
+                module._parameters.pop(attr, None)
+                _mark_sharded(module, attr, p.fqn)
+        self.places = [(m, attr, p.value) for p in self.params for m, attr in p.places]
+
+    def _version(self):
+        """Moves whenever this rank's pieces are written (an optimizer step, load_full)."""
+        master_version = self.master._version if self.master is not None else None
+        return self.shard_bytes._version, master_version
 
     def prefetch(self):
-        """Issue this unit's all-gather, unless gathered or in flight; it runs asynchronously (gloo: in a thread)."""
+        """Issue this unit's all-gather, unless it is gathered or in flight already.
+
+        It runs asynchronously (on gloo, in a thread).
+        """
         fsdp = self.fsdp
         if self.gathered or self.inflight is not None or not self.slots:
             return
-        # The receive buffer is the compute stream's, which reads and frees it (made on the side stream, its memory
-        # could not be reused before the GPU caught up). On the side stream, after the optimizer's last update:
-        # the shard's copy to the GPU (with offload) and the all-gather, overlapping the previous unit.
+        # The receive buffer belongs to the compute stream, which reads and frees it. (Made on
+        # the side stream, its memory could not be reused before the GPU caught up.)
         out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
+        # On the side stream, after the optimizer's last update: the shard's copy to the GPU
+        # (with offload) and the all-gather, overlapping the previous unit.
         with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
-            send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # no copy unless offloaded
-            for first, last in self.casts.values():  # the fp32 masters cast into the wire dtype
-                send[first.offset:last.offset + last.nbytes].view(first.dtype).copy_(
-                    self.master.detach()[first.start:last.start + last.shard_numel], non_blocking=True)
-            self.inflight = (_collective(out, send, fsdp.group), out)
+            send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # a copy only if offloaded
+            master = self.master.detach() if self.master is not None else None
+            for run in self.cast_runs:  # the fp32 masters, cast into the dtype they travel in
+                wire = send[run.byte_start : run.byte_end].view(run.dtype)
+                wire.copy_(master[run.master_start : run.master_end], non_blocking=True)
+            work = _collective(out, send, fsdp.group)
+            self.inflight = _AllGather(work, out)
         self.version = self._version()
 
     def gather(self):
-        """Wait for this unit's all-gather (issued now unless prefetched; again if its pieces were written since),
-        copy every tensor out of it in one op, and set the full tensors on their modules."""
-        if self.version != self._version():  # gathered or prefetched before an optimizer step: stale
+        """Set the full tensors on their modules, from this unit's all-gather.
+
+        The all-gather is issued now unless prefetched, and again if the pieces were written
+        since. Every tensor is copied out of it in one op.
+        """
+        if self.version != self._version():  # gathered or prefetched before a step: stale
             self.free()
         if self.gathered or not self.slots:
             return
         self.prefetch()
-        (work, out), self.inflight = self.inflight, None
-        self.fsdp.wait(work, "fsdp::wait_all_gather")
+        inflight = self.inflight
+        self.inflight = None
+        self.fsdp.wait(inflight.work, "fsdp::wait_all_gather")
+        world = self.fsdp.world
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
-            self.storage.resize_(self.fsdp.world * self.unit_bytes)
-            torch.split_with_sizes_copy(out.view(self.fsdp.world, self.unit_bytes), [s.nbytes for s in self.slots],
-                                        dim=1, out=[s.padded_bytes for s in self.slots])
-        for m, attr, value in self.places:  # the full tensors on their modules, for as long as they exist
-            m.__dict__[attr] = value
+            self.storage.resize_(world * self.unit_bytes)
+            torch.split_with_sizes_copy(
+                inflight.output.view(world, self.unit_bytes),
+                [slot.nbytes for slot in self.slots],
+                dim=1,
+                out=[slot.padded_bytes for slot in self.slots],
+            )
+        # The full tensors sit on their modules for as long as they exist.
+        for module, attr, value in self.places:
+            module.__dict__[attr] = value
         self.gathered = True
 
     def free(self):
         if self.inflight is not None:  # a prefetch that will not be used: let it finish, drop it
-            self.fsdp.wait(self.inflight[0], "fsdp::wait_all_gather")
+            self.fsdp.wait(self.inflight.work, "fsdp::wait_all_gather")
         self.inflight = None
         self.storage.resize_(0)
-        for m, attr, _ in self.places:
-            m.__dict__.pop(attr, None)
-        self.gathered, self.version = False, None
+        for module, attr, _ in self.places:
+            module.__dict__.pop(attr, None)
+        self.gathered = False
+        self.version = None
 
-    @torch.compiler.disable  # the hooks stay eager under a torch.compile'd model (FSDP2's do too)
+    @torch.compiler.disable  # the hooks stay eager under a torch.compile'd model, as FSDP2's do
     def _pre_forward(self, module, args, kwargs):
         if self.index < 0:  # the root: a new forward of the whole model, every unit starts afresh
-            for u in self.fsdp.all_units:
-                u.to_run.clear()
+            for unit in self.fsdp.all_units:
+                unit.to_run.clear()
         if self.to_run:  # another of this unit's modules started it
             return None
         self.to_run = set(self.modules)
         self.gather()
-        if self.in_backward:  # a checkpoint around the module reruns it in backward: nothing more to do
+        if self.in_backward:  # a checkpoint around the module reruns it in backward
             return None
         if self.index + 1 < len(self.fsdp.units):
             self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
+        if not torch.is_grad_enabled():
+            return None
+        # The inputs that need a gradient pass through _PostBackward. With none, the unit's
+        # post-backward comes at the end of backward.
         leaves, spec = pytree.tree_flatten((args, kwargs))
         need = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if not torch.is_grad_enabled() or not need:  # no input needs a gradient: post-backward comes at the end
+        if not need:
             return None
-        for i, t in zip(need, _PostBackward.apply(self, *(leaves[i] for i in need))):
+        wrapped = _PostBackward.apply(self, *(leaves[i] for i in need))
+        for i, t in zip(need, wrapped):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)
 
     @torch.compiler.disable
     def _post_forward(self, module, args, output):
         self.to_run.discard(module)
-        if self.to_run or self.in_backward:  # more of this unit to run; or a recompute inside backward
+        if self.to_run or self.in_backward:  # more of this unit to run; or a recompute
             return None
         if torch.is_grad_enabled():
             for t in pytree.tree_leaves(output):
-                if isinstance(t, torch.Tensor) and t.requires_grad:  # the first gradient to arrive starts backward
+                # The first gradient to arrive at an output starts the unit's backward.
+                if isinstance(t, torch.Tensor) and t.requires_grad:
                     t.register_hook(self._pre_backward)
                     self.needs_backward = True
-        if self.reshard_after_forward or not torch.is_grad_enabled():  # no backward after a no-grad forward
+        # A no-grad forward has no backward to keep the weights for.
+        if self.reshard_after_forward or not torch.is_grad_enabled():
             self.free()
 
     def _pre_backward(self, grad):
         self.fsdp.queue_end_of_backward()
-        if not self.in_backward:
-            self.in_backward = True
-            self.gather()
-            if self.index > 0 and self.fsdp.units[self.index - 1].needs_backward:
-                self.fsdp.units[self.index - 1].prefetch()  # the unit whose backward is next
+        if self.in_backward:
+            return
+        self.in_backward = True
+        self.gather()
+        if self.index > 0:
+            previous = self.fsdp.units[self.index - 1]
+            if previous.needs_backward:
+                previous.prefetch()  # the unit whose backward comes next
 
     def post_backward(self):
         """This unit's backward is done: reduce-scatter its gradients, free its weights."""
-        self.in_backward = self.needs_backward = False
-        grads = [s.full.grad for s in self.adapters]
+        self.in_backward = False
+        self.needs_backward = False
+        grads = [slot.full.grad for slot in self.adapters]
         if any(g is not None for g in grads):
-            self.fsdp.reduce(self, [torch.zeros_like(s.full) if g is None else g for s, g in zip(self.adapters, grads)])
-            for s in self.adapters:
-                s.full.grad = None
+            filled = []
+            for slot, g in zip(self.adapters, grads):
+                filled.append(torch.zeros_like(slot.full) if g is None else g)
+            self.fsdp.reduce(self, filled)
+            for slot in self.adapters:
+                slot.full.grad = None
         self.free()
 
-class FSDP:
-    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors. `units`, in forward's order: modules
-    or lists of modules gathered together; parameters in no unit form the root unit (a unit in a unit is its own; a
-    parameter in two units is refused). compute_dtype (param_dtype): every plain floating parameter is kept and
-    gathered in it; masters (one flat fp32 tensor per unit) and gradient reductions are fp32. device: the current
-    GPU, else the CPU; offload: shards, masters and AdamW on the host. Outside its unit's forward and backward a
-    parameter is off its module (reading it: an AttributeError); model.parameters() are the masters:
 
-        model = nn.Sequential(nn.Embedding(1000, 64), *(Block(64) for _ in range(4)), nn.Linear(64, 1000))
+def _collect_params(module, prefix, unit, tops, found):
+    """Record module's parameters and its children's, down to (not into) the units of their own.
+
+    found: id(parameter) -> [fqn, [(module, name), ...], parameter, unit index]. A parameter
+    met twice in one unit (tied) gains a place; met in two units it is refused.
+    """
+    for attr, p in module._parameters.items():
+        if p is None:
+            continue
+        entry = found.setdefault(id(p), [prefix + attr, [], p, unit])
+        if entry[3] != unit:
+            raise ValueError(
+                f"FSDP: parameter {prefix + attr} (also {entry[0]}) is in two units; "
+                f"put the modules that share it in one unit"
+            )
+        entry[1].append((module, attr))
+    for name, child in module._modules.items():
+        if child is not None and child not in tops:
+            _collect_params(child, f"{prefix}{name}.", unit, tops, found)
+
+
+class FSDP:
+    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors.
+
+    units: in forward's order, modules or lists of modules gathered together. Parameters in
+    no unit form the root unit; a unit inside a unit is its own; a parameter in two units is
+    refused. compute_dtype (FSDP2's param_dtype): every plain floating parameter is kept and
+    gathered in it; the masters (one flat fp32 tensor per unit) and the gradient reductions
+    are fp32. device: the current GPU, else the CPU. offload: shards, masters and AdamW on the
+    host. Outside its unit's forward and backward a parameter is off its module (reading it
+    is an AttributeError), and model.parameters() are the masters:
+
+        model = nn.Sequential(nn.Embedding(1000, 64), *(Block(64) for _ in range(4)),
+                              nn.Linear(64, 1000))
         fsdp = FSDP(model, units=list(model), device="cuda", compute_dtype=torch.bfloat16)
-        optimizer = AdamW(model.parameters(), lr=1e-4)  # (= fsdp.parameters()), made after FSDP
-        for x, y in batches:                   # under torchrun: dist.init_process_group() first
+        optimizer = AdamW(model.parameters(), lr=1e-4)  # the masters: make it after FSDP
+        for x, y in batches:  # under torchrun: dist.init_process_group() first
             for x_micro, y_micro in zip(x.chunk(2), y.chunk(2)):
-                F.cross_entropy(model(x_micro).flatten(0, 1), y_micro.flatten()).backward()  # accumulates
-            fsdp.clip_grad_norm_(1.0)          # over all ranks (torch's would see this rank's shards)
+                logits = model(x_micro)
+                F.cross_entropy(logits.flatten(0, 1), y_micro.flatten()).backward()
+            fsdp.clip_grad_norm_(1.0)  # over all ranks (torch's would see this rank's shards)
             optimizer.step()
             optimizer.zero_grad()
-        adapters = fsdp.full_adapters()        # {name: full fp32 tensor}, on every rank
+        adapters = fsdp.full_adapters()  # {name: full fp32 tensor}, on every rank
 
-    Units return tensors in tuples, lists, dicts; a unit's forward may be torch.compile'd. For checkpoints
-    (collectives): full_adapters(of=...) (e.g. of=lambda m: optimizer.state[m]["exp_avg"]), full_base(), load_full."""
+    Units may return tensors in tuples, lists and dicts, and a unit's forward may be
+    torch.compile'd. For checkpoints (collectives): full_adapters(of=...), e.g.
+    of=lambda m: optimizer.state[m]["exp_avg"], full_base(), load_full().
+    """
 
     def __init__(self, model, units, device=None, compute_dtype=None, offload=False, group=None):
-        device = torch.device(device if device is not None else "cuda" if torch.cuda.is_available() else "cpu")
-        self.device = torch.device("cuda", torch.cuda.current_device()) if device == torch.device("cuda") else device
-        self.compute_dtype, self.offload, self.group = compute_dtype, offload, group
-        self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if dist.is_initialized() else (1, 0)
-        self.store_device = torch.device("cpu") if offload else self.device
-        self.waits, self.pending, self.arrived, self.task = [], None, [], None  # waits: (start, end) on collectives
-        # CUDA: all-gathers and host copies go on a side stream, to overlap compute; the CPU runs them in order
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device == torch.device("cuda"):
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.offload = offload
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.store_device = torch.device("cpu") if offload else device
+        self.waits = []  # (start, end) of each wait for a collective
+        self.pending = None  # the reduce-scatter in flight, a _Reduction
+        self.arrived = []  # reduced gradient shards to add at the end of backward, _Arrived
+        self.task = None  # the backward pass whose end is queued
+        # On CUDA the all-gathers and host copies go on a side stream, to overlap compute; the
+        # CPU runs them in order.
+        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
-        names, tops = {m: n for n, m in model.named_modules()}, {m for g in groups for m in g}
+        self._make_units(model, groups)
+        # Buffers are not sharded: they move to the device, as FSDP2 moves them.
+        for module in model.modules():
+            for key, buffer in module._buffers.items():
+                if buffer is not None:
+                    module._buffers[key] = buffer.to(device)
+
+    def _make_units(self, model, groups):
+        names = {m: name for name, m in model.named_modules()}
+        tops = {m for group in groups for m in group}
         outside = [type(m).__name__ for m in tops if m not in names]
         if outside:
             raise ValueError(f"FSDP: a unit's {outside[0]} is not a submodule of the model")
-        found = {}  # id(parameter) -> (fqn, [(module, name), ...], parameter, unit index)
-
-        def walk(m, prefix, i):  # m's parameters and its children's, but not those of units of their own
-            for attr, p in m._parameters.items():
-                if p is not None:
-                    entry = found.setdefault(id(p), (prefix + attr, [], p, i))
-                    if entry[3] != i:
-                        raise ValueError(f"FSDP: parameter {prefix + attr} (also {entry[0]}) is in two units; "
-                                         f"put the modules that share it in one unit")
-                    entry[1].append((m, attr))
-            for n, c in m._modules.items():
-                if c is not None and c not in tops:
-                    walk(c, f"{prefix}{n}.", i)
-        for m, i in [(model, -1)] + [(m, i) for i, g in enumerate(groups) for m in g]:  # the root's, then each unit's
-            walk(m, f"{names[m]}." if names[m] else "", i)
-        params = [[(fqn, places, p) for fqn, places, p, j in found.values() if j == i] for i in range(-1, len(groups))]
-        self.root = ShardedUnit(self, -1, "root", [model], params[0], reshard_after_forward=False)
-        self.units = [ShardedUnit(self, i, "+".join(names[m] for m in g), g, params[i + 1],
-                                  reshard_after_forward=i < len(groups) - 1) for i, g in enumerate(groups)]
+        # The root's parameters first, then each unit's: a unit's parameters leave the root's.
+        found = {}
+        _collect_params(model, "", -1, tops, found)
+        for i, group in enumerate(groups):
+            for m in group:
+                _collect_params(m, f"{names[m]}." if names[m] else "", i, tops, found)
+        params = {i: [] for i in range(-1, len(groups))}
+        for fqn, places, p, unit in found.values():
+            params[unit].append((fqn, places, p))
+        self.root = ShardedUnit(self, -1, "root", [model], params[-1], reshard_after_forward=False)
+        self.units = []
+        for i, group in enumerate(groups):
+            name = "+".join(names[m] for m in group)
+            # The last unit is needed at once by backward: it keeps its weights after forward.
+            last = i == len(groups) - 1
+            unit = ShardedUnit(self, i, name, group, params[i], reshard_after_forward=not last)
+            self.units.append(unit)
         self.all_units = [self.root] + self.units
-        self.trained = [u for u in self.all_units if u.master is not None]  # the units with trainable tensors
+        self.trained = [u for u in self.all_units if u.master is not None]
         self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
-        for m in model.modules():  # buffers are not sharded: they move to the device, as FSDP2 moves them
-            m._buffers.update({k: b.to(self.device) for k, b in m._buffers.items() if b is not None})
 
     def parameters(self):
-        return [u.master for u in self.trained]
+        return [unit.master for unit in self.trained]
 
-    def queue_end_of_backward(self):  # once per backward pass, from inside it
-        if (task := torch._C._current_graph_task_id()) != self.task:
+    def queue_end_of_backward(self):
+        """Queue _end_of_backward on the autograd engine, once per backward pass, from inside it."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
             self.task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self):
-        """Reduce what no post-backward has (units whose inputs needed no gradient, the root), add every reduction
-        to the masters' .grad (with offload: copied to pinned host memory, then one wait) and free every unit."""
+        """Finish every unit's reduction, add it to the masters' .grad, and free every unit.
+
+        Units whose inputs needed no gradient, and the root, have had no post-backward: they
+        reduce now. With offload the reductions are copied to pinned host memory, then one
+        wait covers them all.
+        """
         self.task = None
-        for u in self.all_units:
-            if u.in_backward or any(s.full.grad is not None for s in u.adapters):
-                u.post_backward()
+        for unit in self.all_units:
+            has_grads = any(slot.full.grad is not None for slot in unit.adapters)
+            if unit.in_backward or has_grads:
+                unit.post_backward()
         self._finish_reduction()
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
-        for u, grad in self.arrived:
-            u.master.grad = grad if u.master.grad is None else u.master.grad.add_(grad)
+        for arrived in self.arrived:
+            master = arrived.unit.master
+            if master.grad is None:
+                master.grad = arrived.grad
+            else:
+                master.grad.add_(arrived.grad)
         self.arrived = []
         self.reshard()
 
     def reduce(self, unit, grads):
-        """Issue unit's reduce-scatter: its gradients, fp32, chunk-cat in one op into (world, master numel), row
-        r in the layout of rank r's master, summed over ranks (then divided: the mean). One in flight at a time."""
+        """Issue unit's reduce-scatter of its gradients, in fp32. One is in flight at a time.
+
+        One chunk-cat builds the input, (world, master numel): row r in the layout of rank r's
+        master. The ranks' rows are summed, then divided by world: the mean.
+        """
         self._finish_reduction()
         with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
-            send = torch.empty(self.world, unit.master.numel(), dtype=torch.float32, device=self.device)
-            torch._chunk_cat([g.reshape(-1) for g in grads], dim=0, num_chunks=self.world, out=send)
-            out = torch.empty(unit.master.numel(), dtype=torch.float32, device=self.device)
-            self.pending = (unit, _collective(out, send.view(-1), self.group, reduce_scatter=True), out, send)
+            numel = unit.master.numel()
+            send = torch.empty(self.world, numel, dtype=torch.float32, device=self.device)
+            flat_grads = [g.reshape(-1) for g in grads]
+            torch._chunk_cat(flat_grads, dim=0, num_chunks=self.world, out=send)
+            out = torch.empty(numel, dtype=torch.float32, device=self.device)
+            work = _collective(out, send.view(-1), self.group, reduce_scatter=True)
+            self.pending = _Reduction(unit, work, out, send)
 
-    def _finish_reduction(self):  # wait for the reduce-scatter in flight; its gradient shard, to add at the end
-        if self.pending is not None:
-            (unit, work, grad, _), self.pending = self.pending, None  # its input (send) was kept alive until now
-            self.wait(work, "fsdp::wait_reduce_scatter")
-            grad.div_(self.world)  # the sum over ranks -> their mean, as FSDP2's gradients
-            # with offload, to the host as soon as it is reduced (all added after one wait)
-            self.arrived.append((unit, _to_host(grad, self.side_stream) if self.offload and grad.is_cuda else grad))
+    def _finish_reduction(self):
+        """Wait for the reduce-scatter in flight; its shard is added at the end of backward."""
+        if self.pending is None:
+            return
+        pending = self.pending
+        self.pending = None
+        self.wait(pending.work, "fsdp::wait_reduce_scatter")
+        grad = pending.output
+        grad.div_(self.world)  # the sum over ranks becomes their mean, as FSDP2's gradients
+        # With offload, it goes to the host as soon as it is reduced.
+        if self.offload and grad.is_cuda:
+            grad = _to_host(grad, self.side_stream)
+        self.arrived.append(_Arrived(pending.unit, grad))
 
-    def _now(self):  # a point in time: a CUDA event on the compute stream, or the host's clock
+    def _now(self):
+        """A point in time: a CUDA event on the compute stream, or the host's clock."""
         if self.side_stream is None:
             return time.perf_counter()
-        (event := torch.cuda.Event(enable_timing=True)).record()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
         return event
 
     def wait(self, work, label):
-        """Wait for a collective (all-gathers: side stream). On CUDA the host does not block (nor does
-        NCCL's wait()): the compute stream waits, timed by events on it; on the CPU the host waits."""
+        """Wait for a collective (the all-gathers run on the side stream).
+
+        On CUDA the host does not block (nor does NCCL's wait()): the compute stream waits,
+        timed by events on it. On the CPU the host waits.
+        """
         with torch.profiler.record_function(label):
             start = self._now()
-            if work is not None:  # NCCL: the compute stream waits for the collective, and so for what came before
-                work.wait()  # it on its stream (the shard's copy to the GPU, the masters' cast)
-            elif self.side_stream is not None:  # no process group: the "collective" was a copy on the side stream
+            if work is not None:
+                # NCCL: the compute stream waits for the collective and for what came before it
+                # on its stream (the shard's copy to the GPU, the masters' cast).
+                work.wait()
+            elif self.side_stream is not None:
+                # No process group: the "collective" was a copy on the side stream.
                 torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
             self.waits.append((start, self._now()))
 
-    def take_comm_wait_s(self):  # seconds waited on collectives since the last call (the device synchronized)
-        s, self.waits = sum(b - a if isinstance(a, float) else a.elapsed_time(b) / 1000 for a, b in self.waits), []
-        return s
+    def take_comm_wait_s(self):
+        """Seconds waited on collectives since the last call (the device has synchronized)."""
+        seconds = 0.0
+        for start, end in self.waits:
+            if isinstance(start, float):
+                seconds += end - start
+            else:
+                seconds += start.elapsed_time(end) / 1000
+        self.waits = []
+        return seconds
 
     def clip_grad_norm_(self, max_norm):
-        """torch.nn.utils.clip_grad_norm_ over the whole model: each rank's squared norm of its shards
-        (padding is 0), summed over ranks, gives the global L2 norm that scales every shard."""
-        sq = torch.nn.utils.get_total_norm([p.grad for p in self.parameters() if p.grad is not None]).square()
+        """torch.nn.utils.clip_grad_norm_ over the whole model, on every rank.
+
+        Each rank's squared norm of its shards (the padding is 0), summed over ranks, gives
+        the global L2 norm, which scales every shard.
+        """
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        squared = torch.nn.utils.get_total_norm(grads).square()
         if dist.is_initialized():
-            dist.all_reduce(sq := sq.to(self.device), group=self.group)
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm := sq.sqrt())
+            squared = squared.to(self.device)
+            dist.all_reduce(squared, group=self.group)
+        norm = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
         return norm
 
-    def reshard(self):  # free every unit still gathered
-        for u in self.all_units:
-            u.free()
+    def reshard(self):
+        """Free every unit still gathered."""
+        for unit in self.all_units:
+            unit.free()
 
-    # ---- the state in full, for checkpoints: collectives, every rank gets (or gives) all of it --
+    # The state in full, for checkpoints. These are collectives: every rank gets (or gives)
+    # all of it.
     def full_adapters(self, of=None):
-        """{name: full fp32 tensor, on the host} of every trainable tensor, gathered from its unit's master or
-        from of(master), a tensor laid out like it (its gradient, an AdamW moment)."""
+        """{name: full fp32 tensor, on the host} of every trainable tensor.
+
+        Gathered from its unit's master or from of(master), a tensor laid out like it (its
+        gradient, an AdamW moment).
+        """
         full = {}
-        for u in self.trained:
-            flat = u.master if of is None else of(u.master)
+        for unit in self.trained:
+            flat = unit.master if of is None else of(unit.master)
+            send = flat.detach().to(self.device, torch.float32)
             out = torch.empty(self.world * flat.numel(), dtype=torch.float32, device=self.device)
-            work = _collective(out, flat.detach().to(self.device, torch.float32), self.group)
+            work = _collective(out, send, self.group)
             if work is not None:
                 work.wait()
-            out = out.view(self.world, -1)  # (world, master numel): a tensor's pieces in its columns
-            full.update({s.name: out[:, s.start:s.start + s.shard_numel].reshape(-1)[:s.numel].view(s.shape).cpu()
-                         for s in u.adapters})
+            rows = out.view(self.world, -1)  # (world, master numel): a tensor's pieces in columns
+            for slot in unit.adapters:
+                columns = rows[:, slot.start : slot.start + slot.shard_numel]
+                whole = columns.reshape(-1)[: slot.numel].view(slot.shape)
+                full[slot.name] = whole.cpu()
         return full
 
     def load_full(self, fqn, tensor, of=None):
-        """Keep this rank's piece of one full parameter, given in the model's form (an NF4 weight as
-        an NF4Tensor); a trainable one's goes into its master, or into of(master) (an AdamW moment)."""
+        """Keep this rank's piece of one full parameter, given in the model's form.
+
+        An NF4 weight comes as an NF4Tensor. A trainable one's piece goes into its master, or
+        into of(master) (an AdamW moment).
+        """
         unit, p = self.param_of[fqn]
         if of is None:
-            return p.keep(tensor)
-        of(unit.master)[(s := p.slots[0]).start:s.start + s.shard_numel].copy_(s.piece(tensor))
+            p.keep(tensor)
+            return
+        slot = p.slots[0]
+        target = of(unit.master)[slot.start : slot.start + slot.shard_numel]
+        target.copy_(slot.piece(tensor))
 
     def full_base(self):
-        """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time: a tensor's memory is
-        freed with its unit (clone it to keep it)."""
-        for u in self.all_units:
-            if frozen := [p for p in u.params if not p.trainable]:
-                u.gather()
-                yield from ((p.fqn, p.value) for p in frozen)
-                u.free()
+        """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time.
 
-    def base_shapes(self):  # of every frozen parameter, by its name in the model (a Hugging Face checkpoint's)
+        A tensor's memory is freed with its unit: clone it to keep it.
+        """
+        for unit in self.all_units:
+            frozen = [p for p in unit.params if not p.trainable]
+            if not frozen:
+                continue
+            unit.gather()
+            for p in frozen:
+                yield p.fqn, p.value
+            unit.free()
+
+    def base_shapes(self):
+        """{name: shape} of every frozen parameter, by its name in the model."""
         return {fqn: p.shape for fqn, (_, p) in self.param_of.items() if not p.trainable}
 
     def adapter_shapes(self):
-        return {s.name: s.shape for u in self.all_units for s in u.adapters}
+        return {slot.name: slot.shape for unit in self.all_units for slot in unit.adapters}
 
-    def local_bytes(self):  # kept between steps: shard bytes + fp32 masters
-        return sum(u.shard_bytes.nbytes + (u.master.nbytes if u.master is not None else 0) for u in self.all_units)
+    def local_bytes(self):
+        """Bytes this rank keeps between steps: its shard bytes and fp32 masters."""
+        total = 0
+        for unit in self.all_units:
+            total += unit.shard_bytes.nbytes
+            if unit.master is not None:
+                total += unit.master.nbytes
+        return total
+
+
+class _Parked:
+    """A block input parked in host memory, its copy back, and the input parked before it."""
+
+    def __init__(self, device, host, before):
+        self.device = device
+        self.host = host
+        self.before = before
+        self.back = None  # its copy back on the device, once issued
+        self.done = None  # on CUDA, the event that the copy back records
+
 
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
-    """While active, the saved tensor that is the input given to `start` -- a checkpointed block's input, all that
-    checkpointing keeps of it -- waits in host memory (pinned, copied on `stream`) for the block's recompute. The
-    copy out starts before the block runs (a compiled block saves its input only once its forward is queued), the
-    copy back of the block before's as this one's backward begins: both overlap compute."""
+    """While active, each checkpointed block's input waits in host memory for its recompute.
+
+    The saved tensor that is the input given to `start` (a checkpointed block's input, all
+    that checkpointing keeps of it) is copied to pinned host memory on `stream`. The copy out
+    starts before the block runs (a compiled block saves its input only once its forward is
+    queued), and the copy back of the block before's as this one's backward begins: both
+    overlap compute.
+    """
 
     def __init__(self, stream=None):
-        self.stream, self.input, self.host, self.last = stream, None, None, None
+        self.stream = stream
+        self.input = None  # the block input being parked
+        self.host = None  # its host copy, on the way
+        self.last = None  # the last _Parked: the chain runs back through .before
         super().__init__(self._pack, self._unpack)
 
-    def start(self, x):  # the next block's input (None: no more blocks): copy it to the host now; -> the hooks
-        self.input, self.host = x, None if x is None else _to_host(x, self.stream)
-        self.last = None if x is None else self.last  # no more blocks: the chain of packed inputs ends
+    def start(self, x):
+        """x: the next block's input, copied to the host now (None: no more blocks)."""
+        self.input = x
+        self.host = None if x is None else _to_host(x, self.stream)
+        if x is None:
+            self.last = None  # the chain of parked inputs ends
         return self
 
     def _pack(self, t):
         x = self.input
         if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
-            return t  # not a block input (RoPE's cos and sin): kept as is
-        self.last = [t.device, self.host, None, self.last]  # its place, its host copy, back on it, the one before
+            return t  # not a block input (RoPE's cos and sin): kept as it is
+        self.last = _Parked(t.device, self.host, self.last)
         return self.last
 
-    def _fetch(self, packed):  # issue the copy back of a packed block input, once, into the compute stream's memory
-        if packed is not None and packed[2] is None:
-            back, done = torch.empty(packed[1].shape, dtype=packed[1].dtype, device=packed[0]), None
-            with _side(self.stream):
-                back.copy_(packed[1], non_blocking=True)
-                if self.stream is not None:  # what the compute stream waits for: this copy, not the next one's
-                    (done := torch.cuda.Event()).record()
-            packed[2] = back, done
+    def _fetch(self, parked):
+        """Issue the copy back of a parked input, once, into the compute stream's memory."""
+        if parked is None or parked.back is not None:
+            return
+        host = parked.host
+        parked.back = torch.empty(host.shape, dtype=host.dtype, device=parked.device)
+        with _side(self.stream):
+            parked.back.copy_(host, non_blocking=True)
+            if self.stream is not None:
+                # What the compute stream waits for: this copy, not the next one's.
+                parked.done = torch.cuda.Event()
+                parked.done.record()
 
-    def _unpack(self, packed):
-        if isinstance(packed, torch.Tensor):
-            return packed
-        self._fetch(packed)
-        self._fetch(packed[3])  # the block before's, for its backward, next
-        (t, done), packed[2], packed[3] = packed[2], None, None
+    def _unpack(self, parked):
+        if isinstance(parked, torch.Tensor):
+            return parked
+        self._fetch(parked)
+        self._fetch(parked.before)  # the block before's, for its backward, which comes next
+        t = parked.back
+        done = parked.done
+        parked.back = None
+        parked.done = None
+        parked.before = None
         if done is not None:
             torch.cuda.current_stream(t.device).wait_event(done)
         return t
 
+
 # -----------------------------------------------------------------------------
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
-# Needs: import math, torch.
-# torch.optim.AdamW over FSDP2's DTensors pays Python + DTensor dispatch per tensor per op; FSDP above hands over
-# one flat shard per unit (Llama-2-7B: 32 tensors, not 448), one foreach call each (decoupled weight decay):
+# Needs: import math, torch; from typing import NamedTuple.
+#
+# torch.optim.AdamW over FSDP2's DTensors pays Python and DTensor dispatch per tensor per op.
+# FSDP above hands over one flat shard per unit (Llama-2-7B: 32 tensors, not 448), and each op
+# is one foreach call over all of them. With decoupled weight decay:
 #   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
 #   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-# On the CPU these 7 passes over p, g, m, v take a cache-sized chunk of tensors at a time, so later passes find
-# them in cache; on a GPU all tensors form one chunk: one kernel launch per pass.
-ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; absent: one chunk
-# torch.optim.AdamW's other keywords, at their defaults: what this AdamW implements (foreach may also be True)
-TORCH_ADAMW = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None,
-                   decoupled_weight_decay=True)
+# On the CPU these 7 passes over p, g, m and v take a cache-sized chunk of tensors at a time, so
+# that later passes find them in cache. On a GPU all tensors form one chunk: one kernel launch
+# per pass.
+ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; a device absent: one chunk
+# torch.optim.AdamW's other keywords at their defaults: what this AdamW implements. (foreach
+# may also be True.)
+TORCH_ADAMW = dict(
+    amsgrad=False,
+    maximize=False,
+    foreach=None,
+    capturable=False,
+    differentiable=False,
+    fused=None,
+    decoupled_weight_decay=True,
+)
+
+
+class _AdamChunk(NamedTuple):
+    """Parameters stepped together: they share their step count and fit in one chunk."""
+
+    step: int
+    params: list
+
 
 class AdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW on torch._foreach_* ops, equal to it up to floating-point rounding: torch's keywords at their
-    defaults (TORCH_ADAMW; others refused, named), its state_dicts both ways, a tensor lr; no sparse or complex."""
+    """torch.optim.AdamW on torch._foreach_* ops, equal to it up to floating-point rounding.
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **torch_keywords):
-        for key in sorted(set(torch_keywords) - set(TORCH_ADAMW))[:1]:
-            raise TypeError(f"AdamW got an unexpected keyword argument {key!r}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
-                                      **{**TORCH_ADAMW, **torch_keywords}))
+    It takes torch's keywords at their defaults (TORCH_ADAMW; any other value is refused, by
+    name), loads torch's state_dicts and gives its own to torch, and takes a tensor lr. It has
+    no sparse or complex support.
+    """
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kw):
+        unknown = sorted(set(kw) - set(TORCH_ADAMW))
+        if unknown:
+            raise TypeError(f"AdamW got an unexpected keyword argument {unknown[0]!r}")
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        defaults.update(TORCH_ADAMW)
+        defaults.update(kw)
+        super().__init__(params, defaults)
         for group in self.param_groups:
             self._check(group)
 
     @staticmethod
-    def _check(group):  # at construction, and at each step (a loaded state_dict's groups)
+    def _check(group):
+        """Refuse what is not implemented: at construction, and at each step (after a load)."""
         for key, default in TORCH_ADAMW.items():
             value = group.setdefault(key, default)
-            if value != default and not (key == "foreach" and value) and not (key == "fused" and value is False):
-                raise ValueError(f"AdamW: {key}={value!r} is not implemented here (torch.optim.AdamW has it)")
+            allowed = value == default
+            allowed |= key == "foreach" and bool(value)
+            allowed |= key == "fused" and value is False
+            if not allowed:
+                raise ValueError(
+                    f"AdamW: {key}={value!r} is not implemented here (torch.optim.AdamW has it)"
+                )
+
+    def _chunks(self, params):
+        """Runs of about ADAM_CHUNK_BYTES of params that share their step count.
+
+        A parameter that had no gradient at some step has a smaller count than the others.
+        Each parameter's count moves on by one here.
+        """
+        chunks = []
+        nbytes = math.inf
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            # int(): torch's state_dict holds the count as a tensor.
+            state["step"] = int(state["step"]) + 1
+            chunk_bytes = ADAM_CHUNK_BYTES.get(p.device.type, math.inf)
+            if nbytes >= chunk_bytes or state["step"] != chunks[-1].step:
+                chunks.append(_AdamChunk(state["step"], []))
+                nbytes = 0
+            chunks[-1].params.append(p)
+            nbytes += p.nbytes
+        return chunks
 
     @torch.no_grad()
-    def step(self, closure=None):  # closure: as every torch.optim optimizer takes it
-        loss = None if closure is None else torch.enable_grad()(closure)()
+    def step(self, closure=None):
+        """One update of every parameter that has a gradient. closure: as torch.optim's."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
         for group in self.param_groups:
             self._check(group)
             params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
             if any(p.grad.is_sparse or p.is_complex() for p in params):
                 raise RuntimeError("AdamW does not support sparse gradients or complex parameters")
-            # [(step count, params)]: runs of ~ADAM_CHUNK_BYTES of params that share their step count (one that had no
-            # gradient at some step has fewer)
-            chunks, nbytes = [], math.inf
-            for p in params:
-                if not self.state[p]:
-                    self.state[p] = dict(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
-                self.state[p]["step"] = int(self.state[p]["step"]) + 1  # torch's state_dict: a tensor
-                if nbytes >= ADAM_CHUNK_BYTES.get(p.device.type, math.inf) or self.state[p]["step"] != chunks[-1][0]:
-                    chunks, nbytes = chunks + [(self.state[p]["step"], [])], 0
-                chunks[-1][1].append(p)
-                nbytes += p.nbytes
-            lr, beta1, beta2, eps, wd = map(float, (group["lr"], *group["betas"], group["eps"], group["weight_decay"]))
-            for step, chunk in chunks:
-                c1, c2 = 1 - beta1**step, math.sqrt(1 - beta2**step)  # bias corrections of m and sqrt(v)
-                grads = [p.grad for p in chunk]
-                exp_avgs, exp_avg_sqs = ([self.state[p][k] for p in chunk] for k in ("exp_avg", "exp_avg_sq"))
-                if wd != 0:
-                    torch._foreach_mul_(chunk, 1 - lr * wd)
-                torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-                torch._foreach_mul_(exp_avg_sqs, beta2)
-                torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-                # c2 folded into the constants, one pass fewer: m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2)
-                denom = torch._foreach_sqrt(exp_avg_sqs)
-                torch._foreach_add_(denom, eps * c2)
-                torch._foreach_addcdiv_(chunk, exp_avgs, denom, -lr * c2 / c1)
+            lr = float(group["lr"])
+            beta1 = float(group["betas"][0])
+            beta2 = float(group["betas"][1])
+            eps = float(group["eps"])
+            weight_decay = float(group["weight_decay"])
+            for chunk in self._chunks(params):
+                self._update(chunk, lr, beta1, beta2, eps, weight_decay)
         return loss
+
+    def _update(self, chunk, lr, beta1, beta2, eps, weight_decay):
+        params = chunk.params
+        grads = [p.grad for p in params]
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        # The bias corrections of m and of sqrt(v).
+        c1 = 1 - beta1**chunk.step
+        c2 = math.sqrt(1 - beta2**chunk.step)
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        # c2 is folded into the constants, a pass fewer:
+        # m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2).
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denom, eps * c2)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, -lr * c2 / c1)
+
 
 # -----------------------------------------------------------------------------
 # 7. Llama, module for module as Hugging Face's LlamaForCausalLM
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, math, torch, torch.nn as nn, torch.nn.functional as F; from dataclasses import dataclass;
-# from typing import Optional; from torch.utils.checkpoint import checkpoint; from above: NF4Tensor, NF4Linear,
-# LoRALinear, use_compiled.
+# Needs: import contextlib, math, torch, torch.nn as nn, torch.nn.functional as F; from dataclasses
+# import dataclass; from typing import Optional; from torch.utils.checkpoint import checkpoint; from
+# above: use_compiled, NF4Tensor, NF4Linear, LoRALinear.
+
 
 @dataclass
-class LlamaConfig:  # field names are Hugging Face config.json's
+class LlamaConfig:
+    """A Llama's shape; the field names are those of Hugging Face's config.json."""
+
     vocab_size: int = 32000
     hidden_size: int = 4096
     intermediate_size: int = 11008
@@ -1055,16 +1804,19 @@ class LlamaConfig:  # field names are Hugging Face config.json's
     tie_word_embeddings: bool = False
 
     def __post_init__(self):
-        if self.num_key_value_heads is None:  # no GQA: as many kv heads as heads
+        if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
 
     @property
     def head_dim(self):
         return self.hidden_size // self.num_attention_heads
 
-# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small`: the smallest shapes
-# torchao's NF4 can also shard over 2 ranks, to compare against it.
-CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv heads, context (theta: keyword)
+
+# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is the
+# smallest shape that torchao's NF4 can also shard over 2 ranks, to compare against it.
+# The positional fields: vocab_size, hidden_size, intermediate_size, layers, heads, kv heads,
+# context.
+CONFIGS = {
     "tiny": LlamaConfig(256, 128, 384, 4, 4, 2, 1024),
     "small": LlamaConfig(256, 256, 768, 4, 4, 4, 1024),
     "llama2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 4096),
@@ -1074,58 +1826,82 @@ CONFIGS = {  # vocab_size, hidden_size, intermediate_size, layers, heads, kv hea
     "llama3-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8, 8192, rope_theta=500000.0),
 }
 
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps, dtype):
         super().__init__()
-        self.eps, self.weight = eps, nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x):  # normalize in fp32, scale in the compute dtype (as Hugging Face)
+    def forward(self, x):
+        # Normalize in fp32, scale in the compute dtype, as Hugging Face does.
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)
 
+
 def rope_inv_freq(config):
     """theta^(-2i/d) for i < d/2, with Llama 3.1's frequency-dependent scaling if configured."""
     d = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    rs = config.rope_scaling or {}
-    if rs.get("rope_type", rs.get("type")) == "llama3":
-        factor, low, high = rs["factor"], rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
-        old_len, wavelen = rs.get("original_max_position_embeddings", 8192), 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
-    return inv_freq.float()
+    exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    scaling = config.rope_scaling or {}
+    if scaling.get("rope_type", scaling.get("type")) != "llama3":
+        return inv_freq.float()
+    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
+    # between them blended smoothly.
+    factor = scaling["factor"]
+    low = scaling.get("low_freq_factor", 1.0)
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(mid, blended, scaled).float()
+
 
 def rope_cos_sin(config, T, device, dtype):
     """cos, sin of shape (T, head_dim) in Hugging Face's layout: the frequencies twice."""
     inv_freq = rope_inv_freq(config).to(device)
-    freqs = torch.outer(torch.arange(T, device=device, dtype=torch.float32), inv_freq)  # (T, d/2)
+    positions = torch.arange(T, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq)  # (T, d/2)
     emb = torch.cat([freqs, freqs], dim=-1)  # (T, d)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 
-def apply_rope(x, cos, sin):  # x (B, n_heads, T, head_dim); rotate_half splits the head in two
+
+def apply_rope(x, cos, sin):
+    """x (B, n_heads, T, head_dim) rotated; rotate_half splits the head dimension in two."""
     x1, x2 = x.chunk(2, dim=-1)
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
 
 class LlamaAttention(nn.Module):
     def __init__(self, c, lora):
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.n_heads = c.num_attention_heads
+        self.n_kv = c.num_key_value_heads
+        self.head_dim = c.head_dim
         self.q_proj = LoRALinear(c.hidden_size, self.n_heads * self.head_dim, **lora)
         self.k_proj = LoRALinear(c.hidden_size, self.n_kv * self.head_dim, **lora)
         self.v_proj = LoRALinear(c.hidden_size, self.n_kv * self.head_dim, **lora)
         self.o_proj = LoRALinear(self.n_heads * self.head_dim, c.hidden_size, **lora)
 
-    def forward(self, x, cos, sin):  # x (B, T, C)
+    def forward(self, x, cos, sin):
         B, T, C = x.shape
         q, k, v = LoRALinear.shared_input(x, self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = (t.view(B, T, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))  # (B, nh or nkv, T, hd)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # grouped-query attention: each of the nkv heads serves nh / nkv query heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, C))
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        # Grouped-query attention: each of the nkv heads serves nh / nkv query heads.
+        gqa = self.n_kv != self.n_heads
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, nh * hd)
+        return self.o_proj(y)
+
 
 class LlamaMLP(nn.Module):
     def __init__(self, c, lora):
@@ -1134,9 +1910,11 @@ class LlamaMLP(nn.Module):
         self.up_proj = LoRALinear(c.hidden_size, c.intermediate_size, **lora)
         self.down_proj = LoRALinear(c.intermediate_size, c.hidden_size, **lora)
 
-    def forward(self, x):  # SwiGLU (Shazeer 2020)
+    def forward(self, x):
+        # SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)).
         gate, up = LoRALinear.shared_input(x, self.gate_proj, self.up_proj)
         return self.down_proj(F.silu(gate) * up)
+
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, c, lora):
@@ -1148,8 +1926,9 @@ class LlamaDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, checkpointing=False):
         if checkpointing and torch.is_grad_enabled():
-            # Keep only the block's input (B, T, C), recompute the rest in backward; inside forward, so that
-            # compiled, the recompute fuses into backward's kernels
+            # Keep only the block's input (B, T, C) and recompute the rest in backward. This
+            # sits inside forward, so that, compiled, the recompute fuses into backward's
+            # kernels.
             return checkpoint(self.block, x, cos, sin, use_reentrant=False)
         return self.block(x, cos, sin)
 
@@ -1157,14 +1936,21 @@ class LlamaDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+
 IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
 
+
 def _cross_entropy_rows(logits, targets, need_grad: bool):
-    """logits (n, V), targets (n,) -> (the sum of the counted rows' losses, fp32; and if need_grad its gradient wrt
-    the logits, softmax - onehot, zero on ignored rows, in logits' dtype). Eager: in place on one fp32 copy of the
-    logits, the one-hot made as bool; compiled, the passes fuse (max, sum of exp, gradient), neither is made."""
+    """logits (n, V), targets (n,) -> the summed loss of the counted rows, and its gradient.
+
+    The loss is fp32. The gradient wrt the logits (if need_grad) is softmax - onehot, zero on
+    ignored rows, in logits' dtype. Eager, it is made in place on one fp32 copy of the logits
+    and the one-hot is a bool; compiled, the passes fuse (max, sum of exp, gradient) and
+    neither is made.
+    """
     keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
-    t = targets.masked_fill(targets == IGNORE_INDEX, 0)[:, None]  # ignored rows look up class 0, count 0
+    # Ignored rows look up class 0 and count 0.
+    t = targets.masked_fill(targets == IGNORE_INDEX, 0)[:, None]
     x = logits.float()
     target_logit = x.gather(1, t)
     m = x.amax(dim=-1, keepdim=True)
@@ -1173,209 +1959,886 @@ def _cross_entropy_rows(logits, targets, need_grad: bool):
     if not need_grad:
         return loss, None
     onehot = torch.arange(x.shape[1], device=x.device) == t  # (n, V)
-    return loss, x.div_(sumexp).add_(onehot, alpha=-1).mul_(keep).to(logits.dtype)
+    grad = x.div_(sumexp).add_(onehot, alpha=-1).mul_(keep)
+    return loss, grad.to(logits.dtype)
+
 
 _cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
 
+
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross entropy of h W^T against targets, `chunk` rows at a time (the sum over the counted targets, or their
-    mean). Full logits for Llama-2-7B at T=2048 are 131 MB per sequence in bf16, and as many for their gradient;
-    here one chunk's at a time: forward computes each chunk's loss AND its gradient wrt h, (softmax - onehot) W,
-    and backward just scales it (no gradient for the weight: lm_head is frozen)."""
+    """Cross entropy of h W^T against targets, `chunk` rows at a time.
+
+    It gives the sum over the counted targets, or their mean. The full logits of Llama-2-7B
+    at T=2048 are 131 MB per sequence in bf16, and as many for their gradient; here only one
+    chunk's exist at a time. Forward computes each chunk's loss AND its gradient wrt h,
+    (softmax - onehot) W, and backward just scales it. (The weight gets no gradient: lm_head
+    is frozen.)
+    """
 
     @staticmethod
-    def forward(ctx, h, weight, targets, chunk, reduction, compile):  # h (N, C), weight (V, C), targets (N,)
-        W = weight.dequantize(h.dtype, compile) if isinstance(weight, NF4Tensor) else weight.to(h.dtype)
+    def forward(ctx, h, weight, targets, chunk, reduction, compile):
+        # h (N, C), weight (V, C), targets (N,)
+        if isinstance(weight, NF4Tensor):
+            W = weight.dequantize(h.dtype, compile)
+        else:
+            W = weight.to(h.dtype)
         need_grad = ctx.needs_input_grad[0]
-        rows = _cross_entropy_rows_compiled if use_compiled(compile, h) else _cross_entropy_rows
+        compiled = use_compiled(compile, h)
+        rows = _cross_entropy_rows_compiled if compiled else _cross_entropy_rows
         grad_h = torch.empty_like(h) if need_grad else None
         total = torch.zeros((), dtype=torch.float32, device=h.device)
         for s in range(0, h.shape[0], chunk):
-            loss, grad_logits = rows(h[s:s + chunk] @ W.T, targets[s:s + chunk], need_grad)  # (n, V)
+            logits = h[s : s + chunk] @ W.T  # (n, V)
+            loss, grad_logits = rows(logits, targets[s : s + chunk], need_grad)
+            del logits
             total += loss
             if need_grad:
-                torch.mm(grad_logits, W, out=grad_h[s:s + chunk])  # (n, C), not (n, V)
-            del grad_logits  # before the next chunk's logits are made: one chunk alive, not two
-        # "mean": over the counted targets; none counted gives 0, not 0/0
-        ctx.denominator = (targets != IGNORE_INDEX).sum().clamp(min=1) if reduction == "mean" else 1
+                torch.mm(grad_logits, W, out=grad_h[s : s + chunk])  # (n, C), not (n, V)
+            # Freed before the next chunk's logits exist: one chunk alive, not two.
+            del grad_logits
+        # "mean" is over the counted targets; none counted gives 0, not 0/0.
+        ctx.denominator = 1
+        if reduction == "mean":
+            ctx.denominator = (targets != IGNORE_INDEX).sum().clamp(min=1)
         ctx.save_for_backward(grad_h)
         return total / ctx.denominator
 
     @staticmethod
     def backward(ctx, grad_loss):
-        return ctx.saved_tensors[0] * (grad_loss / ctx.denominator).to(ctx.saved_tensors[0].dtype), *[None] * 5
+        (grad_h,) = ctx.saved_tensors
+        scale = (grad_loss / ctx.denominator).to(grad_h.dtype)
+        return grad_h * scale, None, None, None, None, None
+
 
 LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
 
+
 def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean", compile=None):
-    """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction) for reduction "mean"
-    or "sum", without the full logits; a mean over no target is 0; a target out of [0, vocab) raises."""
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction).
+
+    For reduction "mean" or "sum", without the full logits. A mean over no target is 0, and a
+    target outside [0, vocab) raises.
+    """
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    # a target outside [0, vocab) is an error, as in F.cross_entropy; the compiled kernel's own check could abort
-    torch._assert_async(((targets >= 0) & (targets < weight.shape[0]) | (targets == IGNORE_INDEX)).all(),
-                        "chunked_cross_entropy: a target is outside [0, vocab) and not IGNORE_INDEX")
+    # Checked here, as F.cross_entropy checks: the compiled kernel's own bounds check would
+    # abort the process from inside a parallel loop.
+    in_range = (targets >= 0) & (targets < weight.shape[0])
+    ok = (in_range | (targets == IGNORE_INDEX)).all()
+    message = "chunked_cross_entropy: a target is outside [0, vocab) and not IGNORE_INDEX"
+    torch._assert_async(ok, message)
     return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction, compile)
 
-class LMHead(NF4Linear):
-    """lm_head: the logits, or given targets the chunked cross entropy (never all the logits at once)."""
 
-    def forward(self, h, targets=None, reduction="mean"):  # h (B, T, C), targets (B, T)
+class LMHead(NF4Linear):
+    """lm_head: the logits, or given targets the chunked cross entropy (never all logits)."""
+
+    def forward(self, h, targets=None, reduction="mean"):
+        # h (B, T, C), targets (B, T)
         if targets is None:
             return super().forward(h)  # (B, T, vocab)
-        return chunked_cross_entropy(h.flatten(0, -2), self.weight, targets.reshape(-1), reduction=reduction,
-                                     compile=self.compile)
+        return chunked_cross_entropy(
+            h.flatten(0, -2),
+            self.weight,
+            targets.reshape(-1),
+            reduction=reduction,
+            compile=self.compile,
+        )
+
 
 class Llama(nn.Module):
-    """LlamaForCausalLM with every projection a LoRALinear over NF4 and an NF4 lm_head; compile: the NF4
-    kernels' and the loss's (section 2)."""
+    """LlamaForCausalLM with every projection a LoRALinear over NF4, and an NF4 lm_head.
 
-    def __init__(self, config, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, compile=None):
+    compile: for the NF4 kernels and the loss (section 2).
+    """
+
+    def __init__(
+        self,
+        config,
+        dtype=torch.bfloat16,
+        lora_rank=8,
+        lora_alpha=16.0,
+        lora_dropout=0.0,
+        compile=None,
+    ):
         super().__init__()
-        self.config, self.dtype = config, dtype
+        self.config = config
+        self.dtype = dtype
         self.checkpointing = True  # activation checkpointing per block
         self.offload_activations = None  # an OffloadedInputs: each block's saved input on the host
-        lora, c = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, compile=compile), config
-        self.model = nn.Module()  # a container that gives Hugging Face's "model." names; forward runs it
-        self.model.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype).requires_grad_(False)
-        self.model.layers = nn.ModuleList(LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers))
+        lora = dict(
+            rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, compile=compile
+        )
+        c = config
+        # A container that gives Hugging Face's "model." names; forward runs it.
+        self.model = nn.Module()
+        embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.model.embed_tokens = embed.requires_grad_(False)
+        layers = [LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers)]
+        self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = LMHead(c.hidden_size, c.vocab_size, dtype=dtype, compile=compile)
 
-    def forward(self, tokens, targets=None, reduction="mean"):  # tokens, targets (B, T) int64
-        """Logits (B, T, vocab); with targets, the cross entropy over the targets that count
-        (!= IGNORE_INDEX): their mean, or with reduction="sum" their sum."""
+    def forward(self, tokens, targets=None, reduction="mean"):
+        """tokens (B, T) int64 -> logits (B, T, vocab); or, given targets, the cross entropy.
+
+        The loss is over the targets that count (!= IGNORE_INDEX): their mean, or with
+        reduction="sum" their sum.
+        """
         T = tokens.shape[1]
         h = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
-        # With offload each checkpointed block input waits in host memory until the block's backward.
-        offload = self.offload_activations if self.checkpointing and torch.is_grad_enabled() else None
+        # With offload, each checkpointed block input waits in host memory for its backward.
+        offload = None
+        if self.checkpointing and torch.is_grad_enabled():
+            offload = self.offload_activations
         for layer in self.model.layers:
-            with offload.start(h) if offload else contextlib.nullcontext():
+            parking = offload.start(h) if offload else contextlib.nullcontext()
+            with parking:
                 h = layer(h, cos, sin, self.checkpointing)
         if offload:
-            offload.start(None)  # so the hooks don't keep the last block's input alive
+            offload.start(None)  # so that the hooks don't keep the last block's input alive
         return self.lm_head(self.model.norm(h), targets, reduction)
 
-    def units(self):  # FSDP's units, in execution order: the embeddings, each block, the norm with lm_head
+    def units(self):
+        """FSDP's units, in execution order: the embeddings, each block, the norm with lm_head."""
         return [self.model.embed_tokens, *self.model.layers, [self.model.norm, self.lm_head]]
 
-# -----------------------------------------------------------------------------
-# 8. Predicting the peak: every buffer of a training step, counted from the pieces above
-# -----------------------------------------------------------------------------
-# Needs: import math; from above: GiB, NF4_BITS_PER_PARAM, count_params, linear_shapes, ADAM_CHUNK_BYTES,
-# LOSS_CHUNK.
-# Section 1 counted the state that lives between steps. A step adds the all-gather buffers of section 5 and the
-# activations autograd keeps for backward, whose peak comes in the loss or in the first block backward runs:
-# every checkpointed block input is alive, plus the loss or that block.
 
-# cuBLAS's workspace (its Lt shares it), through the caching allocator: 32 MiB on Hopper (4096 KiB x 8; less on
-# older GPUs), one for each thread that runs matmuls: forward's and autograd's backward thread.
-CUDA_WORKSPACES = 2 * 32 * 2**20
+# -----------------------------------------------------------------------------
+# 8. Training: batches, one step, the loop over steps
+# -----------------------------------------------------------------------------
+# Needs: import math, os, resource, time, numpy as np, torch, torch.distributed as dist; from typing
+# import NamedTuple, Optional; from above: GiB, seeded, IGNORE_INDEX.
+#
+# One code path serves any number of processes, as nanoGPT's does: torchrun sets RANK,
+# WORLD_SIZE and LOCAL_RANK, and a plain `python` run is a world of one. GPUs talk over NCCL,
+# CPUs over gloo. `args` below is any object with the fields the functions read (argparse's
+# Namespace from section 12, or one of your own).
 
-def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8,
-                    checkpointing=True, offload=False, loss_chunk=LOSS_CHUNK, offload_activations=False, compiled=True):
-    """Predicted bytes per rank of a QLoRA training step as this file runs it (compiled: with --compile). Sharded
-    state is 1/world of the whole; activations are for one rank's batch_size x seq_len tokens, op by op."""
-    c, elt, tokens = config, dtype_bytes, batch_size * seq_len
-    d, ffn, vocab, layers = c.hidden_size, c.intermediate_size, c.vocab_size, c.num_hidden_layers
-    q_dim, kv_dim = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    linear, head, dense, lora = count_params(config, lora_rank)
-    nf4 = lambda n: n * NF4_BITS_PER_PARAM / 8  # noqa: E731  (bytes of n NF4 weights)
-    state = {  # sharded, resident between steps (on the host with offload)
-        "NF4 weights (shard)": nf4(linear + head) / world,
-        "frozen dense weights (shard)": dense * elt / world,
-        "adapters fp32 + wire copy (shard)": lora * (4 + elt) / world,
-        "adapter gradients fp32 (shard)": 4 * lora / world,
-        # m and v (AdamW's sqrt(v) lives only during its step, when backward's buffers are gone)
-        "AdamW state fp32 (shard)": 8 * lora / world}
-    # All-gathers: two block units at a time, the one being computed and the next one's receive buffer (prefetched
-    # after the copy-out, whose receive buffer is gone by then).
-    gathers = 2 * (block_unit := nf4(linear / layers) + 2 * d * elt + (lora / layers) * elt)
-    # Saved by one block for backward, bytes per token, op by op: each RMSNorm its fp32 input and its output (the
-    # LoRA A of the projections it feeds); attention its RoPE'd q and k, v, its output and an fp32 log-sum-exp per
-    # head; o_proj's LoRA its input (a reshaped copy); SwiGLU the gate, both factors of the product and the product
-    # (down_proj's LoRA); each projection's (rank,) LoRA intermediate. The NF4 linears save only their packed
-    # weight (in the all-gather buffers); RoPE's cos and sin, (T, head_dim) for all blocks, are not counted.
-    norms = 2 * (4 * d + elt * d)
-    attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * c.num_attention_heads
-    mlp = elt * 4 * ffn
-    block_saved = norms + attention + mlp + 7 * elt * lora_rank
-    # Backward frees each saved tensor once its op's backward is done, so beside them there is about one
-    # (tokens, ffn) gradient and one (tokens, d) at a time; and, not per token, the dense weight inside the
-    # NF4 matmul that runs (the largest projection's), the block's adapter gradients and the unit before's
-    # reduce-scatter input and output (fp32), alive until this unit's is issued (section 5).
-    block_backward = elt * (ffn + d) + 4 * q_dim  # and attention's backward accumulates in fp32 (flash)
-    in_flight = elt * max(o * i for o, i in linear_shapes(c).values()) + lora / layers * (elt + 4 + 4 / world)
-    act = {}
-    if checkpointing:
-        if offload_activations:  # kept on the host; the block's and the next one's (prefetched) on the GPU
-            act["checkpointed block inputs (host)"] = layers * tokens * elt * d
-            act["checkpointed block inputs back on the GPU (2)"] = kept = 2 * tokens * elt * d
+
+def print0(*args, **kwargs):
+    """print, on rank 0 only: it speaks for all."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def init_distributed(cuda):
+    """This process's device and, under torchrun, its process group: (device, world, rank)."""
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(backend, device_id=device if cuda else None)
+    if not dist.is_initialized():
+        return device, 1, 0
+    return device, dist.get_world_size(), dist.get_rank()
+
+
+class TokenData(NamedTuple):
+    """A token stream: ids (N,) of any integer dtype, and loss_mask (N,) bool or None.
+
+    The prediction of token i counts where loss_mask[i] is true; token 0 is never a target.
+    """
+
+    ids: np.ndarray
+    loss_mask: Optional[np.ndarray]
+
+
+def sequences(data, starts, T):
+    """(inputs, targets), each (len(starts), T) int64: the T + 1 tokens from each start.
+
+    A target at position i counts where loss_mask[i] is true; elsewhere it is IGNORE_INDEX.
+    """
+    starts = list(starts)
+    rows = [data.ids[s : s + T + 1].astype(np.int64) for s in starts]
+    tokens = torch.from_numpy(np.stack(rows))  # (n, T + 1)
+    inputs = tokens[:, :-1]
+    targets = tokens[:, 1:]
+    if data.loss_mask is not None:
+        masks = [data.loss_mask[s + 1 : s + T + 1] for s in starts]
+        counted = torch.from_numpy(np.stack(masks))
+        targets = targets.masked_fill(~counted, IGNORE_INDEX)
+    return inputs, targets
+
+
+def get_batch(data, step, micro, args, world, rank, vocab_size):
+    """This rank's rows (inputs, targets), each (batch_size, seq_len), of micro-batch `micro`.
+
+    The step's global batch depends only on (seed, step) and batch_size x grad_accum x world:
+    rank r of micro-batch m takes its rows in the order (micro, rank, row), so any split of
+    the same global batch sees the same rows. data None: random tokens.
+    """
+    generator = seeded(args.seed, "batch", step)
+    n = args.batch_size * args.grad_accum * world  # rows in the global batch
+    T = args.seq_len
+    first = (micro * world + rank) * args.batch_size
+    rows = slice(first, first + args.batch_size)
+    if data is None:
+        tokens = torch.randint(vocab_size, (n, T + 1), generator=generator)[rows]
+        return tokens[:, :-1], tokens[:, 1:]
+    starts = torch.randint(len(data.ids) - T, (n,), generator=generator)[rows]
+    return sequences(data, starts.tolist(), T)
+
+
+def learning_rate(step, args):
+    """A linear warmup over warmup_steps, then a cosine decay to 10% of lr at `steps`."""
+    warmup = args.warmup_steps
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def proc_bytes(path, key):
+    """The "key: N kB" line of a Linux /proc file, in bytes; None where there is none."""
+    try:
+        with open(path) as f:
+            for line in f:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def peak_memory_gib(device, reserved=False):
+    """The peak since reset_peak_memory, the max over ranks.
+
+    On CUDA it is the GPU memory allocated (or reserved); on the CPU the resident set
+    (Linux's VmHWM; elsewhere the process's whole peak).
+    """
+    if device.type == "cuda":
+        if reserved:
+            peak = torch.cuda.max_memory_reserved(device)
         else:
-            act["checkpointed block inputs"] = kept = layers * tokens * elt * d
-        act["recomputed block (forward + backward)"] = block = tokens * (block_saved + block_backward) + in_flight
+            peak = torch.cuda.max_memory_allocated(device)
     else:
-        act["saved activations, all blocks"] = kept = layers * tokens * block_saved
-        act["block backward gradients"] = block = tokens * block_backward + in_flight
-    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and, compiled, their
-    # gradient; eager, at its peak, the fp32 copy of bf16 logits and the one-hot (bool, and cast to fp32) instead;
-    # and the gradient wrt the hidden states.
-    per_logit = 2 * elt if compiled else elt + 4 * (elt != 4) + 1 + 4
-    act["loss: norm, lm_head dense, logits chunk, grad_h"] = loss = (
-        tokens * (4 * d + elt * d) + vocab * d * elt + min(loss_chunk, tokens) * vocab * per_logit + tokens * d * elt)
-    # The loss's buffers are gone before the blocks' backward, where the incoming gradient (tokens x d) joins.
-    act_peak, gpu_state = kept + max(block + tokens * d * elt, loss), 0 if offload else sum(state.values())
-    # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
-    largest = max(vocab * d, d * ffn, d * q_dim)
-    load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
-    # Host memory. CUDA's pinned allocator (what the GPU copies from and to without blocking) rounds each
-    # allocation up to a power of two: each unit's shard, its fp32 master adapters and their gradient, each
-    # offloaded block input. AdamW's moments (and its sqrt(v), one ADAM_CHUNK_BYTES chunk at a time) are pageable.
-    pinned = lambda n: 2 ** math.ceil(math.log2(n)) if n >= 1 else 0  # noqa: E731
-    host = layers * pinned(tokens * elt * d) if checkpointing and offload_activations else 0
-    if offload:  # the shards of the embeddings, of norm + lm_head and of each block (+ its masters, gradients)
-        unit = pinned(block_unit / world) + 2 * pinned(4 * lora / layers / world)
-        host += pinned(vocab * d * elt / world) + pinned((nf4(head) + d * elt) / world) + 8 * lora / world + (
-            ADAM_CHUNK_BYTES["cpu"] + layers * unit)
-    return dict(state=state, gathers=gathers, activations=act, activation_peak=act_peak, gpu_state=gpu_state,
-                host_state=host, gpu_peak=gpu_state + gathers + act_peak + CUDA_WORKSPACES, load_peak=load_peak)
+        peak = proc_bytes("/proc/self/status", "VmHWM")
+        if peak is None:  # getrusage's ru_maxrss (KiB on Linux) cannot be reset
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    t = torch.tensor(peak / GiB, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
-def format_estimate(name, est, world, offload):
-    where = "host" if offload else "GPU"
-    rows = [(f"{k} ({where})", v) for k, v in est["state"].items()]
-    rows += [("all-gather buffers (1 gathered + 1 receiving)", est["gathers"]), *est["activations"].items(),
-             ("CUDA workspaces (cuBLAS, 2 threads)", CUDA_WORKSPACES), ("predicted peak per GPU", est["gpu_peak"]),
-             ("while loading (one weight at a time), per GPU", est["load_peak"])]
-    if est["host_state"] > 0:
-        rows.append(("predicted host memory for offloaded tensors", est["host_state"]))
-    title = f"predicted memory per rank, {name}, world {world}" + (", state offloaded to the host" if offload else "")
-    return "\n".join([title + ":"] + [f"  {k:<48} {v / GiB:8.3f} GiB" for k, v in rows])
+
+def reset_peak_memory(device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: VmHWM starts again from the resident set now
+    except OSError:
+        pass
+
+
+class StepResult(NamedTuple):
+    loss: float  # the mean over the global batch's counted targets
+    optimizer_seconds: float
+
+
+def train_step(model, fsdp, optimizer, batches, grad_clip, device):
+    """One AdamW step over this rank's micro-batches [(inputs, targets)].
+
+    The loss is the mean over the global batch's counted targets, whatever the split into
+    ranks and micro-batches. A non-finite loss skips the update.
+    """
+    # The targets that count, over all ranks: the mean's denominator.
+    count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    count = max(1, count.item())  # a batch that counts nothing: loss 0 and zero gradients
+    loss_sum = torch.zeros((), device=device)
+    for x, y in batches:
+        with torch.profiler.record_function("forward"):
+            loss = model(x.to(device), y.to(device), reduction="sum")
+        with torch.profiler.record_function("backward"):
+            # Each unit's gradients are reduce-scattered as its backward ends. The
+            # reduce-scatter averages over ranks, so x world gives the masters d(global sum);
+            # the 1 / count comes after, in fp32.
+            (loss * fsdp.world).backward()
+        loss_sum += loss.detach()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    loss = (loss_sum / count).item()  # this also waits for the device
+    t0 = time.perf_counter()
+    if math.isfinite(loss):
+        with torch.profiler.record_function("optimizer"):
+            # d(global sum) -> d(global mean), in fp32.
+            for p in fsdp.parameters():
+                if p.grad is not None:
+                    p.grad.div_(count)
+            if grad_clip > 0:
+                fsdp.clip_grad_norm_(grad_clip)
+            optimizer.step()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+    # Also after a skipped step: the next one starts from no gradient.
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(loss, time.perf_counter() - t0)
+
+
+class StepRecord(NamedTuple):
+    """What one step did, as the loop logs it."""
+
+    step: int  # steps done, counted from 1
+    loss: float
+    lr: float
+    seconds: float
+    comm_wait_seconds: float  # of those, waiting for late all-gathers and reduce-scatters
+    optimizer_seconds: float
+    tokens: int  # in the step's global batch
+    mem_gib: Optional[float]  # the peak memory, read on the steps that log
+
+    @property
+    def tokens_per_s(self):
+        return self.tokens / self.seconds
+
+
+def format_step(r, steps):
+    return (
+        f"step {r.step}/{steps} | loss {r.loss:.4f} | lr {r.lr:.1e} | "
+        f"{r.seconds * 1000:.0f} ms | {r.tokens_per_s:,.0f} tok/s | mem {r.mem_gib:.2f} GiB"
+    )
+
+
+def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=None):
+    """The training loop: steps start + 1 to `end` (args.steps), a log line every log_every.
+
+    `run` (section 11) hears of each step by run.after_step(record): it evaluates, saves,
+    profiles, and stops the loop early by returning True. Returns the StepRecords.
+    """
+    end = args.steps if end is None else end
+    world = fsdp.world
+    rank = fsdp.rank
+    vocab_size = model.config.vocab_size
+    tokens = args.batch_size * args.grad_accum * world * args.seq_len
+    records = []
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        # Set the learning rate: a linear warmup, then a cosine decay.
+        lr = learning_rate(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # LoRA dropout draws its masks from (seed, rank, step): a resumed run draws the same.
+        torch.manual_seed(seeded(args.seed, "dropout", rank, step).initial_seed())
+        # This rank's micro-batches of the step's global batch.
+        batches = []
+        for micro in range(args.grad_accum):
+            batches.append(get_batch(data, step, micro, args, world, rank, vocab_size))
+        # Forward and backward over each, the gradients reduced, one AdamW update.
+        result = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
+        seconds = time.perf_counter() - t0
+        if not math.isfinite(result.loss):
+            raise FloatingPointError(
+                f"loss is {result.loss} at step {step + 1}; stopped before updating"
+            )
+        # Log the step (the line reads the peak memory, a collective: only when it logs).
+        logs = step % args.log_every == 0 or step + 1 == end
+        mem = peak_memory_gib(device) if logs else None
+        record = StepRecord(
+            step=step + 1,
+            loss=result.loss,
+            lr=lr,
+            seconds=seconds,
+            comm_wait_seconds=fsdp.take_comm_wait_s(),  # the step is done: so are its events
+            optimizer_seconds=result.optimizer_seconds,
+            tokens=tokens,
+            mem_gib=mem,
+        )
+        records.append(record)
+        if logs:
+            print0(format_step(record, args.steps))
+        # Evaluate, save, profile: what a real run does between steps (Part II).
+        if run is not None and run.after_step(record):
+            break
+    return records
+
+
+# =============================================================================
+# Part II: what a real run needs around the loop. Skip it on a first read.
+# =============================================================================
 
 # -----------------------------------------------------------------------------
-# 9. Hugging Face checkpoints: safetensors in and out, PEFT adapters, resumable state
+# 9. Predicting the peak: every buffer of a training step, counted from the pieces above
 # -----------------------------------------------------------------------------
-# Needs: import io, itertools, json, math, os, re, shutil, numpy as np, torch, torch.distributed as dist; from
-# dataclasses import fields; from above: seeded, random_weight, lora_A_init, linear_shapes, LlamaConfig, Llama.
-# safetensors: an 8-byte little-endian header length N, N bytes of JSON
-#   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]}, "__metadata__": {...}}
-# then the raw little-endian bytes, offsets relative to the end of the header.
+# Needs: import argparse, math, os, torch, torch.distributed as dist; from dataclasses import
+# dataclass; from typing import NamedTuple; from above: GiB, NF4_BITS_PER_PARAM, linear_shapes,
+# count_params, ADAM_CHUNK_BYTES, LOSS_CHUNK, print0, proc_bytes.
+#
+
 
 class UserError(Exception):
     """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
+
 
 def require(ok, message):
     if not ok:
         raise UserError(message)
 
-def print0(*args, **kwargs):  # rank 0 speaks for all
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
 
-SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                      "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                      "U8": torch.uint8, "BOOL": torch.bool}
-DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+# Section 1 counted the state that lives between steps. A step adds the all-gather buffers of
+# section 5 and the activations autograd keeps for backward. Their peak comes in the loss or
+# in the first block that backward runs: every checkpointed block input is alive then, plus
+# the loss's buffers or that block's.
+
+# cuBLAS's workspace (its Lt shares it), taken through the caching allocator: 32 MiB on Hopper
+# (4096 KiB x 8; less on older GPUs), one for each thread that runs matmuls: forward's and
+# autograd's backward thread.
+CUDA_WORKSPACES = 2 * 32 * 2**20
+
+
+@dataclass
+class Estimate:
+    """Predicted bytes per rank of a training step; each dict is rows of a table."""
+
+    state: dict  # sharded, resident between steps (on the host with offload)
+    gathers: float  # all-gather buffers
+    activations: dict
+    activation_peak: float
+    gpu_state: float  # the state's bytes on the GPU (0 with offload)
+    host_state: float  # host memory for offloaded tensors
+    gpu_peak: float
+    load_peak: float  # while loading the checkpoint
+
+
+def _nf4_bytes(n):
+    return n * NF4_BITS_PER_PARAM / 8
+
+
+def _pinned(n):
+    """Bytes CUDA's pinned allocator takes for n: it rounds up to a power of two."""
+    return 2 ** math.ceil(math.log2(n)) if n >= 1 else 0
+
+
+def _state_rows(counts, world, elt):
+    """The sharded state that lives between steps, per rank."""
+    return {
+        "NF4 weights (shard)": _nf4_bytes(counts.linear + counts.head) / world,
+        "frozen dense weights (shard)": counts.dense * elt / world,
+        "adapters fp32 + wire copy (shard)": counts.lora * (4 + elt) / world,
+        "adapter gradients fp32 (shard)": 4 * counts.lora / world,
+        # m and v. AdamW's sqrt(v) lives only during its step, when backward's buffers are gone.
+        "AdamW state fp32 (shard)": 8 * counts.lora / world,
+    }
+
+
+def _block_unit_bytes(config, counts, elt):
+    """The bytes of one block's unit, gathered: NF4 projections, two norms, adapters."""
+    layers = config.num_hidden_layers
+    d = config.hidden_size
+    return _nf4_bytes(counts.linear / layers) + 2 * d * elt + (counts.lora / layers) * elt
+
+
+def _block_saved_per_token(config, elt, lora_rank):
+    """Bytes per token that one block saves for backward, op by op.
+
+    Each RMSNorm saves its fp32 input and its output (the LoRA A of the projections it
+    feeds); attention its RoPE'd q and k, v, its output and an fp32 log-sum-exp per head;
+    o_proj's LoRA its input (a reshaped copy); SwiGLU the gate, both factors of the product
+    and the product (down_proj's LoRA); each projection its (rank,) LoRA intermediate. The
+    NF4 linears save only their packed weight (in the all-gather buffers). RoPE's cos and
+    sin, (T, head_dim) for all blocks, are not counted.
+    """
+    d = config.hidden_size
+    q_dim = config.num_attention_heads * config.head_dim
+    kv_dim = config.num_key_value_heads * config.head_dim
+    norms = 2 * (4 * d + elt * d)
+    attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * config.num_attention_heads
+    mlp = elt * 4 * config.intermediate_size
+    return norms + attention + mlp + 7 * elt * lora_rank
+
+
+def _activation_rows(config, counts, tokens, elt, lora_rank, world, flags):
+    """(rows, peak) of the activations of one rank's batch_size x seq_len tokens."""
+    d = config.hidden_size
+    ffn = config.intermediate_size
+    vocab = config.vocab_size
+    layers = config.num_hidden_layers
+    q_dim = config.num_attention_heads * config.head_dim
+    block_saved = _block_saved_per_token(config, elt, lora_rank)
+    # Backward frees each saved tensor once its op's backward is done, so beside them there is
+    # about one (tokens, ffn) gradient and one (tokens, d) at a time. Attention's backward
+    # accumulates in fp32 (flash). Not per token: the dense weight inside the NF4 matmul that
+    # runs (the largest projection's), the block's adapter gradients, and the unit before's
+    # reduce-scatter input and output (fp32), alive until this unit's is issued (section 5).
+    block_backward = elt * (ffn + d) + 4 * q_dim
+    largest = max(out * inp for out, inp in linear_shapes(config).values())
+    in_flight = elt * largest + counts.lora / layers * (elt + 4 + 4 / world)
+    rows = {}
+    if flags.checkpointing and flags.offload_activations:
+        # On the host; the block's own input and the next one's (prefetched) on the GPU.
+        rows["checkpointed block inputs (host)"] = layers * tokens * elt * d
+        kept = 2 * tokens * elt * d
+        rows["checkpointed block inputs back on the GPU (2)"] = kept
+    elif flags.checkpointing:
+        kept = layers * tokens * elt * d
+        rows["checkpointed block inputs"] = kept
+    else:
+        kept = layers * tokens * block_saved
+        rows["saved activations, all blocks"] = kept
+    if flags.checkpointing:
+        block = tokens * (block_saved + block_backward) + in_flight
+        rows["recomputed block (forward + backward)"] = block
+    else:
+        block = tokens * block_backward + in_flight
+        rows["block backward gradients"] = block
+    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and,
+    # compiled, their gradient (eager, at its peak, the fp32 copy of bf16 logits and the
+    # one-hot, bool and cast to fp32, instead), and the gradient wrt the hidden states.
+    if flags.compiled:
+        per_logit = 2 * elt
+    else:
+        per_logit = elt + 4 * (elt != 4) + 1 + 4
+    chunk_rows = min(flags.loss_chunk, tokens)
+    norm = tokens * (4 * d + elt * d)
+    loss = norm + vocab * d * elt + chunk_rows * vocab * per_logit + tokens * d * elt
+    rows["loss: norm, lm_head dense, logits chunk, grad_h"] = loss
+    # The loss's buffers are gone before the blocks' backward, where the incoming gradient
+    # (tokens x d) joins.
+    peak = kept + max(block + tokens * d * elt, loss)
+    return rows, peak
+
+
+def _host_bytes(config, counts, tokens, elt, world, flags):
+    """Host memory for offloaded tensors, per rank.
+
+    CUDA's pinned allocator (what the GPU copies from and to without blocking) rounds each
+    allocation up to a power of two: each unit's shard, its fp32 master adapters and their
+    gradient, each offloaded block input. AdamW's moments (and its sqrt(v), one
+    ADAM_CHUNK_BYTES chunk at a time) are pageable.
+    """
+    layers = config.num_hidden_layers
+    d = config.hidden_size
+    host = 0
+    if flags.checkpointing and flags.offload_activations:
+        host += layers * _pinned(tokens * elt * d)
+    if flags.offload:
+        # The shards of the embeddings, of norm + lm_head, and of each block with its masters
+        # and their gradients.
+        block_unit = _block_unit_bytes(config, counts, elt)
+        unit = _pinned(block_unit / world) + 2 * _pinned(4 * counts.lora / layers / world)
+        host += _pinned(config.vocab_size * d * elt / world)
+        host += _pinned((_nf4_bytes(counts.head) + d * elt) / world)
+        host += 8 * counts.lora / world + ADAM_CHUNK_BYTES["cpu"] + layers * unit
+    return host
+
+
+class _EstimateFlags(NamedTuple):
+    """The keywords of estimate_memory that decide which rows exist, for its helpers."""
+
+    checkpointing: bool
+    offload: bool
+    offload_activations: bool
+    loss_chunk: int
+    compiled: bool
+
+
+def estimate_memory(
+    config,
+    world=1,
+    batch_size=8,
+    seq_len=2048,
+    dtype_bytes=2,
+    lora_rank=8,
+    checkpointing=True,
+    offload=False,
+    loss_chunk=LOSS_CHUNK,
+    offload_activations=False,
+    compiled=True,
+):
+    """Predicted bytes per rank of a QLoRA training step as this file runs it.
+
+    compiled: with --compile. Sharded state is 1/world of the whole; the activations are
+    those of one rank's batch_size x seq_len tokens, op by op.
+    """
+    flags = _EstimateFlags(
+        checkpointing=checkpointing,
+        offload=offload,
+        offload_activations=offload_activations,
+        loss_chunk=loss_chunk,
+        compiled=compiled,
+    )
+    elt = dtype_bytes
+    tokens = batch_size * seq_len
+    counts = count_params(config, lora_rank)
+    state = _state_rows(counts, world, elt)
+    # All-gathers: two block units at a time, the one being computed and the next one's
+    # receive buffer (prefetched after the copy-out, whose receive buffer is gone by then).
+    gathers = 2 * _block_unit_bytes(config, counts, elt)
+    activations, activation_peak = _activation_rows(
+        config, counts, tokens, elt, lora_rank, world, flags
+    )
+    gpu_state = 0 if offload else sum(state.values())
+    # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
+    d = config.hidden_size
+    q_dim = config.num_attention_heads * config.head_dim
+    largest = max(config.vocab_size * d, d * config.intermediate_size, d * q_dim)
+    load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
+    return Estimate(
+        state=state,
+        gathers=gathers,
+        activations=activations,
+        activation_peak=activation_peak,
+        gpu_state=gpu_state,
+        host_state=_host_bytes(config, counts, tokens, elt, world, flags),
+        gpu_peak=gpu_state + gathers + activation_peak + CUDA_WORKSPACES,
+        load_peak=load_peak,
+    )
+
+
+def format_estimate(name, est, world, offload):
+    where = "host" if offload else "GPU"
+    rows = [(f"{row} ({where})", n) for row, n in est.state.items()]
+    rows.append(("all-gather buffers (1 gathered + 1 receiving)", est.gathers))
+    rows.extend(est.activations.items())
+    rows.append(("CUDA workspaces (cuBLAS, 2 threads)", CUDA_WORKSPACES))
+    rows.append(("predicted peak per GPU", est.gpu_peak))
+    rows.append(("while loading (one weight at a time), per GPU", est.load_peak))
+    if est.host_state > 0:
+        rows.append(("predicted host memory for offloaded tensors", est.host_state))
+    title = f"predicted memory per rank, {name}, world {world}"
+    if offload:
+        title += ", state offloaded to the host"
+    lines = [title + ":"]
+    for row, n in rows:
+        lines.append(f"  {row:<48} {n / GiB:8.3f} GiB")
+    return "\n".join(lines)
+
+
+def predicted_memory(args, world, config):
+    """estimate_memory for a run's flags."""
+    return estimate_memory(
+        config,
+        world,
+        args.batch_size,
+        args.seq_len,
+        dtype_bytes=2 if args.dtype == "bf16" else 4,
+        lora_rank=args.lora_rank,
+        checkpointing=args.checkpointing,
+        offload=args.cpu_offload,
+        offload_activations=args.offload_activations,
+        compiled=args.compile,
+    )
+
+
+# --fit: the fastest setting that the estimate says fits. What it tries, fastest first on a GPU
+# (the README says what each costs), each with every micro-batch that divides this rank's
+# batch, the largest first. --grad_accum makes up a smaller micro-batch: the same batch, the
+# same rows.
+FIT_MARGIN = 0.1  # --fit with no number, on CUDA: the free memory less this share of the total
+FIT_FLAGS = ("batch_size", "grad_accum", "checkpointing", "offload_activations", "cpu_offload")
+
+
+class FitTier(NamedTuple):
+    checkpointing: bool
+    offload_activations: bool
+    cpu_offload: bool
+
+
+FIT_TIERS = [
+    FitTier(checkpointing=False, offload_activations=False, cpu_offload=False),
+    FitTier(checkpointing=True, offload_activations=False, cpu_offload=False),
+    FitTier(checkpointing=True, offload_activations=True, cpu_offload=False),
+    FitTier(checkpointing=False, offload_activations=False, cpu_offload=True),
+    FitTier(checkpointing=True, offload_activations=False, cpu_offload=True),
+    FitTier(checkpointing=True, offload_activations=True, cpu_offload=True),
+]
+
+
+def fit_plans(args, rows=None):
+    """Every plan --fit tries, in order: copies of args with FIT_FLAGS set.
+
+    rows: this rank's rows per step to keep (default batch_size x grad_accum).
+    """
+    rows = rows or args.batch_size * args.grad_accum
+    plans = []
+    for tier in FIT_TIERS:
+        for micro in range(rows, 0, -1):
+            if rows % micro == 0:
+                plan = argparse.Namespace(**vars(args))
+                plan.batch_size = micro
+                plan.grad_accum = rows // micro
+                plan.checkpointing = tier.checkpointing
+                plan.offload_activations = tier.offload_activations
+                plan.cpu_offload = tier.cpu_offload
+                plans.append(plan)
+    return plans
+
+
+def plan_name(a):
+    name = f"micro-batch {a.batch_size} x {a.grad_accum}"
+    if a.checkpointing:
+        name += ", checkpointing"
+    if a.offload_activations:
+        name += ", --offload_activations"
+    if a.cpu_offload:
+        name += ", --cpu_offload"
+    return name
+
+
+def host_available():
+    """Bytes of memory this machine can still give; None where unknown."""
+    return proc_bytes("/proc/meminfo", "MemAvailable")
+
+
+class FitBudget(NamedTuple):
+    gpu: float  # bytes per GPU to fit in
+    host: float  # bytes of host memory available (inf where unknown)
+
+
+def fit_budget(args, device):
+    """What --fit fits in, the least over ranks."""
+    on_gpu = device.type == "cuda"
+    require(
+        args.fit != "auto" or on_gpu, "--fit: on a CPU give the memory to fit in, e.g. --fit 20"
+    )
+    if args.fit == "auto":
+        free, total = torch.cuda.mem_get_info(device)
+        gpu = free - FIT_MARGIN * total
+    else:
+        gpu = args.fit * GiB
+    host = host_available() or math.inf
+    if dist.is_initialized():
+        t = torch.tensor([gpu, host], dtype=torch.float64, device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        gpu, host = t.tolist()
+    return FitBudget(gpu, host)
+
+
+class PlanCheck(NamedTuple):
+    estimate: Estimate
+    gpu_fits: bool
+    host_fits: bool  # the host memory of this machine's ranks
+
+    @property
+    def fits(self):
+        return self.gpu_fits and self.host_fits
+
+
+def check_plan(plan, world, config, budget):
+    est = predicted_memory(plan, world, config)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    host_fits = est.host_state * local_ranks <= budget.host
+    return PlanCheck(est, est.gpu_peak <= budget.gpu, host_fits)
+
+
+def fit(args, world, config, budget):
+    """The first of fit_plans(args) that fits, every plan tried printed.
+
+    When none fits: one error naming the smallest peak.
+    """
+    said = f"--fit: {budget.gpu / GiB:.2f} GiB per GPU"
+    if budget.host < math.inf:
+        said += f", {budget.host / GiB:.1f} GiB of host memory"
+    print0(said)
+    for plan in fit_plans(args):
+        check = check_plan(plan, world, config, budget)
+        peak = check.estimate.gpu_peak / GiB
+        if check.fits:
+            verdict = "fits"
+        elif not check.gpu_fits:
+            verdict = "too big"
+        else:
+            verdict = "its host memory is not available"
+        print0(f"  {plan_name(plan):<62} {peak:8.2f} GiB  {verdict}")
+        if check.fits:
+            print0(f"--fit chose {plan_name(plan)}: {peak:.2f} GiB predicted per GPU")
+            return plan
+    # The last plan tried has the smallest peak.
+    message = (
+        f"--fit: no setting fits in {budget.gpu / GiB:.2f} GiB per GPU; the smallest predicted "
+        f"peak is {peak:.2f} GiB ({plan_name(plan)})"
+    )
+    if not check.host_fits:
+        host = check.estimate.host_state / GiB
+        message += f" and its {host:.1f} GiB of host memory are not available"
+    raise UserError(message)
+
+
+class LongestContext(NamedTuple):
+    tokens: int
+    plan: argparse.Namespace
+
+
+def longest_context(args, world, config, budget):
+    """The longest --seq_len that fits at micro-batch 1, and the setting that allows it."""
+    best = LongestContext(0, None)
+    for plan in fit_plans(args, rows=1):
+        # Bisection: the estimate grows with the sequence length.
+        lo = 0
+        hi = 1 << 24
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            trial = argparse.Namespace(**vars(plan))
+            trial.seq_len = mid
+            if check_plan(trial, world, config, budget).fits:
+                lo = mid
+            else:
+                hi = mid - 1
+        if lo > best.tokens:
+            best = LongestContext(lo, plan)
+    return best
+
+
+def check_fits(args, config, world, device):
+    """Refuse, before anything is allocated, a model whose sharded state would not fit.
+
+    That is the estimate's state rows, against the GPU, or against this machine's available
+    memory (offloaded, or on the CPU; its ranks share it).
+    """
+    est = predicted_memory(args, world, config)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
+    on_host = est.host_state
+    if device.type == "cpu":
+        on_host += est.gpu_state
+    host_free = host_available() or math.inf
+    on_this_machine = f"of this machine's memory for {local_ranks} rank(s)"
+    needs = [
+        (est.gpu_state, gpu_free, "per GPU"),
+        (on_host * local_ranks, host_free, on_this_machine),
+    ]
+    for need, have, where in needs:
+        require(
+            need <= have,
+            f"the model's shards need {need / GiB:.2f} GiB {where} (--estimate), "
+            f"{have / GiB:.2f} GiB is available: more ranks, --cpu_offload, or --fit to choose "
+            f"the settings",
+        )
+
+
+# -----------------------------------------------------------------------------
+# 10. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
+# -----------------------------------------------------------------------------
+# Needs: import io, itertools, json, math, os, re, shutil, numpy as np, torch, torch.distributed as
+# dist; from dataclasses import fields; from typing import NamedTuple; from above: linear_shapes,
+# seeded, random_weight, lora_A_init, LlamaConfig, print0, UserError, require, Llama.
+#
+# safetensors: an 8-byte little-endian header length N, N bytes of JSON
+#   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]},
+#    "__metadata__": {...}}
+# then the raw little-endian bytes, the offsets relative to the end of the header.
+
+SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
 
 def read_json(path, raw=None, what="file"):
     """The JSON object in file `path`, or in `raw` (bytes read from it)."""
@@ -1386,48 +2849,80 @@ def read_json(path, raw=None, what="file"):
     try:
         obj = json.loads(raw)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise UserError(f"{path}: {what} is not valid JSON ({getattr(e, 'msg', e)})")
+        raise UserError(f"{path}: {what} is not valid JSON ({getattr(e, 'msg', e)})") from None
     require(isinstance(obj, dict), f"{path}: {what} is not a JSON object")
     return obj
 
+
+class TensorEntry(NamedTuple):
+    """Where one tensor lies in a .safetensors file, relative to the end of the header."""
+
+    dtype: torch.dtype
+    shape: list
+    begin: int
+    end: int
+
+
+def _header_entry(where, e, data_size):
+    """A header entry as a TensorEntry, every field and offset checked."""
+    try:
+        dtype = e["dtype"]
+        shape = [int(n) for n in e["shape"]]
+        begin, end = map(int, e["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+        raise UserError(f"{where}: malformed header entry") from None
+    require(dtype in SAFETENSORS_DTYPES, f"{where}: unsupported dtype {dtype}")
+    require(
+        0 <= begin <= end <= data_size,
+        f"{where}: offsets [{begin}, {end}] run past the end of the data "
+        f"({data_size} bytes): truncated file?",
+    )
+    nbytes = math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize
+    require(end - begin == nbytes, f"{where}: {end - begin} bytes for shape {shape} {dtype}")
+    return TensorEntry(SAFETENSORS_DTYPES[dtype], shape, begin, end)
+
+
 class SafetensorsFile:
-    """The header of one .safetensors file, every offset checked before a byte is read:
-    entries {name: (dtype, shape, begin, end)}; get(name) reads one tensor."""
+    """The header of one .safetensors file, every offset checked before a byte is read.
+
+    entries: {name: TensorEntry}; get(name) reads one tensor.
+    """
 
     def __init__(self, path):
         require(os.path.isfile(path), f"{path}: no such file")
-        self.path, size = path, os.path.getsize(path)
+        self.path = path
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")  # a file under 8 bytes fails the next check too
-            require(8 + n <= size, f"{path}: header length {n} runs past the end of the file ({size} bytes)")
+            # A file under 8 bytes fails the next check too.
+            n = int.from_bytes(f.read(8), "little")
+            require(
+                8 + n <= size,
+                f"{path}: header length {n} runs past the end of the file ({size} bytes)",
+            )
             header = read_json(path, f.read(n), what="header")
         header.pop("__metadata__", None)  # free-form strings, not a tensor
-        self.data_start, data_size = 8 + n, size - 8 - n
+        self.data_start = 8 + n
+        data_size = size - self.data_start
         self.entries = {}
         for name, e in header.items():
-            where = f"{path}: tensor {name}"
-            try:
-                dtype, shape, (begin, end) = e["dtype"], [int(d) for d in e["shape"]], map(int, e["data_offsets"])
-            except (KeyError, TypeError, ValueError):
-                raise UserError(f"{where}: malformed header entry")
-            require(dtype in SAFETENSORS_DTYPES, f"{where}: unsupported dtype {dtype}")
-            require(0 <= begin <= end <= data_size, f"{where}: offsets [{begin}, {end}] run past the end of the "
-                                                    f"data ({data_size} bytes): truncated file?")
-            require(end - begin == math.prod(shape) * SAFETENSORS_DTYPES[dtype].itemsize,
-                    f"{where}: {end - begin} bytes for shape {shape} {dtype}")
-            self.entries[name] = (SAFETENSORS_DTYPES[dtype], shape, begin, end)
-        spans = sorted((begin, end, name) for name, (_, _, begin, end) in self.entries.items())
+            self.entries[name] = _header_entry(f"{path}: tensor {name}", e, data_size)
+        spans = sorted((e.begin, e.end, name) for name, e in self.entries.items())
         for (_, end, a), (begin, _, b) in zip(spans, spans[1:]):
             require(begin >= end, f"{path}: tensors {a} and {b} overlap in the file")
 
     def get(self, name):
-        dtype, shape, begin, end = self.entries[name]
-        raw = np.fromfile(self.path, np.uint8, end - begin, offset=self.data_start + begin)  # memory of its own
-        require(raw.size == end - begin, f"{self.path}: tensor {name} is cut short (the file shrank?)")
-        return torch.from_numpy(raw).view(dtype).view(shape) if raw.size else torch.empty(shape, dtype=dtype)
+        e = self.entries[name]
+        n = e.end - e.begin
+        # np.fromfile gives the tensor memory of its own.
+        raw = np.fromfile(self.path, np.uint8, n, offset=self.data_start + e.begin)
+        require(raw.size == n, f"{self.path}: tensor {name} is cut short (the file shrank?)")
+        if not raw.size:
+            return torch.empty(e.shape, dtype=e.dtype)
+        return torch.from_numpy(raw).view(e.dtype).view(e.shape)
+
 
 def atomic_write(path, write, mode="wb"):
-    """write(f) into path.tmp, then rename: readers see the old file or the new one, never half of one."""
+    """write(f) into path.tmp, then rename: readers see the old file or the new one, never half."""
     tmp = f"{path}.tmp"
     try:
         with open(tmp, mode) as f:
@@ -1438,14 +2933,29 @@ def atomic_write(path, write, mode="wb"):
     except OSError as e:  # a full disk, a directory in the way
         if os.path.isfile(tmp):
             os.remove(tmp)
-        raise UserError(f"{path}: cannot be written ({getattr(e, 'strerror', None) or type(e).__name__})")
+        why = getattr(e, "strerror", None) or type(e).__name__
+        raise UserError(f"{path}: cannot be written ({why})") from None
+
+
+def write_json(path, obj):
+    atomic_write(path, lambda f: json.dump(obj, f, indent=2), "w")
+
 
 def save_safetensors(path, specs, get):
-    """Write tensors to `path` one at a time (atomically): specs [(name, dtype, shape)], get(name) -> tensor."""
-    header, offset = {"__metadata__": {"format": "pt"}}, 0  # "pt": what transformers' loader asks of a file
+    """Write tensors to `path` one at a time (atomically).
+
+    specs: [(name, dtype, shape)]; get(name) -> the tensor.
+    """
+    # "pt" is what transformers' loader asks of a file.
+    header = {"__metadata__": {"format": "pt"}}
+    offset = 0
     for name, dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
-        header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": DTYPE_NAMES[dtype],
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)  # the data starts 8-byte aligned
@@ -1453,104 +2963,221 @@ def save_safetensors(path, specs, get):
     def write(f):
         f.write(len(blob).to_bytes(8, "little") + blob)
         for name, dtype, shape in specs:
-            t = get(name).detach().to("cpu", dtype, copy=True).contiguous()  # never export our storage
+            # A copy, always: never export our own storage.
+            t = get(name).detach().to("cpu", dtype, copy=True).contiguous()
             assert tuple(t.shape) == tuple(shape), name
             f.write(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
     atomic_write(path, write)
 
-def config_from_hf(d, where="config.json"):
-    """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout), every field this file
-    uses checked for its type and range (JSON's true is no count)."""
-    require(d.get("model_type") == "llama" or any("Llama" in a for a in d.get("architectures") or []),
-            f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
+
+def _is_count(x):
+    return type(x) is int and x >= 1  # JSON's true is no count
+
+
+def _is_positive(x):
+    return type(x) in (int, float) and math.isfinite(x) and x > 0
+
+
+def _config_kwargs(d, where):
+    """LlamaConfig's keywords from a config.json dict, in the transformers 4 or 5 layout."""
     kwargs = {f.name: d[f.name] for f in fields(LlamaConfig) if d.get(f.name) is not None}
-    rope = d.get("rope_parameters")  # transformers 5: RoPE settings moved under one key
+    # transformers 5 moved the RoPE settings under one key.
+    rope = d.get("rope_parameters")
     require(isinstance(rope, (dict, type(None))), f"{where}: rope_parameters must be an object")
     if rope:
         kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10000.0))
-        kwargs["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else kwargs.get("rope_scaling")
-    count = lambda x: type(x) is int and x >= 1  # noqa: E731
-    positive = lambda x: type(x) in (int, float) and math.isfinite(x) and x > 0  # noqa: E731
-    for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"):
-        require(count(kwargs.get(key)), f"{where}: {key} is missing or not a positive integer")
-    c = LlamaConfig(**kwargs)
+        if rope.get("rope_type", "default") != "default":
+            kwargs["rope_scaling"] = rope
+    return kwargs
+
+
+def _config_checks(c, d):
+    """(ok, what) of every field this file uses, in order: the first that fails is the error."""
     scaling = c.rope_scaling if isinstance(c.rope_scaling, dict) else {"rope_type": "default"}
     rope_type = scaling.get("rope_type", scaling.get("type"))  # "type": older transformers
-    low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)  # Meta's defaults
-    kv_dim = c.num_key_value_heads * c.head_dim if count(c.num_key_value_heads) else 0
-    for ok, what in [  # in order: the first that fails is the error
-            (count(c.max_position_embeddings), "max_position_embeddings must be a positive integer"),
-            (type(c.tie_word_embeddings) is bool, f"tie_word_embeddings must be true or false, not "
-                                                  f"{c.tie_word_embeddings!r}"),
-            (c.hidden_size % c.num_attention_heads == 0 and d.get("head_dim", c.head_dim) == c.head_dim,
-             "head_dim must be hidden_size / num_attention_heads"),
-            (isinstance(c.rope_scaling, (dict, type(None))), "rope_scaling must be an object"),
-            (rope_type in ("llama3", "default"), f"rope_scaling type {rope_type!r} is not supported"),
-            (rope_type != "llama3" or positive(scaling.get("factor")), "llama3 rope_scaling needs a positive factor"),
-            (rope_type != "llama3" or positive(low) and positive(high) and low < high and count(scaling.get(
-                "original_max_position_embeddings", 8192)), "llama3 rope_scaling needs positive low_freq_factor < "
-                "high_freq_factor and a positive integer original_max_position_embeddings"),
-            (positive(c.rms_norm_eps), "rms_norm_eps must be a positive number"),
-            (positive(c.rope_theta), "rope_theta must be a positive number"),
-            (kv_dim and c.num_attention_heads % c.num_key_value_heads == 0,
-             "num_key_value_heads must divide num_attention_heads"),
-            (all(c.hidden_size * n % 64 == 0 for n in (c.hidden_size, kv_dim, c.intermediate_size, c.vocab_size)),
-             "every weight's size must be a multiple of 64 (NF4's block)")]:
+    llama3 = rope_type == "llama3"
+    low = scaling.get("low_freq_factor", 1.0)  # Meta's defaults
+    high = scaling.get("high_freq_factor", 4.0)
+    old_len = scaling.get("original_max_position_embeddings", 8192)
+    kv_dim = 0
+    if _is_count(c.num_key_value_heads):
+        kv_dim = c.num_key_value_heads * c.head_dim
+    weights = (c.hidden_size, kv_dim, c.intermediate_size, c.vocab_size)
+    return [
+        (
+            _is_count(c.max_position_embeddings),
+            "max_position_embeddings must be a positive integer",
+        ),
+        (
+            type(c.tie_word_embeddings) is bool,
+            f"tie_word_embeddings must be true or false, not {c.tie_word_embeddings!r}",
+        ),
+        (
+            c.hidden_size % c.num_attention_heads == 0
+            and d.get("head_dim", c.head_dim) == c.head_dim,
+            "head_dim must be hidden_size / num_attention_heads",
+        ),
+        (isinstance(c.rope_scaling, (dict, type(None))), "rope_scaling must be an object"),
+        (rope_type in ("llama3", "default"), f"rope_scaling type {rope_type!r} is not supported"),
+        (
+            not llama3 or _is_positive(scaling.get("factor")),
+            "llama3 rope_scaling needs a positive factor",
+        ),
+        (
+            not llama3
+            or _is_positive(low)
+            and _is_positive(high)
+            and low < high
+            and _is_count(old_len),
+            "llama3 rope_scaling needs positive low_freq_factor < high_freq_factor and a positive "
+            "integer original_max_position_embeddings",
+        ),
+        (_is_positive(c.rms_norm_eps), "rms_norm_eps must be a positive number"),
+        (_is_positive(c.rope_theta), "rope_theta must be a positive number"),
+        (
+            kv_dim and c.num_attention_heads % c.num_key_value_heads == 0,
+            "num_key_value_heads must divide num_attention_heads",
+        ),
+        (
+            all(c.hidden_size * n % 64 == 0 for n in weights),
+            "every weight's size must be a multiple of 64 (NF4's block)",
+        ),
+    ]
+
+
+def config_from_hf(d, where="config.json"):
+    """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout).
+
+    Every field this file uses is checked for its type and range.
+    """
+    llama = d.get("model_type") == "llama"
+    llama |= any("Llama" in a for a in d.get("architectures") or [])
+    require(llama, f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
+    kwargs = _config_kwargs(d, where)
+    for key in (
+        "vocab_size",
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+    ):
+        require(_is_count(kwargs.get(key)), f"{where}: {key} is missing or not a positive integer")
+    c = LlamaConfig(**kwargs)
+    for ok, what in _config_checks(c, d):
         require(ok, f"{where}: {what}")
     return c
 
+
 def config_to_hf(config, dtype):
     d = {f.name: getattr(config, f.name) for f in fields(LlamaConfig)}
-    d.update(architectures=["LlamaForCausalLM"], model_type="llama", torch_dtype=str(dtype).split(".")[-1],
-             hidden_act="silu", attention_bias=False, mlp_bias=False, head_dim=config.head_dim)
+    d.update(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        torch_dtype=str(dtype).split(".")[-1],
+        hidden_act="silu",
+        attention_bias=False,
+        mlp_bias=False,
+        head_dim=config.head_dim,
+    )
     return {k: v for k, v in d.items() if v is not None}
 
+
 def hf_shapes(config, layer=None):
-    """{name: shape} config.json implies for a Hugging Face Llama checkpoint: block `layer`'s tensors, or with
-    none the others (the embeddings, the final norm, lm_head)."""
+    """{name: shape} that config.json implies for a Hugging Face Llama checkpoint.
+
+    Block `layer`'s tensors, or with none the others (the embeddings, the final norm, lm_head).
+    """
     d = config.hidden_size
     if layer is None:
-        return {"model.embed_tokens.weight": (config.vocab_size, d), "model.norm.weight": (d,),
-                "lm_head.weight": (config.vocab_size, d)}
-    return {f"model.layers.{layer}.{n}.weight": s for n, s in
-            {"input_layernorm": (d,), "post_attention_layernorm": (d,), **linear_shapes(config)}.items()}
+        return {
+            "model.embed_tokens.weight": (config.vocab_size, d),
+            "model.norm.weight": (d,),
+            "lm_head.weight": (config.vocab_size, d),
+        }
+    shapes = {"input_layernorm": (d,), "post_attention_layernorm": (d,)}
+    shapes.update(linear_shapes(config))
+    return {f"model.layers.{layer}.{name}.weight": shape for name, shape in shapes.items()}
+
+
+def _checkpoint_files(path):
+    """The .safetensors file names of the checkpoint directory `path`."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if not os.path.isfile(index):
+        return ["model.safetensors"]
+    weight_map = read_json(index).get("weight_map")
+    is_map = isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values())
+    require(is_map, f"{index}: not a safetensors index (no weight_map of file names)")
+    for name, file in weight_map.items():
+        # A plain file name: nothing outside the checkpoint is read.
+        plain = os.path.basename(file) == file and file not in ("", ".", "..") and "/" not in file
+        require(
+            plain, f"{index}: entry {name} names {file!r}, not a file in the checkpoint directory"
+        )
+    return list(dict.fromkeys(weight_map.values()))
+
+
+class Checkpoint(NamedTuple):
+    """A checkpoint's weights as a stream of (name, full tensor), and their bytes."""
+
+    tensors: object  # an iterator, read one tensor at a time
+    nbytes: int
+
 
 def load_checkpoint(path, config):
-    """((name, full tensor) of every weight of the Hugging Face directory `path`, read one at a time; their bytes).
-    Every header is checked against config.json at once: a mismatch is refused before anything of its size exists."""
-    names = ["model.safetensors"]
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.isfile(index):
-        weight_map = read_json(index).get("weight_map")
-        require(isinstance(weight_map, dict) and all(isinstance(v, str) for v in weight_map.values()),
-                f"{index}: not a safetensors index (no weight_map of file names)")
-        for name, file in weight_map.items():  # a plain file name: nothing outside the checkpoint is read
-            require(os.path.basename(file) == file and file not in ("", ".", "..") and "/" not in file,
-                    f"{index}: entry {name} names {file!r}, not a file in the checkpoint directory")
-        names = list(dict.fromkeys(weight_map.values()))
-    # name -> (file, its name there); old checkpoints also store RoPE's constants, rotary_emb.inv_freq
-    files = [SafetensorsFile(os.path.join(path, n)) for n in names]
-    sources = {name: (sf, name) for sf in files for name in sf.entries if not name.endswith("rotary_emb.inv_freq")}
-    if config.tie_word_embeddings and "lm_head.weight" not in sources and "model.embed_tokens.weight" in sources:
-        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]  # tied: the head is the embedding
+    """The weights of the Hugging Face directory `path`, read one at a time.
+
+    Every header is checked against config.json first: a mismatch is refused before anything
+    of its size exists.
+    """
+    files = [SafetensorsFile(os.path.join(path, n)) for n in _checkpoint_files(path)]
+    # name -> (file, its name there). Old checkpoints also store RoPE's constants.
+    sources = {}
+    for sf in files:
+        for name in sf.entries:
+            if not name.endswith("rotary_emb.inv_freq"):
+                sources[name] = (sf, name)
+    has_head = "lm_head.weight" in sources
+    if config.tie_word_embeddings and not has_head and "model.embed_tokens.weight" in sources:
+        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]  # tied: the embedding
     layers = config.num_hidden_layers
     for name, (sf, key) in sources.items():
-        dtype, shape, _, _ = sf.entries[key]
-        i = re.fullmatch(r"model\.layers\.(0|[1-9][0-9]*)\..+", name)
-        want = hf_shapes(config, int(i[1]) if i and int(i[1]) < layers else None).get(name)
-        require(want is not None, f"{sf.path}: unexpected tensor {name} for a Llama of this config.json")
-        require(tuple(shape) == want, f"{sf.path}: tensor {name} has shape {shape}, config.json implies {list(want)}")
-        require(dtype.is_floating_point, f"{sf.path}: tensor {name} is {DTYPE_NAMES[dtype]}, not floating point")
-    if len(sources) < 3 + 9 * layers:  # every name left is an expected one: count, and name one (never list them)
-        first = next(n for i in itertools.chain([None], range(layers)) for n in hf_shapes(config, i)
-                     if n not in sources)
-        raise UserError(f"{path}: {3 + 9 * layers - len(sources):,} tensors missing from the checkpoint, e.g. {first}")
-    nbytes = sum(end - begin for sf, key in sources.values() for _, _, begin, end in [sf.entries[key]])
-    return ((name, sf.get(key)) for name, (sf, key) in sources.items()), nbytes
+        entry = sf.entries[key]
+        block = re.fullmatch(r"model\.layers\.(0|[1-9][0-9]*)\..+", name)
+        layer = int(block[1]) if block and int(block[1]) < layers else None
+        want = hf_shapes(config, layer).get(name)
+        where = f"{sf.path}: tensor {name}"
+        require(
+            want is not None, f"{sf.path}: unexpected tensor {name} for a Llama of this config.json"
+        )
+        require(
+            tuple(entry.shape) == want,
+            f"{where} has shape {entry.shape}, config.json implies {list(want)}",
+        )
+        require(
+            entry.dtype.is_floating_point,
+            f"{where} is {DTYPE_NAMES[entry.dtype]}, not floating point",
+        )
+    expected = 3 + 9 * layers
+    if len(sources) < expected:
+        # Every name left is an expected one: count them, and name one (never list them).
+        all_names = itertools.chain.from_iterable(
+            hf_shapes(config, i) for i in itertools.chain([None], range(layers))
+        )
+        first = next(n for n in all_names if n not in sources)
+        missing = expected - len(sources)
+        raise UserError(f"{path}: {missing:,} tensors missing from the checkpoint, e.g. {first}")
+    nbytes = sum(sf.entries[key].end - sf.entries[key].begin for sf, key in sources.values())
+    tensors = ((name, sf.get(key)) for name, (sf, key) in sources.items())
+    return Checkpoint(tensors, nbytes)
+
 
 def initial_weights(shapes, seed, device="cpu"):
-    """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one at a time, each from a
-    seeded generator on `device`: alike at any world size on one kind of device (adapters: on the CPU, alike)."""
+    """(name, full tensor) of parameters that have no checkpoint, as the modules draw them.
+
+    One at a time, each from a seeded generator on `device`: alike at any world size on one
+    kind of device. The adapters are drawn on the CPU, alike everywhere.
+    """
     for name, shape in shapes.items():
         if name.endswith("lora_A"):
             yield name, lora_A_init(shape, seeded(seed, name))
@@ -1559,67 +3186,114 @@ def initial_weights(shapes, seed, device="cpu"):
         elif "norm" in name:
             yield name, torch.ones(shape, device=device)
         elif "embed_tokens" in name:  # N(0, 1)
-            yield name, torch.randn(shape, generator=seeded(seed, name, device=device), device=device)
-        else:  # linears N(0, 1/in)
+            generator = seeded(seed, name, device=device)
+            yield name, torch.randn(shape, generator=generator, device=device)
+        else:  # the linears: N(0, 1/in)
             yield name, random_weight(shape, seeded(seed, name, device=device))
 
-def from_pretrained(path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, device=None, seed=0):
-    """Unsharded: a meta Llama whose parameters are replaced one by one as the checkpoint is read (assign=True;
-    NF4Linear quantizes), plus fresh adapters: memory stays near the NF4 size, never a bf16 model."""
-    config = config_from_hf(read_json(os.path.join(path, "config.json")), os.path.join(path, "config.json"))
-    device, (checkpoint, _) = torch.device(device or "cpu"), load_checkpoint(path, config)  # headers checked
+
+def from_pretrained(
+    path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, device=None, seed=0
+):
+    """A Llama, unsharded, from a Hugging Face directory, with fresh adapters.
+
+    The model is built on "meta", and its parameters are replaced one by one as the
+    checkpoint is read (assign=True; NF4Linear quantizes): memory stays near the NF4 size,
+    never a bf16 model's.
+    """
+    config_path = os.path.join(path, "config.json")
+    config = config_from_hf(read_json(config_path), config_path)
+    device = torch.device(device or "cpu")
+    checkpoint = load_checkpoint(path, config)  # every header checked
     with torch.device("meta"):
         model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
-    load = lambda state: model.load_state_dict(state, strict=False, assign=True)  # noqa: E731
-    for name, t in checkpoint:  # one at a time; NF4Linear quantizes its weight
-        load({name: t.to(device, dtype)})
+    for name, t in checkpoint.tensors:
+        model.load_state_dict({name: t.to(device, dtype)}, strict=False, assign=True)
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-    load({n: t.to(device) for n, t in initial_weights(adapters, seed)})
+    drawn = {n: t.to(device) for n, t in initial_weights(adapters, seed)}
+    model.load_state_dict(drawn, strict=False, assign=True)
     return model
 
-Llama.from_pretrained = staticmethod(from_pretrained)  # Llama's (section 7), it needs this section's reader
+
+# Llama's (section 7): it needs this section's reader.
+Llama.from_pretrained = staticmethod(from_pretrained)
 
 # PEFT's adapter format: what peft.PeftModel.from_pretrained(base, DIR) loads.
-PEFT_PREFIX, TARGET_MODULES = "base_model.model.", ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj",
-                                                     "up_proj", "down_proj"]
+PEFT_PREFIX = "base_model.model."
+TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
 
 def save_adapters(out_dir, adapters, args):
-    """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight) + adapter_config.json."""
+    """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight), its config."""
     os.makedirs(out_dir, exist_ok=True)
     tensors = {PEFT_PREFIX + name + ".weight": t.float() for name, t in adapters.items()}
-    save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"),
-                     [(k, torch.float32, tuple(t.shape)) for k, t in tensors.items()], tensors.__getitem__)
-    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": args.lora_rank, "lora_alpha": args.lora_alpha,
-              "lora_dropout": args.lora_dropout, "target_modules": TARGET_MODULES, "bias": "none",
-              "fan_in_fan_out": False, "inference_mode": True, "base_model_name_or_path": args.checkpoint or ""}
-    atomic_write(os.path.join(out_dir, "adapter_config.json"), lambda f: json.dump(config, f, indent=2), "w")
+    specs = [(key, torch.float32, tuple(t.shape)) for key, t in tensors.items()]
+    save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), specs, tensors.__getitem__)
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": args.lora_rank,
+        "lora_alpha": args.lora_alpha,
+        "lora_dropout": args.lora_dropout,
+        "target_modules": TARGET_MODULES,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": args.checkpoint or "",
+    }
+    write_json(os.path.join(out_dir, "adapter_config.json"), config)
+
 
 def load_adapters(path):
     """{name: tensor} from a PEFT adapter directory (the inverse of save_adapters)."""
     sf = SafetensorsFile(os.path.join(path, "adapter_model.safetensors"))
-    return {k[len(PEFT_PREFIX):-len(".weight")]: sf.get(k) for k in sf.entries}
+    return {key[len(PEFT_PREFIX) : -len(".weight")]: sf.get(key) for key in sf.entries}
 
+
+# The flags a checkpoint is saved with that --resume must be given again.
 RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha", "lora_dropout", "seed")
 
+
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
-    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (adapters + training_state.pt: the step, AdamW's count
-    and moments in full {"exp_avg": {name: tensor}, ...}, the flags --resume checks; no RNG state: each step seeds its
-    own dropout) under a temporary name, renames it, then points out_dir/latest at it: a crash at any moment leaves
-    the previous checkpoint whole and named. The adapters also go in out_dir, where PEFT looks."""
+    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ and points out_dir/latest at it.
+
+    The checkpoint holds the adapters and training_state.pt: the step, AdamW's count and its
+    moments in full ({"exp_avg": {name: tensor}, ...}), and the flags --resume checks. There
+    is no RNG state: each step seeds its own dropout. It is written under a temporary name and
+    renamed, so that a crash at any moment leaves the previous checkpoint whole and named. The
+    adapters also go in out_dir, where PEFT looks.
+    """
     adapters = fsdp.full_adapters()
-    kept = "; its last checkpoint is intact" if os.path.isfile(os.path.join(out_dir, "latest")) else ""
-    require(all(t.isfinite().all() for t in adapters.values()),
-            f"--out {out_dir}: the adapters hold inf or NaN after step {step}, not saved{kept}")
-    moments = {k: fsdp.full_adapters(of=lambda m: optimizer.state[m][k]) for k in ("exp_avg", "exp_avg_sq")}
-    adam_step = optimizer.state[fsdp.parameters()[0]]["step"]  # one count: every master steps together
+    kept = ""
+    if os.path.isfile(os.path.join(out_dir, "latest")):
+        kept = "; its last checkpoint is intact"
+    finite = all(t.isfinite().all() for t in adapters.values())
+    require(
+        finite, f"--out {out_dir}: the adapters hold inf or NaN after step {step}, not saved{kept}"
+    )
+    moments = {}
+    for key in ("exp_avg", "exp_avg_sq"):
+        moments[key] = fsdp.full_adapters(of=lambda m: optimizer.state[m][key])  # noqa: B023
+    # One count: every master steps together.
+    adam_step = optimizer.state[fsdp.parameters()[0]]["step"]
     if fsdp.rank == 0:
         name = f"checkpoint-{step}"
-        final, tmp = os.path.join(out_dir, name), os.path.join(out_dir, f".{name}.tmp")
+        final = os.path.join(out_dir, name)
+        tmp = os.path.join(out_dir, f".{name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save_adapters(tmp, adapters, args)
-        state = dict(step=step, adam_step=adam_step, moments=moments, dtype=args.dtype, world_size=fsdp.world,
-                     **{k: getattr(args, k) for k in RESUME_MUST_MATCH})
-        buffer = io.BytesIO()  # so that a full disk is an OSError of the write, not torch.save's RuntimeError
+        state = dict(
+            step=step,
+            adam_step=adam_step,
+            moments=moments,
+            dtype=args.dtype,
+            world_size=fsdp.world,
+        )
+        for key in RESUME_MUST_MATCH:
+            state[key] = getattr(args, key)
+        # Through a buffer, so that a full disk is an OSError of the write, not torch.save's
+        # RuntimeError.
+        buffer = io.BytesIO()
         torch.save(state, buffer)
         atomic_write(os.path.join(tmp, "training_state.pt"), lambda f: f.write(buffer.getvalue()))
         shutil.rmtree(final, ignore_errors=True)
@@ -1632,317 +3306,926 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     if dist.is_initialized():
         dist.barrier()
 
-def resume(args, fsdp, optimizer):
-    """Load the checkpoint --out/latest names into the shards and AdamW; returns its step."""
+
+def _read_training_state(args):
+    """(the checkpoint directory --out/latest names, its training state), checked."""
     latest = os.path.join(args.out, "latest")  # parse_args: --resume needs --out
     require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {args.out}")
     with open(latest) as f:
-        path = os.path.join(ckpt := os.path.join(args.out, f.read().strip()), "training_state.pt")
+        checkpoint_dir = os.path.join(args.out, f.read().strip())
+    path = os.path.join(checkpoint_dir, "training_state.pt")
     try:
         state = torch.load(path, weights_only=True)
     except Exception as e:  # noqa: BLE001 -- any unreadable file is the same user error
-        raise UserError(f"{path}: cannot be read ({type(e).__name__})")
+        raise UserError(f"{path}: cannot be read ({type(e).__name__})") from None
     require(isinstance(state, dict), f"{path}: not a training state")
     for key in RESUME_MUST_MATCH:
-        require(state.get(key) == getattr(args, key),
-                f"--resume {ckpt}: saved with --{key} {state.get(key)}, this run has --{key} {getattr(args, key)}")
-    adapters, moments, shapes = load_adapters(ckpt), state.get("moments"), fsdp.adapter_shapes()
-    fits = lambda d: (isinstance(d, dict) and d.keys() == shapes.keys()  # noqa: E731
-                      and all(tuple(d[n].shape) == tuple(shapes[n]) for n in shapes))
-    require(fits(adapters) and isinstance(moments, dict) and moments.keys() == {"exp_avg", "exp_avg_sq"}
-            and all(map(fits, moments.values())),
-            f"--resume {ckpt}: its adapters or AdamW moments are not this model's (an older format?)")
+        saved = state.get(key)
+        mine = getattr(args, key)
+        require(
+            saved == mine,
+            f"--resume {checkpoint_dir}: saved with --{key} {saved}, this run has --{key} {mine}",
+        )
+    return checkpoint_dir, state
+
+
+def _fits_shapes(tensors, shapes):
+    """Whether tensors ({name: tensor}) has exactly the names and shapes of `shapes`."""
+    if not isinstance(tensors, dict) or tensors.keys() != shapes.keys():
+        return False
+    return all(tuple(tensors[n].shape) == tuple(shapes[n]) for n in shapes)
+
+
+def resume(args, fsdp, optimizer):
+    """Load the checkpoint that --out/latest names into the shards and AdamW; returns its step."""
+    checkpoint_dir, state = _read_training_state(args)
+    adapters = load_adapters(checkpoint_dir)
+    moments = state.get("moments")
+    shapes = fsdp.adapter_shapes()
+    ok = _fits_shapes(adapters, shapes) and isinstance(moments, dict)
+    ok = ok and moments.keys() == {"exp_avg", "exp_avg_sq"}
+    ok = ok and all(_fits_shapes(m, shapes) for m in moments.values())
+    require(
+        ok,
+        f"--resume {checkpoint_dir}: its adapters or AdamW moments are not this "
+        f"model's (an older format?)",
+    )
     for name, t in adapters.items():
         fsdp.load_full(name, t)
     for m in fsdp.parameters():
-        optimizer.state[m] = dict(step=state["adam_step"], exp_avg=torch.zeros_like(m), exp_avg_sq=torch.zeros_like(m))
-    for k, full in moments.items():  # {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
+        optimizer.state[m] = dict(
+            step=state["adam_step"],
+            exp_avg=torch.zeros_like(m),
+            exp_avg_sq=torch.zeros_like(m),
+        )
+    # moments: {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
+    for key, full in moments.items():
         for name, t in full.items():
-            fsdp.load_full(name, t, of=lambda m: optimizer.state[m][k])
-    print0(f"resumed from {args.out} at step {state['step']} (saved by world size {state['world_size']})")
+            fsdp.load_full(name, t, of=lambda m: optimizer.state[m][key])  # noqa: B023
+    world = state["world_size"]
+    print0(f"resumed from {args.out} at step {state['step']} (saved by world size {world})")
     return state["step"]
 
+
 def shard_files(specs, max_bytes):
-    """[(name, dtype, shape)] cut into files by the rule of Hugging Face's save_pretrained(max_shard_size), in our
-    order (readers go by the index): a new file where the next tensor would take this one past max_bytes."""
-    files, size = [[]], 0
+    """[(name, dtype, shape)] cut into files by Hugging Face's save_pretrained(max_shard_size).
+
+    A new file starts where the next tensor would take this one past max_bytes. Our order is
+    kept (readers go by the index).
+    """
+    files = [[]]
+    size = 0
     for spec in specs:
         n = math.prod(spec[2]) * spec[1].itemsize
         if files[-1] and size + n > max_bytes:
-            files, size = files + [[]], 0
+            files.append([])
+            size = 0
         files[-1].append(spec)
         size += n
     return files
 
+
+def _merged_config(model, source):
+    """config.json of a merged export: the source checkpoint's other keys, its token ids, kept."""
+    kept = {}
+    if source:
+        for key, value in read_json(os.path.join(source, "config.json")).items():
+            if key not in ("dtype", "quantization_config"):
+                kept[key] = value
+    config = {**kept, **config_to_hf(model.config, model.dtype)}
+    config["tie_word_embeddings"] = False  # the head is written
+    return config
+
+
 def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
-    """Collective. A Hugging Face checkpoint of the base with the adapters merged in, W' = W + (alpha/rank) B A, by
-    rank 0, unit by unit: model.safetensors, or above max_shard_bytes model-0000k-of-0000n.safetensors and their
-    index; then config.json (the `source`'s other keys kept, its token ids) and its generation_config.json."""
+    """Collective. A Hugging Face checkpoint of the base with the adapters merged in, by rank 0.
+
+    W' = W + (alpha/rank) B A, unit by unit: model.safetensors, or above max_shard_bytes
+    model-0000k-of-0000n.safetensors and their index; then config.json (the `source`'s other
+    keys kept, its token ids) and its generation_config.json.
+    """
     adapters = fsdp.full_adapters()
     base = fsdp.full_base()  # (name, full tensor), unit by unit, in the order of base_shapes()
 
     def get(name):
         got, w = next(base)
         assert got == name, (got, name)
-        w, prefix = w.to(torch.float32), name.removesuffix(".weight")  # an NF4 weight dequantizes
+        w = w.to(torch.float32)  # an NF4 weight dequantizes
+        prefix = name.removesuffix(".weight")
         if prefix + ".lora_A" in adapters:
             scaling = model.get_submodule(prefix).scaling
-            w = w + scaling * (adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]).to(w.device)
+            delta = adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]
+            w = w + scaling * delta.to(w.device)
         return w.to(model.dtype)
 
     if fsdp.rank == 0:
         os.makedirs(out_dir, exist_ok=True)
-        files = shard_files([(n, model.dtype, s) for n, s in fsdp.base_shapes().items()], max_shard_bytes)
-        names = ["model.safetensors"] if len(files) == 1 else [f"model-{i:05d}-of-{len(files):05d}.safetensors"
-                                                               for i in range(1, len(files) + 1)]
-        for name, specs in zip(names, files):
-            save_safetensors(os.path.join(out_dir, name), specs, get)
-        if len(files) > 1:  # after the shards: a reader that finds the index finds every file it names
-            index = {"metadata": {"total_size": sum(math.prod(s) * d.itemsize for f in files for _, d, s in f)},
-                     "weight_map": {n: name for name, specs in zip(names, files) for n, _, _ in specs}}
-            atomic_write(os.path.join(out_dir, "model.safetensors.index.json"),
-                         lambda f: json.dump(index, f, indent=2), "w")
-        kept = {k: v for k, v in read_json(os.path.join(source, "config.json")).items()
-                if k not in ("dtype", "quantization_config")} if source else {}
-        config = {**kept, **config_to_hf(model.config, model.dtype), "tie_word_embeddings": False}  # head written
-        atomic_write(os.path.join(out_dir, "config.json"), lambda f: json.dump(config, f, indent=2), "w")
-        if source and os.path.isfile(generation := os.path.join(source, "generation_config.json")):
+        specs = [(name, model.dtype, shape) for name, shape in fsdp.base_shapes().items()]
+        files = shard_files(specs, max_shard_bytes)
+        names = ["model.safetensors"]
+        if len(files) > 1:
+            n = len(files)
+            names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+        for name, file_specs in zip(names, files):
+            save_safetensors(os.path.join(out_dir, name), file_specs, get)
+        if len(files) > 1:
+            # After the shards: a reader that finds the index finds every file it names.
+            total = sum(math.prod(s) * d.itemsize for f in files for _, d, s in f)
+            weight_map = {n: name for name, f in zip(names, files) for n, _, _ in f}
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
+        write_json(os.path.join(out_dir, "config.json"), _merged_config(model, source))
+        generation = os.path.join(source, "generation_config.json") if source else None
+        if generation and os.path.isfile(generation):
             with open(generation, "rb") as src:
-                atomic_write(os.path.join(out_dir, "generation_config.json"), lambda f: shutil.copyfileobj(src, f))
-    for _ in base:  # the other ranks join the same all-gathers; every rank frees the last unit
+                copy = os.path.join(out_dir, "generation_config.json")
+                atomic_write(copy, lambda f: shutil.copyfileobj(src, f))
+    # The other ranks join the same all-gathers; every rank frees the last unit.
+    for _ in base:
         pass
     if dist.is_initialized():
         dist.barrier()
 
-# -----------------------------------------------------------------------------
-# 10. Data, training loop, command line
-# -----------------------------------------------------------------------------
-# Needs: import argparse, contextlib, json, math, os, resource, sys, tempfile, time, numpy as np, torch,
-# torch.distributed as dist; from above: GiB, fmt_bytes, memory_budget, format_budget, to_nf4, seeded, FSDP,
-# OffloadedInputs, AdamW, CONFIGS, IGNORE_INDEX, NF4Linear, Llama, estimate_memory, format_estimate, UserError,
-# require, print0, read_json, atomic_write, config_from_hf, load_checkpoint, initial_weights, save_checkpoint,
-# resume, save_merged.
 
-def load_tokens(path, vocab_size, seq_len, flag="--data"):
-    """(tokens, loss_mask or None) from a --data (or --val_data) file (formats: see --help), checked: at least
-    seq_len + 1 tokens, every id < vocab_size. .npy, .bin and .txt are memory-mapped."""
-    where = f"{flag} {path}"
-    require(os.path.isfile(path), f"{where}: no such file")
-    ext = ".txt" if os.path.samefile(path, __file__) else os.path.splitext(path)[1].lower()  # default: our bytes
-    require(ext in (".npy", ".npz", ".bin", ".txt"), f"{where}: unknown format {ext or '(no extension)'}; use .npy, "
-                                                     ".npz, .bin, .txt" + " or dummy" * (flag == "--data"))
-    require(ext != ".bin" or vocab_size <= 65536, f"{where}: a .bin holds uint16 ids, too few for this model's "
-                                                  f"{vocab_size:,}-token vocabulary; save the tokens as .npy (uint32)")
-    mask = None
+# -----------------------------------------------------------------------------
+# 11. A run: data files, evaluation, metrics, progress, set-up and summary
+# -----------------------------------------------------------------------------
+# Needs: import json, math, os, resource, sys, tempfile, time, numpy as np, torch, torch.distributed
+# as dist; from typing import NamedTuple, Optional; from above: GiB, memory_budget, fmt_bytes,
+# format_budget, to_nf4, seeded, NF4Linear, FSDP, OffloadedInputs, AdamW, CONFIGS, IGNORE_INDEX,
+# print0, init_distributed, TokenData, sequences, peak_memory_gib, reset_peak_memory, train,
+# UserError, require, predicted_memory, FIT_FLAGS, fit_budget, fit, check_fits, read_json,
+# atomic_write, config_from_hf, load_checkpoint, initial_weights, Llama, save_checkpoint, resume,
+# save_merged.
+
+
+def model_config(args):
+    """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
+    if not args.checkpoint:
+        return args.model, CONFIGS[args.model]
+    require(os.path.isdir(args.checkpoint), f"--checkpoint {args.checkpoint}: no such directory")
+    path = os.path.join(args.checkpoint, "config.json")
+    name = os.path.basename(os.path.normpath(args.checkpoint))
+    return name, config_from_hf(read_json(path), path)
+
+
+def _read_token_file(path, ext, where):
+    """(tokens, loss_mask or None) as numpy arrays; .npy, .bin and .txt are memory-mapped."""
     try:
         if ext == ".npz":
             with np.load(path, allow_pickle=False) as z:
-                tokens, mask = z["tokens"], z["loss_mask"]
-        elif ext == ".npy":
-            tokens = np.load(path, mmap_mode="r", allow_pickle=False)
-        else:
-            tokens = np.memmap(path, dtype=np.uint16 if ext == ".bin" else np.uint8, mode="r")
-    except Exception as e:  # noqa: BLE001 -- not an array file, truncated, pickled, odd size, an array missing
-        why = " ".join(str(e).split()).split(". ")[0]  # numpy's messages run to several sentences
-        raise UserError(f"{where}: cannot be read as {ext} ({type(e).__name__}: {why})")
-    require(tokens.ndim == 1 and np.issubdtype(tokens.dtype, np.integer),
-            f"{where}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}")
-    require(len(tokens) > seq_len, f"{where}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}")
-    require((hi := int(tokens.max())) < vocab_size, f"{where}: token id {hi} >= vocab_size {vocab_size} of this model")
-    lo = int(tokens.min()) if np.issubdtype(tokens.dtype, np.signedinteger) else 0  # one pass fewer if unsigned
-    require(lo >= 0, f"{where}: negative token id {lo}")
+                return z["tokens"], z["loss_mask"]
+        if ext == ".npy":
+            return np.load(path, mmap_mode="r", allow_pickle=False), None
+        dtype = np.uint16 if ext == ".bin" else np.uint8
+        return np.memmap(path, dtype=dtype, mode="r"), None
+    except Exception as e:  # noqa: BLE001 -- not an array file, truncated, pickled, odd size...
+        # numpy's messages run to several sentences: the first.
+        why = " ".join(str(e).split()).split(". ")[0]
+        raise UserError(f"{where}: cannot be read as {ext} ({type(e).__name__}: {why})") from None
+
+
+def load_tokens(path, vocab_size, seq_len, flag="--data"):
+    """TokenData from a --data (or --val_data) file, checked (formats: see --help).
+
+    It must hold at least seq_len + 1 tokens, every id below vocab_size.
+    """
+    where = f"{flag} {path}"
+    require(os.path.isfile(path), f"{where}: no such file")
+    # The default data is this file's own bytes.
+    ext = os.path.splitext(path)[1].lower()
+    if os.path.samefile(path, __file__):
+        ext = ".txt"
+    formats = ".npy, .npz, .bin, .txt" + (" or dummy" if flag == "--data" else "")
+    require(
+        ext in (".npy", ".npz", ".bin", ".txt"),
+        f"{where}: unknown format {ext or '(no extension)'}; use {formats}",
+    )
+    require(
+        ext != ".bin" or vocab_size <= 65536,
+        f"{where}: a .bin holds uint16 ids, too few for this model's {vocab_size:,}-token "
+        f"vocabulary; save the tokens as .npy (uint32)",
+    )
+    tokens, mask = _read_token_file(path, ext, where)
+    require(
+        tokens.ndim == 1 and np.issubdtype(tokens.dtype, np.integer),
+        f"{where}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}",
+    )
+    require(
+        len(tokens) > seq_len,
+        f"{where}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}",
+    )
+    hi = int(tokens.max())
+    require(hi < vocab_size, f"{where}: token id {hi} >= vocab_size {vocab_size} of this model")
+    if np.issubdtype(tokens.dtype, np.signedinteger):  # a pass fewer if unsigned
+        lo = int(tokens.min())
+        require(lo >= 0, f"{where}: negative token id {lo}")
     if mask is not None:
-        require(mask.shape == tokens.shape, f"{where}: loss_mask has shape {mask.shape}, tokens {tokens.shape}")
+        require(
+            mask.shape == tokens.shape,
+            f"{where}: loss_mask has shape {mask.shape}, tokens {tokens.shape}",
+        )
         require(np.isin(mask, (0, 1)).all(), f"{where}: loss_mask holds values other than 0 and 1")
-        require(mask[1:].any(), f"{where}: loss_mask counts no target (0 at every position after the first)")
+        require(
+            mask[1:].any(),
+            f"{where}: loss_mask counts no target (0 at every position after the first)",
+        )
         mask = mask.astype(bool)  # token 0 is never a target: mask[0] is not used
-    return tokens, mask
+    return TokenData(tokens, mask)
 
-def sequences(data, starts, T):
-    """(inputs, targets), each (len(starts), T) int64: the T + 1 tokens of load_tokens' `data` from each start; a
-    target at position i counts where loss_mask[i] is 1 (else IGNORE_INDEX)."""
-    (ids, mask), starts = data, list(starts)
-    tokens = torch.from_numpy(np.stack([ids[s:s + T + 1].astype(np.int64) for s in starts]))
-    counted = torch.from_numpy(np.stack([mask[s + 1:s + T + 1] for s in starts])) if mask is not None else True
-    return tokens[:, :-1], tokens[:, 1:].masked_fill(~torch.as_tensor(counted), IGNORE_INDEX)
-
-def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """This rank's rows (inputs, targets), each (batch_size, seq_len), of micro-batch `micro` of the step's batch:
-    rows of (seed, step) and batch_size x grad_accum x world alone, (micro, rank, row); data None: random tokens."""
-    g = seeded(args.seed, "batch", step)
-    n, T, first = args.batch_size * args.grad_accum * world, args.seq_len, (micro * world + rank) * args.batch_size
-    rows = slice(first, first + args.batch_size)
-    if data is None:
-        tokens = torch.randint(vocab_size, (n, T + 1), generator=g)[rows]
-        return tokens[:, :-1], tokens[:, 1:]
-    return sequences(data, torch.randint(len(data[0]) - T, (n,), generator=g)[rows].tolist(), T)
 
 def encode_prompt(text, vocab_size):
-    """--prompt as token ids: its UTF-8 bytes for a byte-level model (default a newline), else comma-separated ids."""
+    """--prompt as token ids.
+
+    For a byte-level model, its UTF-8 bytes (by default a newline); else comma-separated ids.
+    """
+    byte_level = vocab_size == 256
     try:
-        ids = (list(("\n" if text is None else text).encode("utf-8")) if vocab_size == 256 else
-               [int(t) for t in (text or "").split(",") if t.strip()])
+        if byte_level:
+            ids = list(("\n" if text is None else text).encode("utf-8"))
+        else:
+            ids = [int(t) for t in (text or "").split(",") if t.strip()]
     except ValueError:
         ids = []
-    want = ("non-empty text (its UTF-8 bytes are the tokens)" if vocab_size == 256 else
-            f"comma-separated token ids below {vocab_size}, e.g. 128000,791")
-    require(ids and all(0 <= i < vocab_size for i in ids), f"--prompt {text!r}: this model's prompt is {want}")
+    if byte_level:
+        want = "non-empty text (its UTF-8 bytes are the tokens)"
+    else:
+        want = f"comma-separated token ids below {vocab_size}, e.g. 128000,791"
+    valid = bool(ids) and all(0 <= i < vocab_size for i in ids)
+    require(valid, f"--prompt {text!r}: this model's prompt is {want}")
     return ids
+
 
 @torch.no_grad()
 def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
-    """n tokens continuing `prompt`: greedy (temperature 0) or drawn from softmax(logits / T) by a seeded CPU
-    generator (the same on any device). No KV cache: forward re-runs on the last `window` tokens, on every rank."""
-    g = seeded(seed, "sample")
+    """n tokens continuing `prompt`: greedy (temperature 0) or drawn from softmax(logits / T).
+
+    The draws come from a seeded CPU generator, the same on any device. There is no KV
+    cache: forward re-runs on the last `window` tokens, on every rank.
+    """
+    generator = seeded(seed, "sample")
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
     model.eval()  # no LoRA dropout
-    # Compiled blocks would compile again for every new length: eager (the NF4 kernels still compiled)
+    # Compiled blocks would compile again for every new length: eager (the NF4 kernels stay
+    # compiled).
     with torch.compiler.set_stance("eager_on_recompile"):
         for _ in range(n):
             logits = model(ids[:, -window:])[0, -1].float()  # (V,): the last position's
-            probs = torch.softmax((logits - logits.max()).double() / max(temperature, 1e-300), -1)  # no overflow
-            nxt = torch.multinomial(probs.cpu(), 1, generator=g).to(device) if temperature > 0 else logits.argmax()
+            if temperature > 0:
+                # In float64, shifted by the max: no overflow down to T = 1e-300.
+                scaled = (logits - logits.max()).double() / max(temperature, 1e-300)
+                probs = torch.softmax(scaled, -1)
+                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
+            else:
+                nxt = logits.argmax()
+            nxt = nxt.view(1)
             if dist.is_initialized():
-                dist.broadcast(nxt := nxt.view(1), src=0)
+                dist.broadcast(nxt, src=0)
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
     model.train()
-    return ids[0, len(prompt):].tolist()
+    return ids[0, len(prompt) :].tolist()
+
 
 def check_writable(args, rank):
-    """Create --out, --merge_to (rank 0's) and --profile (every rank's), write a file in each: a bad path stops every
-    rank now. Nothing is overwritten: --out with a checkpoint needs --resume, a --merge_to with a model is refused."""
+    """Create --out, --merge_to (rank 0's) and --profile (every rank's), write a file in each.
+
+    A bad path stops every rank now. Nothing is overwritten: an --out with a checkpoint needs
+    --resume, and a --merge_to with a model is refused.
+    """
     problem = None
-    if rank == 0 and args.out and not args.resume and os.path.isfile(os.path.join(args.out, "latest")):
-        problem = f"--out {args.out}: holds a run's checkpoint; --resume continues it, or choose another --out"
-    if rank == 0 and args.merge_to and any(os.path.exists(os.path.join(args.merge_to, n)) for n in
-                                           ("config.json", "model.safetensors", "model.safetensors.index.json")):
-        problem = f"--merge_to {args.merge_to}: holds a model already; choose a new directory"
-    for flag, path in (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile)):
-        if path and (rank == 0 or flag == "--profile") and problem is None:
-            try:
-                os.makedirs(path, exist_ok=True)
-                tempfile.TemporaryFile(dir=path).close()
-            except OSError as e:
-                why = "a file, not a directory" if os.path.isfile(path) else e.strerror or e
-                problem = f"{flag} {path}: cannot be written ({why})"
+    holds_run = args.out and os.path.isfile(os.path.join(args.out, "latest"))
+    if rank == 0 and holds_run and not args.resume:
+        problem = (
+            f"--out {args.out}: holds a run's checkpoint; --resume continues it, "
+            f"or choose another --out"
+        )
+    model_files = ("config.json", "model.safetensors", "model.safetensors.index.json")
+    if rank == 0 and args.merge_to:
+        if any(os.path.exists(os.path.join(args.merge_to, n)) for n in model_files):
+            problem = f"--merge_to {args.merge_to}: holds a model already; choose a new directory"
+    outputs = (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile))
+    for flag, path in outputs:
+        if not path or problem is not None or (rank != 0 and flag != "--profile"):
+            continue
+        try:
+            os.makedirs(path, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
+        except OSError as e:
+            why = "a file, not a directory" if os.path.isfile(path) else e.strerror or e
+            problem = f"{flag} {path}: cannot be written ({why})"
     if dist.is_initialized():
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p), None)
     require(problem is None, problem)
 
-def peak_memory_gib(device, reserved=False):
-    """Max over ranks, since reset_peak_memory: GPU memory allocated (or reserved) on CUDA, the resident set on
-    the CPU (Linux's VmHWM; elsewhere the process's whole peak)."""
-    if device.type == "cuda":
-        peak = (torch.cuda.max_memory_reserved if reserved else torch.cuda.max_memory_allocated)(device)
-    else:  # getrusage's ru_maxrss (Linux: KiB) cannot be reset
-        peak = proc_bytes("/proc/self/status", "VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    t = torch.tensor(peak / GiB, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
 
 def open_metrics(out, start):
-    """--out's metrics.jsonl, open to append, its records after step `start` dropped (a fresh run: every one; a
-    line a crash cut short too: it does not end in "}")."""
-    path, kept = os.path.join(out, "metrics.jsonl"), []
+    """--out's metrics.jsonl, open to append, with its records after step `start` dropped.
+
+    A fresh run drops every one; so is a line that a crash cut short (it does not end in "}").
+    """
+    path = os.path.join(out, "metrics.jsonl")
+    kept = []
     if start and os.path.isfile(path):
         with open(path) as f:
-            kept = [line.rstrip() + "\n" for line in f
-                    if line.rstrip().endswith("}") and json.loads(line)["step"] <= start]
+            for line in f:
+                line = line.rstrip()
+                if line.endswith("}") and json.loads(line)["step"] <= start:
+                    kept.append(line + "\n")
     atomic_write(path, lambda f: f.writelines(kept), "w")
     return open(path, "a")
 
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    else:
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux: VmHWM starts again from the resident set now
 
 @torch.no_grad()
 def evaluate(model, val, args, world, rank, device):
-    """(mean loss over the counted targets, sequences) of --val_data's first --eval_seqs sequences, i being tokens
-    [i T, i T + T + 1): micro-batches of --batch_size a rank, every rank runs each (empty rows count nothing)."""
-    T, B = args.seq_len, args.batch_size
-    n = min(args.eval_seqs, (len(val[0]) - 1) // T)
-    total = torch.zeros(2, dtype=torch.float64, device=device)  # the loss's sum and the count of its targets
+    """(the mean loss over the counted targets, sequences) of --val_data's first --eval_seqs.
+
+    Sequence i is tokens [i T, i T + T + 1). They go in micro-batches of --batch_size per
+    rank; every rank runs each one (empty rows count nothing).
+    """
+    T = args.seq_len
+    B = args.batch_size
+    n = min(args.eval_seqs, (len(val.ids) - 1) // T)
+    # The loss's sum, and the count of its targets.
+    total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     for g in range(-(-n // (world * B))):  # global micro-batches: this rank's B rows of each
-        rows = range((g * world + rank) * B, min((g * world + rank + 1) * B, n))
-        x, y = torch.zeros(B, T, dtype=torch.long), torch.full((B, T), IGNORE_INDEX)
+        first = (g * world + rank) * B
+        rows = range(first, min(first + B, n))
+        x = torch.zeros(B, T, dtype=torch.long)
+        y = torch.full((B, T), IGNORE_INDEX)
         if rows:
-            x[:len(rows)], y[:len(rows)] = sequences(val, (i * T for i in rows), T)
-        total += torch.stack([model(x.to(device), y.to(device), reduction="sum").double(),
-                              (y != IGNORE_INDEX).sum().to(device, torch.float64)])
+            inputs, targets = sequences(val, (i * T for i in rows), T)
+            x[: len(rows)] = inputs
+            y[: len(rows)] = targets
+        loss_sum = model(x.to(device), y.to(device), reduction="sum").double()
+        counted = (y != IGNORE_INDEX).sum().to(device, torch.float64)
+        total += torch.stack([loss_sum, counted])
     model.train()
     if dist.is_initialized():
         dist.all_reduce(total)
     return (total[0] / total[1].clamp(min=1)).item(), n
 
-def sparkline(values, width=40):
-    """values as one line of bars, low to high, averaged down to `width` (a terminal that cannot show them: ASCII)."""
-    bars = "▁▂▃▄▅▆▇█" if "utf" in (getattr(sys.stdout, "encoding", "") or "").lower() else "_.-~=*#@"
-    v = [float(c.mean()) for c in np.array_split(np.asarray(values, dtype=float), min(width, len(values)))]
-    lo, span = min(v), max(v) - min(v) or 1.0
-    return "".join(bars[min(7, int((x - lo) / span * 8))] for x in v)
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    # model
+def sparkline(values, width=40):
+    """values as one line of bars, low to high, averaged down to `width` characters.
+
+    A terminal that cannot show the bars gets ASCII.
+    """
+    encoding = (getattr(sys.stdout, "encoding", "") or "").lower()
+    bars = "▁▂▃▄▅▆▇█" if "utf" in encoding else "_.-~=*#@"
+    chunks = np.array_split(np.asarray(values, dtype=float), min(width, len(values)))
+    means = [float(c.mean()) for c in chunks]
+    lo = min(means)
+    span = max(means) - lo or 1.0
+    return "".join(bars[min(7, int((v - lo) / span * 8))] for v in means)
+
+
+PROGRESS_S = 10.0  # seconds between progress lines
+
+
+def progress(items, what, total, nbytes):
+    """(name, tensor) items as they come, with a line on rank 0 at least every PROGRESS_S.
+
+    Each line has the tensors done, the bytes read, bytes/s and the time left; one more comes
+    at the end.
+    """
+    start = time.perf_counter()
+    last = start
+    n = 0
+    done = 0
+    for n, (name, t) in enumerate(items, 1):
+        done += t.nbytes  # the bytes read (in a checkpoint's dtype) or drawn
+        yield name, t
+        now = time.perf_counter()
+        if now - last >= PROGRESS_S:
+            last = now
+            rate = done / (now - start)
+            left = max(0, nbytes - done) / rate
+            print0(
+                f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}, "
+                f"{fmt_bytes(rate)}/s, {left:.0f} s left"
+            )
+    seconds = max(time.perf_counter() - start, 1e-9)
+    print0(
+        f"{what}: {n:,} tensors, {fmt_bytes(done)} in {seconds:.1f} s "
+        f"({fmt_bytes(done / seconds)}/s)"
+    )
+
+
+def build(args, config, device, checkpoint=None):
+    """The model, sharded, with its base made one weight at a time: (model, fsdp).
+
+    Model (on meta) -> units -> real, zeroed shards; then each base weight is made (read
+    from load_checkpoint's `checkpoint`, or drawn), quantized and cut to this rank's piece,
+    one at a time: no two unsharded weights are ever alive.
+    """
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    with torch.device("meta"):
+        model = Llama(
+            config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout, compile=args.compile
+        )
+    model.checkpointing = args.checkpointing
+    if args.compile:  # each block's forward, its checkpoint included; the sharding hooks stay eager
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward)
+    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
+    if args.offload_activations:
+        # A stream of its own: a wait for a collective (on FSDP's side stream) must not wait
+        # for these copies too.
+        side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        model.offload_activations = OffloadedInputs(side)
+    shapes = fsdp.base_shapes()
+    if checkpoint is not None:
+        what = f"loading {args.checkpoint}"
+        base = checkpoint.tensors
+        nbytes = checkpoint.nbytes
+    else:
+        what = "drawing a random base"
+        base = initial_weights(shapes, args.seed, device)
+        nbytes = 4 * sum(map(math.prod, shapes.values()))
+    for name, t in progress(base, what, len(shapes), nbytes):
+        t = t.to(device, dtype)
+        require(
+            t.isfinite().all(), f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN"
+        )
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        if isinstance(module, NF4Linear) and name.endswith(".weight"):
+            t = to_nf4(t, compile=args.compile)
+        fsdp.load_full(name, t)
+    for name, t in initial_weights(fsdp.adapter_shapes(), args.seed):
+        fsdp.load_full(name, t)
+    return model, fsdp
+
+
+def configure_cuda_allocator():
+    """Expandable segments, as torchtune and axolotl run, unless the user set the allocator up.
+
+    It must be set before CUDA's allocator is first used.
+    """
+    if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
+        return
+    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+
+
+class Run:
+    """What a real run does between the loop's steps (section 8).
+
+    It writes --out's metrics.jsonl, traces steps 3-5 with --profile, keeps step 1's peaks
+    apart from the steady state's, evaluates --val_data and saves checkpoints when they are
+    due, and gathers what the summary reports.
+    """
+
+    def __init__(self, args, model, fsdp, optimizer, device, val, start, end):
+        self.args = args
+        self.model = model
+        self.fsdp = fsdp
+        self.optimizer = optimizer
+        self.device = device
+        self.val = val
+        self.start = start
+        self.end = end
+        self.step = start  # the last step done
+        self.in_hook = False  # whether after_step is running (an error there is not the step's)
+        self.records = []
+        self.val_losses = []
+        self.first_peaks = None  # step 1's peaks: compiling, autotuning, first allocations
+        self.metrics = None
+        if args.out and fsdp.rank == 0:
+            self.metrics = open_metrics(args.out, start)
+        self.profiler = self._start_profiler() if args.profile else None
+
+    def peaks(self):
+        """(allocated, reserved or None) peaks since the last reset, in GiB."""
+        reserved = None
+        if self.device.type == "cuda":
+            reserved = peak_memory_gib(self.device, reserved=True)
+        return peak_memory_gib(self.device), reserved
+
+    def record(self, **fields):
+        """A line of metrics.jsonl, on disk at once (a crashed run keeps what it logged)."""
+        if self.metrics:
+            print(json.dumps(fields), file=self.metrics, flush=True)
+
+    def _start_profiler(self):
+        """A trace of steps 3-5, after compilation and warm-up."""
+        cuda = self.device.type == "cuda"
+        activities = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            activities.append(torch.profiler.ProfilerActivity.CUDA)
+        profiler = torch.profiler.profile(
+            activities=activities,
+            profile_memory=True,
+            on_trace_ready=self._export_profile,
+            schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
+        )
+        profiler.start()
+        return profiler
+
+    def _export_profile(self, profiler):
+        """After step 5, or at the end of a shorter run."""
+        rank = self.fsdp.rank
+        trace = os.path.join(self.args.profile, f"trace_rank{rank}.json")
+        profiler.export_chrome_trace(trace)
+        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
+        if self.device.type == "cuda":
+            # The allocator's history recorded so far; then no more recording.
+            path = os.path.join(self.args.profile, f"memory_rank{rank}.pickle")
+            torch.cuda.memory._dump_snapshot(path)
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
+
+    def after_step(self, r):
+        """The loop's hook, after each step: returns True to stop the loop (never, here)."""
+        self.in_hook = True
+        self.step = r.step
+        self.records.append(r)
+        if self.profiler is not None:
+            self.profiler.step()
+            # On CUDA, the allocator's history over steps 3-5 (Python stacks only: cheap).
+            if self.profiler.step_num == 2 and self.device.type == "cuda":
+                torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+        if r.mem_gib is not None:
+            self.record(
+                step=r.step,
+                loss=r.loss,
+                lr=r.lr,
+                ms=round(r.seconds * 1000, 2),
+                tokens_per_s=round(r.tokens_per_s, 1),
+                mem_gib=round(r.mem_gib, 4),
+            )
+        if r.step == self.start + 1:
+            self.first_peaks = self.peaks()
+            reset_peak_memory(self.device)
+        self._evaluate_and_save(r.step)
+        self.in_hook = False
+        return False
+
+    def _evaluate_and_save(self, step):
+        args = self.args
+        last = step == self.end
+        if self.val and (last or args.eval_every and step % args.eval_every == 0):
+            val_loss, n = evaluate(
+                self.model, self.val, args, self.fsdp.world, self.fsdp.rank, self.device
+            )
+            self.val_losses.append(val_loss)
+            print0(f"eval step {step} | val_loss {val_loss:.4f} | {n} sequences of --val_data")
+            self.record(step=step, val_loss=val_loss)
+        if args.out and (last or args.save_every and step % args.save_every == 0):
+            save_checkpoint(args.out, step, self.fsdp, self.optimizer, args)
+
+    def finish(self, name, config, prompt, predicted):
+        """After the loop: merge, sample, print the loss curve; returns the summary dict."""
+        args = self.args
+        if self.profiler is not None:
+            self.profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
+        # The steady state's peaks (for one step: step 1's), before --merge_to and --sample
+        # allocate their own.
+        steady = self.peaks() if len(self.records) > 1 else self.first_peaks
+        if args.merge_to:
+            max_shard_bytes = args.max_shard_size * 1e9
+            save_merged(args.merge_to, self.fsdp, self.model, args.checkpoint, max_shard_bytes)
+            print0(f"merged model written to {args.merge_to}")
+        sample = None
+        if args.sample:  # after the saves: what was trained is on disk whatever happens here
+            sample = self._sample(config, prompt)
+        losses = [r.loss for r in self.records]
+        curve = f"loss {sparkline(losses)} {losses[0]:.3f} -> {losses[-1]:.3f}"
+        if self.val_losses:
+            first = self.val_losses[0]
+            last = self.val_losses[-1]
+            curve += f" | val_loss {sparkline(self.val_losses)} {first:.3f} -> {last:.3f}"
+        print0(curve)
+        return self._summary(name, predicted, steady, sample)
+
+    def _sample(self, config, prompt):
+        args = self.args
+        window = min(args.seq_len, config.max_position_embeddings)
+        ids = generate(
+            self.model, prompt, args.sample, window, self.device, args.temperature, args.seed
+        )
+        self.fsdp.reshard()  # the last forward left its last unit gathered
+        if config.vocab_size != 256:
+            print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n{ids}")
+            return ids
+        # A byte-level model: text (invalid UTF-8 as U+FFFD).
+        text = bytes(ids).decode("utf-8", errors="replace")
+        shown = bytes(prompt).decode("utf-8", errors="replace") + text
+        print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n{shown}")
+        return text
+
+    def _summary(self, name, predicted, steady, sample):
+        args = self.args
+        records = self.records
+        # Medians over the steps after the first (which compiles), in ms.
+        timed = records[1:] or records
+        step_ms = float(np.median([r.seconds for r in timed])) * 1000
+        wait_ms = float(np.median([r.comm_wait_seconds for r in timed])) * 1000
+        optim_ms = float(np.median([r.optimizer_seconds for r in timed])) * 1000
+        tokens = records[-1].tokens
+        summary = dict(
+            model=name,
+            world_size=self.fsdp.world,
+            steps=self.step,
+            final_loss=records[-1].loss,
+            first_loss=records[0].loss,
+            step_ms=round(step_ms, 2),
+            tokens_per_s=round(tokens / (step_ms / 1000), 1),
+            peak_mem_gib=round(steady[0], 4),
+            step1_peak_mem_gib=round(self.first_peaks[0], 4),
+            predicted_peak_gib=round(predicted, 4),
+            seq_len=args.seq_len,
+        )
+        for key in FIT_FLAGS:
+            summary[key] = getattr(args, key)
+        summary.update(
+            dtype=args.dtype,
+            device=self.device.type,
+            compute_ms=round(step_ms - wait_ms - optim_ms, 2),
+            comm_wait_ms=round(wait_ms, 2),
+            optimizer_ms=round(optim_ms, 2),
+        )
+        if self.device.type == "cuda":
+            summary["peak_reserved_gib"] = round(steady[1], 4)
+            summary["step1_peak_reserved_gib"] = round(self.first_peaks[1], 4)
+        if self.val_losses:
+            summary["val_loss"] = self.val_losses[-1]
+        if sample is not None:
+            summary["sample"] = sample
+        return summary
+
+
+class Setup(NamedTuple):
+    """What fine_tune reads and checks before building anything."""
+
+    args: object  # after --fit
+    device: torch.device
+    world: int
+    rank: int
+    name: str
+    config: object
+    data: Optional[TokenData]  # None: random tokens
+    val: Optional[TokenData]
+    prompt: Optional[list]
+    checkpoint: object  # load_checkpoint's, or None
+
+
+def set_up(args):
+    """The device and process group, then every input read and checked, in order."""
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
+    if cuda:
+        configure_cuda_allocator()
+    device, world, rank = init_distributed(cuda)
+    name, config = model_config(args)
+    if args.fit is not None:  # before anything reads the flags it sets
+        args = fit(args, world, config, fit_budget(args, device))
+    check_writable(args, rank)
+    data = None
+    if args.data != "dummy":
+        data = load_tokens(args.data or __file__, config.vocab_size, args.seq_len)
+    val = None
+    if args.val_data:
+        val = load_tokens(args.val_data, config.vocab_size, args.seq_len, "--val_data")
+    prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
+    checkpoint = None
+    if args.checkpoint:
+        checkpoint = load_checkpoint(args.checkpoint, config)  # every header checked
+    check_fits(args, config, world, device)
+    return Setup(args, device, world, rank, name, config, data, val, prompt, checkpoint)
+
+
+def fine_tune(args):
+    """Train as the flags say: set up, the loop, finish. -> (summary dict, losses, fsdp)."""
+    s = set_up(args)
+    args = s.args
+    print0(format_budget(s.name, memory_budget(s.config, args.lora_rank)))
+    model, fsdp = build(args, s.config, s.device, s.checkpoint)
+    # The peaks of training, not of loading (--estimate has both): what loading left cached
+    # goes back first.
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    reset_peak_memory(s.device)
+    optimizer = AdamW(
+        fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
+    )
+    start = resume(args, fsdp, optimizer) if args.resume else 0
+    end = min(args.steps, args.stop_at or args.steps)
+    require(
+        start < end,
+        f"nothing to do: --resume is at step {start}, the run ends at step {end} "
+        f"(--steps {args.steps}, --stop_at {args.stop_at})",
+    )
+    require(
+        not args.profile or end - start >= 3,
+        f"--profile traces steps 3-5: this run has {end - start}",
+    )
+    mib = fsdp.local_bytes() / 2**20
+    print0(
+        f"model {s.name}: {mib:.1f} MiB of weights on this rank, world {s.world}, {s.device}, "
+        f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, "
+        f"offload {args.cpu_offload}"
+    )
+    if args.compile:
+        print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
+    predicted = predicted_memory(args, s.world, s.config).gpu_peak / GiB
+    run = Run(args, model, fsdp, optimizer, s.device, s.val, start, end)
+    try:
+        train(model, fsdp, optimizer, s.data, args, s.device, start, end, run)
+    except torch.OutOfMemoryError:
+        if run.in_hook:  # in an evaluation or a save: main's one line says so
+            raise
+        # On one rank: it exits, and torchrun ends the others.
+        if s.device.type == "cuda":
+            total = torch.cuda.mem_get_info(s.device)[1]
+        else:
+            total = os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
+        raise UserError(
+            f"out of memory on {s.device} at step {run.step + 1}: --estimate predicted a peak of "
+            f"{predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
+            f"settings that fit"
+        ) from None
+    except FloatingPointError as e:  # a non-finite loss: no save since
+        intact = f"; the last checkpoint in {args.out} is intact" if args.out else ""
+        raise UserError(f"{e}{intact}") from None
+    summary = run.finish(s.name, s.config, s.prompt, predicted)
+    return summary, [r.loss for r in run.records], fsdp
+
+
+# -----------------------------------------------------------------------------
+# 12. The command line
+# -----------------------------------------------------------------------------
+# Needs: import argparse, json, math, os, sys, torch, torch.distributed as dist; from above: GiB,
+# memory_budget, format_budget, CONFIGS, print0, UserError, format_estimate, predicted_memory,
+# FIT_MARGIN, FIT_FLAGS, plan_name, fit_budget, fit, longest_context, model_config, fine_tune.
+
+
+def _add_model_flags(p):
     p.add_argument("--model", default="tiny", help=f"one of {', '.join(CONFIGS)}")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
-    for flag, default in (("lora_rank", 8), ("lora_alpha", 16.0), ("lora_dropout", 0.0)):
-        p.add_argument(f"--{flag}", type=type(default), default=default)
-    p.add_argument("--checkpoint", metavar="DIR", help="a Hugging Face Llama directory; overrides --model")
-    # data
-    p.add_argument("--data", metavar="PATH", help=".npy, .npz (+ loss_mask), .bin, .txt or dummy; default: this file")
+    p.add_argument("--lora_rank", type=int, default=8)
+    p.add_argument("--lora_alpha", type=float, default=16.0)
+    p.add_argument("--lora_dropout", type=float, default=0.0)
+    p.add_argument(
+        "--checkpoint", metavar="DIR", help="a Hugging Face Llama directory; overrides --model"
+    )
+
+
+def _add_data_flags(p):
+    p.add_argument(
+        "--data",
+        metavar="PATH",
+        help=".npy, .npz (+ loss_mask), .bin, .txt or dummy; default: this file",
+    )
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument("--val_data", metavar="PATH", help="held-out tokens (any --data format): their loss, val_loss")
-    p.add_argument("--eval_every", type=int, default=0, help="evaluate --val_data every N steps (0: at the end)")
-    p.add_argument("--eval_seqs", type=int, default=64, help="the first K sequences of --val_data are evaluated")
-    # optimization
-    for flag, default in (("steps", 200), ("grad_accum", 1), ("lr", 3e-3), ("warmup_steps", 10), ("weight_decay", 0.0),
-                          ("adam_eps", 1e-8), ("seed", 1337)):
-        p.add_argument(f"--{flag}", type=type(default), default=default)
+    p.add_argument(
+        "--val_data",
+        metavar="PATH",
+        help="held-out tokens (any --data format): their loss, val_loss",
+    )
+    p.add_argument(
+        "--eval_every",
+        type=int,
+        default=0,
+        help="evaluate --val_data every N steps (0: at the end)",
+    )
+    p.add_argument(
+        "--eval_seqs",
+        type=int,
+        default=64,
+        help="the first K sequences of --val_data are evaluated",
+    )
+
+
+def _add_optimization_flags(p):
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--grad_accum", type=int, default=1)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--warmup_steps", type=int, default=10)
+    p.add_argument("--weight_decay", type=float, default=0.0)
+    p.add_argument("--adam_eps", type=float, default=1e-8)
+    p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    # checkpoints
+
+
+def _add_checkpoint_flags(p):
     p.add_argument("--out", metavar="DIR", help="write PEFT adapters and resumable state here")
-    p.add_argument("--save_every", type=int, default=0, help="save to --out every N steps (0: at the end)")
-    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --out")
+    p.add_argument(
+        "--save_every", type=int, default=0, help="save to --out every N steps (0: at the end)"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in --out"
+    )
     p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
-    p.add_argument("--merge_to", metavar="DIR", help="at the end, write the merged model as a Hugging Face checkpoint")
-    p.add_argument("--max_shard_size", type=float, default=5.0, metavar="GB", help="--merge_to: files up to GB each")
-    # memory and speed
-    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True, help="NF4 kernels and blocks")
-    p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True, help="per block")
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available")
-    p.add_argument("--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host")
-    p.add_argument("--offload_activations", action="store_true", help="checkpointed block inputs on the host")
-    p.add_argument("--estimate", action="store_true", help="print the memory per rank (of WORLD_SIZE) and exit")
-    def gib(v):  # --fit's number, or "auto" (no number)
-        return v if v == "auto" else float(v)
-    p.add_argument("--fit", nargs="?", const="auto", type=gib, metavar="GIB", help="choose the micro-batch, "
-                   "checkpointing and offloads that fit GIB per GPU, keeping the batch (no GIB, on CUDA: the free "
-                   f"memory less {FIT_MARGIN * 100:.0f}%% of the GPU's); the flags for them are then ignored")
-    p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (on CUDA with a memory snapshot) to DIR")
+    p.add_argument(
+        "--merge_to",
+        metavar="DIR",
+        help="at the end, write the merged model as a Hugging Face checkpoint",
+    )
+    p.add_argument(
+        "--max_shard_size",
+        type=float,
+        default=5.0,
+        metavar="GB",
+        help="--merge_to: files up to GB each",
+    )
+
+
+def _fit_value(v):
+    """--fit's number, or "auto" when none is given."""
+    return v if v == "auto" else float(v)
+
+
+def _add_memory_flags(p):
+    on_off = argparse.BooleanOptionalAction
+    p.add_argument("--compile", action=on_off, default=True, help="NF4 kernels and blocks")
+    p.add_argument("--checkpointing", action=on_off, default=True, help="per block")
+    p.add_argument(
+        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available"
+    )
+    p.add_argument(
+        "--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host"
+    )
+    p.add_argument(
+        "--offload_activations", action="store_true", help="checkpointed block inputs on the host"
+    )
+    p.add_argument(
+        "--estimate", action="store_true", help="print the memory per rank (of WORLD_SIZE) and exit"
+    )
+    margin = FIT_MARGIN * 100
+    p.add_argument(
+        "--fit",
+        nargs="?",
+        const="auto",
+        type=_fit_value,
+        metavar="GIB",
+        help="choose the micro-batch, checkpointing and offloads that fit GIB per GPU, keeping "
+        f"the batch (no GIB, on CUDA: the free memory less {margin:.0f}%% of the GPU's); the flags "
+        "for them are then ignored",
+    )
+    p.add_argument(
+        "--profile", metavar="DIR", help="trace steps 3-5 (on CUDA with a memory snapshot) to DIR"
+    )
     p.add_argument("--log_every", type=int, default=1)
-    # sampling
-    p.add_argument("--sample", type=int, default=0, metavar="N", help="after training, continue --prompt by N tokens")
-    p.add_argument("--prompt", help="text for byte-level models (default a newline), else token ids: 1,791")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (seeded by --seed)")
-    args = p.parse_args(argv)
-    for flag, least in [("batch_size", 1), ("seq_len", 1), ("steps", 1), ("grad_accum", 1), ("lora_rank", 1),
-                        ("log_every", 1), ("warmup_steps", 0), ("save_every", 0), ("stop_at", 0), ("sample", 0),
-                        ("temperature", 0), ("eval_every", 0), ("eval_seqs", 1)]:
+
+
+def _add_sampling_flags(p):
+    p.add_argument(
+        "--sample",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after training, continue --prompt by N tokens",
+    )
+    p.add_argument(
+        "--prompt", help="text for byte-level models (default a newline), else token ids: 1,791"
+    )
+    p.add_argument(
+        "--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (seeded by --seed)"
+    )
+
+
+# The least value of each integer flag.
+LEAST = dict(
+    batch_size=1,
+    seq_len=1,
+    steps=1,
+    grad_accum=1,
+    lora_rank=1,
+    log_every=1,
+    warmup_steps=0,
+    save_every=0,
+    stop_at=0,
+    sample=0,
+    temperature=0,
+    eval_every=0,
+    eval_seqs=1,
+)
+FINITE = (
+    "lr",
+    "weight_decay",
+    "adam_eps",
+    "grad_clip",
+    "lora_alpha",
+    "lora_dropout",
+    "temperature",
+)
+
+
+def _check_args(p, args):
+    """Refuse, through the parser (a usage line and exit 2), flags that cannot work together."""
+    for flag, least in LEAST.items():
         if getattr(args, flag) < least:
             p.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
-    for flag in ("lr", "weight_decay", "adam_eps", "grad_clip", "lora_alpha", "lora_dropout", "temperature"):
+    for flag in FINITE:
         if not math.isfinite(getattr(args, flag)):
             p.error(f"--{flag} must be a finite number, got {getattr(args, flag)}")
-    for flag in ("max_shard_size",) + (("fit",) if args.fit not in (None, "auto") else ()):
+    sizes = ["max_shard_size"]
+    if args.fit not in (None, "auto"):
+        sizes.append("fit")
+    for flag in sizes:
         if not 0 < getattr(args, flag) < math.inf:
             p.error(f"--{flag} must be a positive number (GB), got {getattr(args, flag)}")
     if not 0 <= args.lora_dropout < 1:
@@ -1952,349 +4235,80 @@ def parse_args(argv=None):
     if (args.save_every or args.resume) and not args.out:
         p.error("--save_every and --resume need --out DIR")
     if args.offload_activations and not args.checkpointing:
-        p.error("--offload_activations offloads the checkpointed block inputs: it needs --checkpointing")
+        p.error(
+            "--offload_activations offloads the checkpointed block inputs: it needs --checkpointing"
+        )
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    _add_model_flags(p)
+    _add_data_flags(p)
+    _add_optimization_flags(p)
+    _add_checkpoint_flags(p)
+    _add_memory_flags(p)
+    _add_sampling_flags(p)
+    args = p.parse_args(argv)
+    _check_args(p, args)
     if args.checkpoint:
-        args.checkpoint = os.path.abspath(args.checkpoint)  # as saved in, and compared by, --resume
+        # Absolute: as --resume saves and compares it.
+        args.checkpoint = os.path.abspath(args.checkpoint)
     return args
 
-def model_config(args):
-    """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
-    if not args.checkpoint:
-        return args.model, CONFIGS[args.model]
-    require(os.path.isdir(args.checkpoint), f"--checkpoint {args.checkpoint}: no such directory")
-    path = os.path.join(args.checkpoint, "config.json")
-    return os.path.basename(os.path.normpath(args.checkpoint)), config_from_hf(read_json(path), path)
 
-def predicted_memory(args, world, config=None):
-    """estimate_memory (section 8) for this run's flags."""
-    return estimate_memory(config or model_config(args)[1], world, args.batch_size, args.seq_len,
-                           dtype_bytes=2 if args.dtype == "bf16" else 4, lora_rank=args.lora_rank,
-                           checkpointing=args.checkpointing, offload=args.cpu_offload,
-                           offload_activations=args.offload_activations, compiled=args.compile)
-
-FIT_MARGIN = 0.1  # --fit with no number, on CUDA: the free memory less this share of the GPU's total
-FIT_FLAGS = ("batch_size", "grad_accum", "checkpointing", "offload_activations", "cpu_offload")  # what --fit sets
-# What --fit tries, fastest first on a GPU (the README says what each costs): (checkpointing,
-# --offload_activations, --cpu_offload), each with every micro-batch that divides this rank's batch, largest first.
-FIT_TIERS = [(False, False, False), (True, False, False), (True, True, False), (False, False, True),
-             (True, False, True), (True, True, True)]
-
-def fit_plans(args, n=None):  # --grad_accum makes up a smaller micro-batch: the same batch, the same rows
-    n = n or args.batch_size * args.grad_accum
-    return [argparse.Namespace(**{**vars(args), **dict(zip(FIT_FLAGS, (m, n // m, *tier)))})
-            for tier in FIT_TIERS for m in range(n, 0, -1) if n % m == 0]
-
-def plan_name(a):
-    return (f"micro-batch {a.batch_size} x {a.grad_accum}" + ", checkpointing" * a.checkpointing
-            + ", --offload_activations" * a.offload_activations + ", --cpu_offload" * a.cpu_offload)
-
-def fit_budget(args, device):
-    """(bytes per GPU --fit fits in, bytes of host memory available: inf where unknown), the least over ranks."""
-    require(args.fit != "auto" or device.type == "cuda", "--fit: on a CPU give the memory to fit in, e.g. --fit 20")
-    free, total = torch.cuda.mem_get_info(device) if args.fit == "auto" else (args.fit * GiB, 0)
-    budget, host = free - FIT_MARGIN * total, host_available() or math.inf
-    if dist.is_initialized():
-        t = torch.tensor([budget, host], dtype=torch.float64, device=device)
-        dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        budget, host = t.tolist()
-    return budget, host
-
-def plan_fits(plan, world, config, budget, host):
-    """(estimate, its GPU peak fits budget, its host memory, for this machine's ranks, fits host) of a plan."""
-    est = predicted_memory(plan, world, config)
-    return est, est["gpu_peak"] <= budget, est["host_state"] * int(os.environ.get("LOCAL_WORLD_SIZE", 1)) <= host
-
-def fit(args, world, config, budget, host):
-    """The first of fit_plans(args) that fits, every plan tried printed; none: one error naming the smallest peak."""
-    print0(f"--fit: {budget / GiB:.2f} GiB per GPU" + (f", {host / GiB:.1f} GiB of host memory" * (host < math.inf)))
-    for plan in fit_plans(args):
-        est, gpu_ok, host_ok = plan_fits(plan, world, config, budget, host)
-        verdict = "fits" if gpu_ok and host_ok else "too big" if not gpu_ok else "its host memory is not available"
-        print0(f"  {plan_name(plan):<62} {est['gpu_peak'] / GiB:8.2f} GiB  {verdict}")
-        if gpu_ok and host_ok:
-            print0(f"--fit chose {plan_name(plan)}: {est['gpu_peak'] / GiB:.2f} GiB predicted per GPU")
-            return plan
-    raise UserError(f"--fit: no setting fits in {budget / GiB:.2f} GiB per GPU; the smallest predicted peak is "
-                    f"{est['gpu_peak'] / GiB:.2f} GiB ({plan_name(plan)})" + ("" if host_ok else
-                    f" and its {est['host_state'] / GiB:.1f} GiB of host memory are not available"))
-
-def longest_context(args, world, config, budget, host):
-    """(tokens, plan): the longest --seq_len that fits at micro-batch 1, and the FIT_TIERS setting that allows it."""
-    best = (0, None)
-    for plan in fit_plans(args, n=1):
-        lo, hi = 0, 1 << 24
-        while lo < hi:  # bisection: the estimate grows with the sequence length
-            mid = (lo + hi + 1) // 2
-            fits = plan_fits(argparse.Namespace(**{**vars(plan), "seq_len": mid}), world, config, budget, host)
-            lo, hi = (mid, hi) if all(fits[1:]) else (lo, mid - 1)
-        best = max(best, (lo, plan), key=lambda b: b[0])
-    return best
-
-PROGRESS_S = 10.0  # seconds between progress lines
-
-def progress(items, what, total, nbytes):
-    """(name, tensor) items as they come; on rank 0 a line at least every PROGRESS_S seconds (tensors done,
-    bytes read, bytes/s, time left) and one at the end."""
-    start = last = time.perf_counter()
-    n = done = 0
-    for n, (name, t) in enumerate(items, 1):  # t.nbytes: the bytes read (a checkpoint's dtype) or drawn
-        done += t.nbytes
-        yield name, t
-        if (now := time.perf_counter()) - last >= PROGRESS_S:
-            last, rate = now, done / (now - start)
-            print0(f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}, {fmt_bytes(rate)}/s, "
-                   f"{max(0, nbytes - done) / rate:.0f} s left")
-    dt = max(time.perf_counter() - start, 1e-9)
-    print0(f"{what}: {n:,} tensors, {fmt_bytes(done)} in {dt:.1f} s ({fmt_bytes(done / dt)}/s)")
-
-def proc_bytes(path, key):  # the "key: N kB" line of a Linux /proc file, in bytes; None where there is none
-    try:
-        with open(path) as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key + ":"))
-    except (OSError, StopIteration, ValueError):
-        return None
-
-def host_available():  # bytes of memory this machine can still give; None where unknown
-    return proc_bytes("/proc/meminfo", "MemAvailable")
-
-def check_fits(args, config, world, device):
-    """Refuse, before anything is allocated, a model whose sharded state (the estimate's rows) would not fit the
-    GPU, or this machine's available memory (offloaded or on the CPU; its ranks share it)."""
-    est, local = predicted_memory(args, world, config), int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
-    host = (est["host_state"] + (device.type == "cpu") * est["gpu_state"]) * local
-    for need, have, where in ((est["gpu_state"], free, "per GPU"), (host, host_available() or math.inf,
-                                                                   f"of this machine's memory for {local} rank(s)")):
-        require(need <= have, f"the model's shards need {need / GiB:.2f} GiB {where} (--estimate), {have / GiB:.2f} "
-                              f"GiB is available: more ranks, --cpu_offload, or --fit to choose the settings")
-
-def build(args, config, device, checkpoint=None):
-    """Model (meta) -> units -> real, zeroed shards, then each base weight made (read from load_checkpoint's
-    `checkpoint` or drawn), quantized and cut to this rank's piece one at a time: no two unsharded weights alive."""
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
-    with torch.device("meta"):
-        model = Llama(config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout, compile=args.compile)
-    model.checkpointing = args.checkpointing
-    if args.compile:  # each block's forward, its checkpoint included; the sharding hooks stay eager
-        for layer in model.model.layers:
-            layer.forward = torch.compile(layer.forward)
-    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
-    # its own stream: a wait for a collective (on FSDP's side stream) must not wait for these copies too
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
-    model.offload_activations = OffloadedInputs(side) if args.offload_activations else None
-
-    shapes = fsdp.base_shapes()
-    base, nbytes = checkpoint or (initial_weights(shapes, args.seed, device), 4 * sum(map(math.prod, shapes.values())))
-    what = f"loading {args.checkpoint}" if checkpoint else "drawing a random base"
-    for name, t in progress(base, what, len(shapes), nbytes):
-        t = t.to(device, dtype)  # then NF4 for an NF4Linear's weight
-        require(t.isfinite().all(), f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN")
-        nf4 = isinstance(model.get_submodule(name.rsplit(".", 1)[0]), NF4Linear) and name.endswith(".weight")
-        fsdp.load_full(name, to_nf4(t, compile=args.compile) if nf4 else t)
-    for name, t in initial_weights(fsdp.adapter_shapes(), args.seed):
-        fsdp.load_full(name, t)
-    return model, fsdp
-
-def learning_rate(step, args):
-    """Linear warmup over --warmup_steps, then cosine decay to 10% of --lr at --steps."""
-    if step < (w := args.warmup_steps):
-        return args.lr * ((step + 1) / w)
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, args.steps - w)))))
-
-def train_step(model, fsdp, optimizer, batches, grad_clip, device):
-    """One AdamW step over this rank's micro-batches [(inputs, targets)] -> (loss, optimizer seconds). The loss is
-    the mean over the global batch's counted targets (any split gives the same); a non-finite one skips the update."""
-    count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
-    if dist.is_initialized():
-        dist.all_reduce(count)
-    count = max(1, count.item())  # a batch that counts nothing: loss 0 and zero gradients
-    loss_sum = torch.zeros((), device=device)
-    for x, y in batches:
-        with torch.profiler.record_function("forward"):
-            loss = model(x.to(device), y.to(device), reduction="sum")
-        with torch.profiler.record_function("backward"):
-            # x world: the reduce-scatter averages, so the masters get d(global sum); 1 / count after, in fp32
-            (loss * fsdp.world).backward()  # each unit's gradients are reduce-scattered as its backward ends
-        loss_sum += loss.detach()
-    if dist.is_initialized():
-        dist.all_reduce(loss_sum)
-    loss = (loss_sum / count).item()  # also waits for the device
-    t0 = time.perf_counter()
-    if math.isfinite(loss):
-        with torch.profiler.record_function("optimizer"):
-            for p in fsdp.parameters():  # d(global sum) -> d(global mean), in fp32
-                if p.grad is not None:
-                    p.grad.div_(count)
-            if grad_clip > 0:
-                fsdp.clip_grad_norm_(grad_clip)
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-    optimizer.zero_grad(set_to_none=True)  # also after a skipped step: the next one starts from none
-    return loss, time.perf_counter() - t0
-
-def train(args):
-    """Train; returns (summary dict, per-step losses, the FSDP object)."""
-    # the device (cuda:LOCAL_RANK on GPUs) and, under torchrun (RANK set), a process group: NCCL or gloo
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:  # expandable segments (as torchtune and axolotl run) unless the user set the allocator up
-        if not (os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")):
-            torch.cuda.memory._set_allocator_settings("expandable_segments:True")
-        torch.cuda.set_device(device)
-    if "RANK" in os.environ and not dist.is_initialized():
-        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
-    world, rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (1, 0)
+def estimate(args):
+    """--estimate: the memory tables, from the config alone (nothing is allocated)."""
+    world = int(os.environ.get("WORLD_SIZE", 1))
     name, config = model_config(args)
-    if args.fit is not None:  # before anything reads the flags it sets
-        args = fit(args, world, config, *fit_budget(args, device))
-    check_writable(args, rank)
-    data = None if args.data == "dummy" else load_tokens(args.data or __file__, config.vocab_size, args.seq_len)
-    val = load_tokens(args.val_data, config.vocab_size, args.seq_len, "--val_data") if args.val_data else None
-    prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
-    checkpoint = load_checkpoint(args.checkpoint, config) if args.checkpoint else None  # every header checked
-    check_fits(args, config, world, device)
+    longest = {}
+    if args.fit is not None:
+        # The plan --fit would run, and the longest context at micro-batch 1.
+        cuda = torch.cuda.is_available() and args.device != "cpu"
+        budget = fit_budget(args, torch.device("cuda" if cuda else "cpu"))
+        args = fit(args, world, config, budget)
+        best = longest_context(args, world, config, budget)
+        longest["max_seq_len"] = best.tokens
+        print0(
+            f"longest context that fits at micro-batch 1: {best.tokens:,} tokens "
+            f"({plan_name(best.plan)}); the model allows {config.max_position_embeddings:,}"
+        )
+    est = predicted_memory(args, world, config)
     print0(format_budget(name, memory_budget(config, args.lora_rank)))
-    model, fsdp = build(args, config, device, checkpoint)
-    # The peaks of training, not of loading (--estimate has both): what loading left cached goes back first
-    if cuda:
-        torch.cuda.empty_cache()
-    reset_peak_memory(device)
-    peaks = lambda: (peak_memory_gib(device), peak_memory_gib(device, reserved=True) if cuda else None)  # noqa: E731
-    optimizer = AdamW(fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    start = resume(args, fsdp, optimizer) if args.resume else 0
-    last_step = min(args.steps, args.stop_at or args.steps)
-    require(start < last_step, f"nothing to do: --resume is at step {start}, the run ends at step {last_step} "
-                               f"(--steps {args.steps}, --stop_at {args.stop_at})")
-    require(not args.profile or last_step - start >= 3, f"--profile traces steps 3-5: this run has {last_step - start}")
-    print0(f"model {name}: {fsdp.local_bytes() / 2**20:.1f} MiB of weights on this rank, world {world}, {device}, "
-           f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, offload {args.cpu_offload}"
-           + "\ncompiling the first step (about a minute on a CPU); --no-compile skips it" * args.compile)
+    print0(format_estimate(name, est, world, args.cpu_offload))
+    summary = dict(model=name, world_size=world)
+    for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):
+        summary[key] = getattr(args, key)
+    summary["predicted_peak_gib"] = round(est.gpu_peak / GiB, 3)
+    summary["predicted_host_gib"] = round(est.host_state / GiB, 3)
+    summary.update(longest)
+    return summary
 
-    losses, val_losses, timings = [], [], []  # timings: per step (seconds, comm wait, optimizer seconds)
-    tokens_per_step = args.batch_size * args.seq_len * args.grad_accum * world
-    profiler, predicted = None, predicted_memory(args, world, config)["gpu_peak"] / GiB
-    metrics = open_metrics(args.out, start) if args.out and rank == 0 else None
-
-    def record(**r):  # a line of --out's metrics.jsonl, on disk at once (a crashed run keeps what it logged)
-        if metrics:
-            print(json.dumps(r), file=metrics, flush=True)
-
-    def export_profile(prof):  # after step 5, or at the end of a shorter run
-        prof.export_chrome_trace(trace := os.path.join(args.profile, f"trace_rank{rank}.json"))
-        print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
-        if cuda:  # the allocator's history recorded so far, then no more recording
-            torch.cuda.memory._dump_snapshot(path := os.path.join(args.profile, f"memory_rank{rank}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
-            print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
-
-    if args.profile:  # a trace of steps 3-5 (after compilation and warm-up)
-        activities = [torch.profiler.ProfilerActivity.CPU] + [torch.profiler.ProfilerActivity.CUDA] * cuda
-        profiler = torch.profiler.profile(activities=activities, profile_memory=True, on_trace_ready=export_profile,
-                                          schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1))
-        profiler.start()
-    for step in range(start, last_step):
-        t0 = time.perf_counter()
-        optimizer.param_groups[0]["lr"] = lr = learning_rate(step, args)
-        torch.manual_seed(seeded(args.seed, "dropout", rank, step).initial_seed())  # LoRA dropout: (seed, rank, step)
-        batches = [get_batch(data, step, m, args, world, rank, config.vocab_size) for m in range(args.grad_accum)]
-        try:
-            loss, optim_s = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
-        except torch.OutOfMemoryError:  # on one rank: it exits, and torchrun ends the others
-            total = torch.cuda.mem_get_info(device)[1] if cuda else os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
-            raise UserError(f"out of memory on {device} at step {step + 1}: --estimate predicted a peak of "
-                            f"{predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
-                            "settings that fit") from None
-        require(math.isfinite(loss), f"loss is {loss} at step {step + 1}; stopped before updating"  # no save since
-                + (f"; the last checkpoint in {args.out} is intact" if args.out else ""))
-        dt = time.perf_counter() - t0
-        losses.append(loss)
-        timings.append((dt, fsdp.take_comm_wait_s(), optim_s))  # the step is done: so are its events
-        if profiler is not None:
-            profiler.step()
-            if profiler.step_num == 2 and cuda:  # on CUDA the allocator's history over 3-5 (Python stacks: cheap)
-                torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-        if step % args.log_every == 0 or step + 1 == last_step:
-            mem = peak_memory_gib(device)
-            print0(f"step {step + 1}/{args.steps} | loss {loss:.4f} | lr {lr:.1e} | {dt * 1000:.0f} ms | "
-                   f"{tokens_per_step / dt:,.0f} tok/s | mem {mem:.2f} GiB")
-            record(step=step + 1, loss=loss, lr=lr, ms=round(dt * 1000, 2), tokens_per_s=round(tokens_per_step / dt, 1),
-                   mem_gib=round(mem, 4))
-        if step == start:  # step 1 (compiling, autotuning, first allocations): its peaks apart from the steady state's
-            first_peaks = peaks()
-            reset_peak_memory(device)
-        if val and (step + 1 == last_step or args.eval_every and (step + 1) % args.eval_every == 0):
-            val_loss, n = evaluate(model, val, args, world, rank, device)
-            val_losses.append(val_loss)
-            print0(f"eval step {step + 1} | val_loss {val_loss:.4f} | {n} sequences of --val_data")
-            record(step=step + 1, val_loss=val_loss)
-        if args.out and (step + 1 == last_step or args.save_every and (step + 1) % args.save_every == 0):
-            save_checkpoint(args.out, step + 1, fsdp, optimizer, args)
-    if profiler is not None:
-        profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
-    # The steady state's peaks (one step: step 1's), before the merge and the sample allocate their own.
-    steady = peaks() if last_step - start > 1 else first_peaks
-    if args.merge_to:
-        save_merged(args.merge_to, fsdp, model, args.checkpoint, args.max_shard_size * 1e9)
-        print0(f"merged model written to {args.merge_to}")
-    if args.sample:  # after the saves: what was trained is on disk whatever happens here
-        ids = generate(model, prompt, args.sample, min(args.seq_len, config.max_position_embeddings), device,
-                       args.temperature, args.seed)
-        fsdp.reshard()  # the last forward left its last unit gathered
-        text = config.vocab_size == 256  # a byte-level model: show text (invalid UTF-8 as U+FFFD)
-        sample = bytes(ids).decode("utf-8", errors="replace") if text else ids
-        print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n"
-               + (bytes(prompt).decode("utf-8", errors="replace") + sample if text else str(sample)))
-    print0(f"loss {sparkline(losses)} {losses[0]:.3f} -> {losses[-1]:.3f}" + (
-        f" | val_loss {sparkline(val_losses)} {val_losses[0]:.3f} -> {val_losses[-1]:.3f}" if val_losses else ""))
-    # Median step time (the first compiles) split: waits for late all-gathers/reduce-scatters, optimizer, compute.
-    step_s, wait_s, optim_s = (np.median(np.array(timings[1:] or timings), axis=0) * 1000).tolist()
-    summary = dict(model=name, world_size=world, steps=last_step, final_loss=losses[-1], first_loss=losses[0],
-                   step_ms=round(step_s, 2), tokens_per_s=round(tokens_per_step / (step_s / 1000), 1),
-                   peak_mem_gib=round(steady[0], 4), step1_peak_mem_gib=round(first_peaks[0], 4),
-                   predicted_peak_gib=round(predicted, 4), seq_len=args.seq_len,
-                   **{k: getattr(args, k) for k in FIT_FLAGS}, dtype=args.dtype, device=device.type,
-                   compute_ms=round(step_s - wait_s - optim_s, 2), comm_wait_ms=round(wait_s, 2),
-                   optimizer_ms=round(optim_s, 2))
-    if cuda:
-        summary.update(peak_reserved_gib=round(steady[1], 4), step1_peak_reserved_gib=round(first_peaks[1], 4))
-    summary.update({"val_loss": val_losses[-1]} if val_losses else {}, **{"sample": sample} if args.sample else {})
-    return summary, losses, fsdp
 
 def main(argv=None):
     args = parse_args(argv)
     try:
-        if args.estimate:  # the memory tables from the config alone: nothing is allocated
-            world, (name, config), longest = int(os.environ.get("WORLD_SIZE", 1)), model_config(args), {}
-            if args.fit is not None:  # the plan --fit would run, and the longest context at micro-batch 1
-                cuda = torch.cuda.is_available() and args.device != "cpu"
-                args = fit(args, world, config, *(budget := fit_budget(args, torch.device("cuda" if cuda else "cpu"))))
-                longest = dict(zip(("max_seq_len", "plan"), longest_context(args, world, config, *budget)))
-                print0(f"longest context that fits at micro-batch 1: {longest['max_seq_len']:,} tokens "
-                       f"({plan_name(longest.pop('plan'))}); the model allows {config.max_position_embeddings:,}")
-            est = predicted_memory(args, world, config)
-            print0(format_budget(name, memory_budget(config, args.lora_rank)))
-            print0(format_estimate(name, est, world, args.cpu_offload))
-            flags = ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile")
-            summary = dict(model=name, world_size=world, **{k: getattr(args, k) for k in flags},
-                           predicted_peak_gib=round(est["gpu_peak"] / GiB, 3),
-                           predicted_host_gib=round(est["host_state"] / GiB, 3), **longest)
-        else:
-            summary = train(args)[0]
-    except (UserError, torch.OutOfMemoryError) as e:  # bad input, or memory (outside a step too): one line, exit 2
-        why = e if isinstance(e, UserError) else f"out of memory ({str(e).splitlines()[0]}); --fit chooses settings"
+        summary = estimate(args) if args.estimate else fine_tune(args)[0]
+    except (UserError, torch.OutOfMemoryError) as e:
+        # Bad input, or memory (outside a step too): one line, exit 2.
+        why = e
+        if isinstance(e, torch.OutOfMemoryError):
+            first_line = str(e).splitlines()[0]
+            why = f"out of memory ({first_line}); --fit chooses settings"
         print(f"error: {why}", file=sys.stderr, flush=True)
-        if dist.is_initialized() and dist.get_world_size() > 1:  # a peer may wait in a collective: tearing gloo's
-            sys.stdout.flush()  # threads down under it aborts this process: leave at once; torchrun ends the peer
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # A peer may wait in a collective, and tearing gloo's threads down under it aborts
+            # this process: leave at once, and torchrun ends the peer.
+            sys.stdout.flush()
             os._exit(2)
-        raise SystemExit(2)
+        raise SystemExit(2) from None
     print0(json.dumps(summary))
     if dist.is_initialized():
-        # gloo's threads free each collective's tensors after it completes: let them, before teardown (else: abort)
+        # gloo's threads free each collective's tensors after it completes: let them, before
+        # the teardown (else: an abort).
         dist.barrier()
         dist.destroy_process_group()
     return summary
+
 
 if __name__ == "__main__":
     main()

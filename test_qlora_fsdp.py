@@ -24,8 +24,15 @@ import qlora_fsdp as qf
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 # A model small enough that a world of 4 is larger than some tensors (4 scale groups, 1 mean).
-MICRO = qf.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128)
+MICRO = qf.LlamaConfig(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    max_position_embeddings=128,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -40,6 +47,7 @@ def unpack_codes(packed):
 
 # ---- 0. the file: each section can be lifted out alone ----------------------------------------
 
+
 def sections():
     """{number: source} of qlora_fsdp.py's sections, split at their titled banners."""
     parts = re.split(r"\n# -{20,}\n# (\d+)\. [^\n]*\n# -{20,}\n", open(qf.__file__).read())
@@ -47,24 +55,27 @@ def sections():
 
 
 def test_each_section_names_what_it_needs():
-    """Each section begins with a comment naming what it needs -- imports and names from the sections above
-    it -- that binds every global name the section reads and does not define itself (read from the compiler's
-    symbol tables, inside functions too), so that a paste of the section with those imports runs; the names it
-    takes from above are defined above it."""
+    """Each section begins with a comment naming what it needs -- imports and names from the
+    sections above it -- that binds every global name the section reads and does not define itself
+    (read from the compiler's symbol tables, inside functions too), so that a paste of the section
+    with those imports runs; the names it takes from above are defined above it."""
     import builtins
     import symtable
-    defined_above = set(re.findall(r"^(?:def |class )?(\w+)", open(qf.__file__).read().split("\n# 1. ")[0], re.M))
+
+    defined_above = set(
+        re.findall(r"^(?:def |class )?(\w+)", open(qf.__file__).read().split("\n# 1. ")[0], re.M)
+    )
     for num, body in sections().items():
         assert body.startswith("# Needs: "), num
         words = []
-        for line in body[len("# Needs: "):].splitlines():
+        for line in body[len("# Needs: ") :].splitlines():
             words.append(line.removeprefix("# ").strip())
             if line.endswith("."):
                 break
         ns = {}
         for clause in " ".join(words)[:-1].split("; "):
             if clause.startswith("from above: "):
-                names = clause[len("from above: "):].split(", ")
+                names = clause[len("from above: ") :].split(", ")
                 assert set(names) <= defined_above, (num, set(names) - defined_above)
                 ns.update((n, getattr(qf, n)) for n in names)
             elif not clause.startswith("nothing"):
@@ -84,18 +95,44 @@ def test_each_section_names_what_it_needs():
         defined_above |= own
 
 
+def test_part_one_is_the_reference_and_ends_with_the_loop():
+    """The file tells the reference first: Part I (sections 1-8, in the story's order) ends with
+    the training loop, a `# Part II` banner starts what a real run needs around it (sections
+    9-12), and the module docstring says so. No function is over 60 non-blank lines in Part I,
+    none over 80 in the file."""
+    import ast
+
+    text = open(qf.__file__).read()
+    lines = text.split("\n")
+    part_two = next(i for i, line in enumerate(lines) if line.startswith("# Part II"))
+    numbers = [int(n) for n in re.findall(r"^# (\d+)\. ", text, re.M)]
+    assert numbers == list(range(1, 13))
+    first_of_part_two = next(i for i, line in enumerate(lines) if line.startswith("# 9. "))
+    assert part_two < first_of_part_two
+    assert "Part I" in qf.__doc__ and "Part II" in qf.__doc__ and "Skip it" in qf.__doc__
+    loop = next(i for i, line in enumerate(lines) if line.startswith("def train("))
+    assert loop < part_two
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.FunctionDef):
+            body = lines[node.lineno - 1 : node.end_lineno]
+            n = sum(1 for line in body if line.strip())
+            limit = 60 if node.lineno < part_two else 80
+            assert n <= limit, (node.name, n)
+
+
 # ---- 1. memory accounting ---------------------------------------------------------------------
+
 
 def test_memory_budget_7b():
     """Full bf16 fine-tuning of Llama-2-7B needs 2 + 2 + 4 bytes/param (~13.5 + 13.5 + 27 GB);
     QLoRA's base is ~0.52 B/param and its adapters ~20 M params at rank 8."""
     b = qf.memory_budget(qf.CONFIGS["llama2-7b"], lora_rank=8)
-    n = b["n_params"]
+    n = b.n_params
     assert 6.7e9 < n < 6.8e9  # Llama-2-7B has 6.74 B parameters
-    assert b["full_bf16"] == {"params": 2 * n, "grads": 2 * n, "optimizer": 4 * n}
-    assert 19e6 < b["n_lora"] < 21e6
-    assert 3.7e9 < b["qlora"]["params"] < 3.8e9  # 0.516 B/param of NF4 + bf16 embeddings + fp32 adapters
-    assert b["qlora"]["grads"] == 4 * b["n_lora"] and b["qlora"]["optimizer"] == 8 * b["n_lora"]
+    assert b.full_bf16 == (2 * n, 2 * n, 4 * n)  # params, grads, optimizer
+    assert 19e6 < b.n_lora < 21e6
+    assert 3.7e9 < b.qlora.params < 3.8e9  # 0.516 B/param of NF4 + bf16 embeddings + fp32 adapters
+    assert b.qlora.grads == 4 * b.n_lora and b.qlora.optimizer == 8 * b.n_lora
 
 
 def test_count_params_equals_the_model():
@@ -104,12 +141,18 @@ def test_count_params_equals_the_model():
     model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
     linear, head, dense, lora = qf.count_params(qf.CONFIGS["tiny"], lora_rank=8)
     named = list(model.named_parameters())
-    assert linear == sum(p.numel() for n, p in named if isinstance(p, qf.NF4Tensor) and not n.startswith("lm_head"))
+    assert linear == sum(
+        p.numel() for n, p in named if isinstance(p, qf.NF4Tensor) and not n.startswith("lm_head")
+    )
     assert head == model.lm_head.weight.numel()
-    assert dense == sum(p.numel() for _, p in named if not isinstance(p, qf.NF4Tensor) and not p.requires_grad)
+    assert dense == sum(
+        p.numel() for _, p in named if not isinstance(p, qf.NF4Tensor) and not p.requires_grad
+    )
     assert lora == sum(p.numel() for _, p in named if p.requires_grad)
 
+
 # ---- 2. NF4 quantization ----------------------------------------------------------------------
+
 
 def test_codebook():
     """The codebook is the QLoRA paper's 16 NF4 values, ascending, with exact -1, 0 and 1, every one
@@ -147,7 +190,8 @@ def test_nibble_order():
 def test_bits_per_param():
     """Storage is at most 4.13 bits per parameter (4 + 0.127 from double-quantized scales)."""
     t = qf.to_nf4(torch.randn(4096, 4096, dtype=torch.bfloat16))
-    bits = sum(getattr(t, n).nbytes for n in t.__tensor_flatten__()[0]) * 8 / t.numel()  # every inner tensor
+    # every inner tensor
+    bits = sum(getattr(t, n).nbytes for n in t.__tensor_flatten__()[0]) * 8 / t.numel()
     assert bits <= 4.13 and bits == pytest.approx(qf.NF4_BITS_PER_PARAM, abs=1e-4)
     assert t.packed.dtype == torch.uint8 and t.scale_q.dtype == torch.int8
 
@@ -179,8 +223,12 @@ def test_vectorized_dequantize_equals_table_lookup():
     the manual fp32 -> bf16 rounding on ties, subnormals and large values."""
     codes = torch.arange(16)
     assert torch.equal(qf._nf4_lookup(codes), qf.NF4[codes])
-    x = torch.cat([torch.randn(10000) * 10.0 ** torch.randint(-40, 38, (10000,)).float(),
-                   torch.tensor([0.0, -0.0, 1e-45, -3e-39, 3.4e38, 1.00390625, 1.01171875, -1.01171875])])
+    x = torch.cat(
+        [
+            torch.randn(10000) * 10.0 ** torch.randint(-40, 38, (10000,)).float(),
+            torch.tensor([0.0, -0.0, 1e-45, -3e-39, 3.4e38, 1.00390625, 1.01171875, -1.01171875]),
+        ]
+    )
     assert torch.equal(qf._bf16_bits(x).to(torch.int16), x.to(torch.bfloat16).view(torch.int16))
     w = torch.randn(64, 1024) * torch.logspace(-30, 30, 64)[:, None]
     w[3] = 0.0  # an all-zero row: 16 blocks whose absmax is 0
@@ -190,15 +238,21 @@ def test_vectorized_dequantize_equals_table_lookup():
     assert torch.equal(qf._dequantize_bf16_pairs(*parts, 64, 256).view(torch.bfloat16), ref)
     assert torch.equal(qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=True), ref)
     # traced into a bigger compiled graph it is one custom op, with the same values
-    outer = torch.compile(lambda *p: qf.dequantize_nf4(*p, dtype=torch.bfloat16) * 1, fullgraph=True)
+    outer = torch.compile(
+        lambda *p: qf.dequantize_nf4(*p, dtype=torch.bfloat16) * 1, fullgraph=True
+    )
     assert torch.equal(outer(*parts), ref)
 
 
 def _allocations(fn):
-    """(result, sizes in bytes of every allocation fn makes), from the profiler's allocator events."""
+    """(result, sizes in bytes of every allocation fn makes), from the profiler's allocations."""
     with torch.profiler.profile(profile_memory=True) as prof:
         out = fn()
-    return out, [e.nbytes() for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.nbytes() > 0]
+    return out, [
+        e.nbytes()
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]" and e.nbytes() > 0
+    ]
 
 
 def test_quantize_chunked_equals_whole(monkeypatch):
@@ -216,12 +270,14 @@ def test_eager_dequantize_chunked_equals_reference(dtype, monkeypatch):
     """--no-compile's dequantize, a chunk of blocks at a time, gives the reference's values bit
     for bit, and allocates nothing larger than its output (no int64 codes, no fp32 copy of the
     weight)."""
-    monkeypatch.setattr(qf, "DEQUANT_CHUNK", 64 * 35)  # 7 chunks of 96 x 160 elements, the last partial
+    # 7 chunks of 96 x 160 elements, the last partial
+    monkeypatch.setattr(qf, "DEQUANT_CHUNK", 64 * 35)
     w = torch.randn(96, 160)
     packed, scale_q, factor, mean = parts = qf.quantize_nf4(w, compile=False)
     out, sizes = _allocations(lambda: qf.dequantize_nf4(*parts, dtype=dtype, compile=False))
     absmax = scale_q.float() / factor[torch.arange(scale_q.numel()) // 256] + mean
-    ref = (qf.NF4[unpack_codes(packed)].view(-1, 64) * absmax[:, None]).view(-1).to(dtype)  # whole, in one go
+    # whole, in one go
+    ref = (qf.NF4[unpack_codes(packed)].view(-1, 64) * absmax[:, None]).view(-1).to(dtype)
     assert torch.equal(out, ref)
     assert max(sizes) == out.nbytes, sizes
 
@@ -239,9 +295,11 @@ def test_padded_scale_groups(shape):
     group = torch.arange(n_blocks) // 256
     approx = scale_q.float() / factor[group] + mean
     assert torch.all((approx - absmax).abs() <= 0.5 / factor[group] + 1e-6)
-    for g in range(factor.numel()):  # each group, the partial last one too, by its own largest scale
+    # each group, the partial last one too, by its own largest scale
+    for g in range(factor.numel()):
         largest = (absmax - absmax.mean())[group == g].abs().max()  # 0 for a single block
-        torch.testing.assert_close(factor[g], 127 / largest.clamp_min(1e-30))  # equal scales: q = 0, finite
+        # equal scales: q = 0, finite
+        torch.testing.assert_close(factor[g], 127 / largest.clamp_min(1e-30))
         assert scale_q[group == g].abs().max() == (127 if largest > 0 else 0)
     expected = qf.NF4[unpack_codes(packed)].view(-1, 64) * approx[:, None]
     out = qf.to_nf4(w).dequantize(torch.float32)
@@ -257,8 +315,9 @@ def test_bad_shape_raises():
 
 @pytest.mark.parametrize("compile", [False, True])
 def test_constant_and_non_finite_weights(compile, monkeypatch):
-    """A constant weight (every block scale equal) gets finite scale factors and dequantizes exactly;
-    a weight holding inf or NaN is refused, since through the scales' mean it would spoil every block."""
+    """A constant weight (every block scale equal) gets finite scale factors and dequantizes
+    exactly; a weight holding inf or NaN is refused, since through the scales' mean it would spoil
+    every block."""
     monkeypatch.setattr(qf, "COMPILE", compile)
     for value in (0.0, 1.0, -0.5):
         w = torch.full((300, 64), value)
@@ -287,7 +346,9 @@ def test_empty_or_odd_blocks_refused():
     with pytest.raises(ValueError, match="even"):
         qf.quantize_nf4(torch.randn(2, 63), block_size=63)
 
+
 # ---- 3. NF4Tensor -----------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_linear_nf4_equals_dense(dtype):
@@ -320,7 +381,11 @@ def test_nf4_tensor_metadata_and_to():
         assert type(d) is torch.Tensor and d.dtype == dtype
         assert torch.equal(d, t.dequantize(dtype))
     m = t.to("meta")
-    assert isinstance(m, qf.NF4Tensor) and m.packed.device.type == "meta" and m.packed.dtype == torch.uint8
+    assert (
+        isinstance(m, qf.NF4Tensor)
+        and m.packed.device.type == "meta"
+        and m.packed.dtype == torch.uint8
+    )
     c = t.clone()
     assert isinstance(c, qf.NF4Tensor) and torch.equal(c.packed, t.packed)
 
@@ -378,15 +443,17 @@ def test_ops_keep_block_sizes_and_clone_owns_its_codes():
 
 
 def test_linear_with_bias_and_copy_of_another_shape():
-    """F.linear(x, nf4_weight, bias) (positional or keyword) equals F.linear on the dequantized weight;
-    copy_ from a tensor of another shape (even with as many elements) is refused."""
+    """F.linear(x, nf4_weight, bias) (positional or keyword) equals F.linear on the dequantized
+    weight; copy_ from a tensor of another shape (even with as many elements) is refused."""
     w, x, b = qf.to_nf4(torch.randn(96, 128)), torch.randn(3, 128), torch.randn(96)
     assert torch.equal(F.linear(x, w, b), F.linear(x, w.dequantize(), b))
     assert torch.equal(F.linear(x, w, bias=b), F.linear(x, w.dequantize(), b))
     with pytest.raises(ValueError, match="copy_ into"):
         qf.to_nf4(torch.randn(64, 128)).copy_(torch.randn(128, 64))
 
+
 # ---- 4. LoRA ----------------------------------------------------------------------------------
+
 
 def test_merged_weight_equals_forward():
     """LoRALinear's forward equals x W'^T with W' = merged_weight() = W + (alpha/rank) B A."""
@@ -399,12 +466,15 @@ def test_merged_weight_equals_forward():
 
 @pytest.mark.parametrize("bias", [True, False])
 def test_from_linear_wraps_the_layer_itself(bias, monkeypatch):
-    """NF4Linear.from_linear and LoRALinear.from_linear wrap an existing nn.Linear: the weight is its own,
-    quantized (the codes to_nf4 gives it), the bias its own, kept and frozen; the output is x W^T + bias with W
-    dequantized (B = 0: LoRA adds nothing yet). NF4Linear's draws nothing from the global
-    RNG; with compile=False neither building nor running (bf16) calls a compiled NF4 kernel."""
+    """NF4Linear.from_linear and LoRALinear.from_linear wrap an existing nn.Linear: the weight is
+    its own, quantized (the codes to_nf4 gives it), the bias its own, kept and frozen; the output is
+    x W^T + bias with W dequantized (B = 0: LoRA adds nothing yet). NF4Linear's draws nothing from
+    the global RNG; with compile=False neither building nor running (bf16) calls a compiled NF4
+    kernel."""
+
     def refuse(*args):
         raise AssertionError("a compiled NF4 kernel ran")
+
     monkeypatch.setattr(qf, "_quantize_blocks_compiled", refuse)
     monkeypatch.setattr(qf, "_dequantize_bf16_pairs_compiled", refuse)
     linear = torch.nn.Linear(128, 64, bias=bias, dtype=torch.bfloat16)
@@ -414,7 +484,8 @@ def test_from_linear_wraps_the_layer_itself(bias, monkeypatch):
     assert torch.equal(torch.random.get_rng_state(), state)
     lora = qf.LoRALinear.from_linear(linear, rank=4, alpha=8.0, compile=False)
     assert lora.rank == 4 and lora.scaling == 2.0 and lora.lora_B.abs().sum() == 0
-    assert qf.LoRALinear.from_linear(linear, 4, 8.0, 0.1, compile=False).scaling == 2.0  # positional too
+    # positional too
+    assert qf.LoRALinear.from_linear(linear, 4, 8.0, 0.1, compile=False).scaling == 2.0
     codes = qf.to_nf4(linear.weight.detach(), compile=False).packed
     for m in plain, lora:
         assert torch.equal(m.weight.packed, codes) and m.weight.dtype == torch.bfloat16
@@ -442,7 +513,9 @@ def test_lora_dropout_a_mask_per_layer():
         torch.manual_seed(1)  # the same draws, in the same order: one mask per layer
         for m, y in zip(layers, ys):
             xd = F.dropout(x, 0.5, training=training)
-            ref = F.linear(x, m.weight.dequantize()) + m.scaling * F.linear(F.linear(xd, m.lora_A), m.lora_B)
+            ref = F.linear(x, m.weight.dequantize()) + m.scaling * F.linear(
+                F.linear(xd, m.lora_A), m.lora_B
+            )
             torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
 
 
@@ -513,7 +586,7 @@ def reference_logits(model, tokens):
         inv = 1.0 / c.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd)
         ang = (torch.arange(T, dtype=torch.float64)[:, None] * inv[None]).float()
         cos, sin = ang.cos(), ang.sin()
-        x1, x2 = x[..., :hd // 2], x[..., hd // 2:]
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2 :]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     h = model.model.embed_tokens.weight.float()[tokens]
@@ -522,9 +595,13 @@ def reference_logits(model, tokens):
         a = layer.self_attn
         x = rms(h, layer.input_layernorm.weight)
         q = rope(lin(a.q_proj, x).view(B, T, nh, hd).transpose(1, 2))
-        k = rope(lin(a.k_proj, x).view(B, T, nkv, hd).transpose(1, 2)).repeat_interleave(nh // nkv, 1)
+        k = rope(lin(a.k_proj, x).view(B, T, nkv, hd).transpose(1, 2)).repeat_interleave(
+            nh // nkv, 1
+        )
         v = lin(a.v_proj, x).view(B, T, nkv, hd).transpose(1, 2).repeat_interleave(nh // nkv, 1)
-        att = (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~mask, float("-inf")).softmax(-1)
+        att = (
+            (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~mask, float("-inf")).softmax(-1)
+        )
         h = h + lin(a.o_proj, (att @ v).transpose(1, 2).reshape(B, T, -1))
         x = rms(h, layer.post_attention_layernorm.weight)
         m = layer.mlp
@@ -544,11 +621,13 @@ def test_initial_draws():
     a, bound = qf.lora_A_init((64, 1024), g), 1 / math.sqrt(1024)
     assert a.abs().max() <= bound and a.max() > 0.99 * bound and a.min() < -0.99 * bound
     w = qf.random_weight((64, 4096), g)
-    assert abs(w.std().item() - 4096 ** -0.5) < 0.02 * 4096 ** -0.5
+    assert abs(w.std().item() - 4096**-0.5) < 0.02 * 4096**-0.5
     keys = [(1, 23), (12, 3), (0, "batch", 1, 11), (0, "batch", 11, 1)]
     assert len({tuple(torch.rand(4, generator=qf.seeded(*k)).tolist()) for k in keys}) == 4
 
+
 # ---- 5. sharding (spawned gloo processes) -----------------------------------------------------
+
 
 def free_port():
     with socket.socket() as s:
@@ -557,10 +636,11 @@ def free_port():
 
 
 def spawn(fn, args, nprocs):
-    """Ranks start from a forkserver that has imported torch and this file once: a rank costs a fork,
-    not a fresh interpreter's imports. (The preload list matters only when the forkserver starts;
-    the process-wide setting is put back after.)"""
+    """Ranks start from a forkserver that has imported torch and this file once: a rank costs a
+    fork, not a fresh interpreter's imports. (The preload list matters only when the forkserver
+    starts; the process-wide setting is put back after.)"""
     from multiprocessing import forkserver
+
     saved = forkserver._forkserver._preload_modules
     mp.set_forkserver_preload([__name__])
     try:
@@ -570,19 +650,38 @@ def spawn(fn, args, nprocs):
 
 
 def _worker(rank, world, port, argv, out_path):
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+    )
     torch.set_num_threads(1)
     qf.CONFIGS["micro"] = MICRO  # a spawned process of its own: no fixture runs here
-    summary, losses, fsdp = qf.train(qf.parse_args(argv))
+    summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv))
     adapters = fsdp.full_adapters()
-    shard_sizes = {s.name: max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
-                   for u in fsdp.units for s in u.slots}
-    padding = [u.master.data[s.start + shard_sizes[s.name]:s.start + s.shard_numel].abs().sum()
-               for u in fsdp.units for s in u.adapters]  # flat master's padding: must stay 0
-    result = dict(summary=summary, losses=losses, adapters=adapters, local_bytes=fsdp.local_bytes(),
-                  shard_sizes=shard_sizes, padding_sum=float(sum(padding)),
-                  padding_numel=sum(s.shard_numel - shard_sizes[s.name] for u in fsdp.units for s in u.adapters))
+    shard_sizes = {
+        s.name: max(0, min(s.shard_numel, s.numel - rank * s.shard_numel))
+        for u in fsdp.units
+        for s in u.slots
+    }
+    padding = [
+        u.master.data[s.start + shard_sizes[s.name] : s.start + s.shard_numel].abs().sum()
+        for u in fsdp.units
+        for s in u.adapters
+    ]  # flat master's padding: must stay 0
+    result = dict(
+        summary=summary,
+        losses=losses,
+        adapters=adapters,
+        local_bytes=fsdp.local_bytes(),
+        shard_sizes=shard_sizes,
+        padding_sum=float(sum(padding)),
+        padding_numel=sum(
+            s.shard_numel - shard_sizes[s.name] for u in fsdp.units for s in u.adapters
+        ),
+    )
     torch.save(result, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
@@ -594,7 +693,7 @@ def run_sharded(world, argv, tmp_path):
 
 
 def run_single(argv):
-    summary, losses, fsdp = qf.train(qf.parse_args(argv))
+    summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv))
     return dict(losses=losses, adapters=fsdp.full_adapters(), local_bytes=fsdp.local_bytes())
 
 
@@ -602,15 +701,33 @@ def run_single(argv):
 # would still move by ~lr, differently in two runs that sum in another order. With eps = 1 the
 # update is ~lr * gradient (|g| << 1): the comparison is of the sharded gradients, not of the
 # signs of noise. (That our AdamW is torch's is tested on its own above.)
-BASE = ["--device", "cpu", "--dtype", "fp32", "--no-compile", "--seq_len", "32", "--steps", "4", "--lr", "2",
-        "--warmup_steps", "1", "--log_every", "100", "--adam_eps", "1"]
+BASE = [
+    "--device",
+    "cpu",
+    "--dtype",
+    "fp32",
+    "--no-compile",
+    "--seq_len",
+    "32",
+    "--steps",
+    "4",
+    "--lr",
+    "2",
+    "--warmup_steps",
+    "1",
+    "--log_every",
+    "100",
+    "--adam_eps",
+    "1",
+]
 
 
 def assert_same_run(sharded, single):
     # Sums run in another order across ranks (~1e-7 relative); a sharding bug moves weights by
     # about one update (~1e-2).
-    torch.testing.assert_close(torch.tensor(sharded["losses"]), torch.tensor(single["losses"]),
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(sharded["losses"]), torch.tensor(single["losses"]), rtol=1e-5, atol=1e-5
+    )
     assert sharded["adapters"].keys() == single["adapters"].keys()
     for k, v in single["adapters"].items():
         torch.testing.assert_close(sharded["adapters"][k], v, rtol=1e-5, atol=1e-6, msg=k)
@@ -630,24 +747,35 @@ class CheckpointAround(torch.nn.Module):
         self.layer = layer
 
     def forward(self, x, cos, sin, _):
-        return torch.utils.checkpoint.checkpoint(self.layer, x, cos, sin, False, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(
+            self.layer, x, cos, sin, False, use_reentrant=False
+        )
 
 
 def test_full_base_gathers_one_unit_at_a_time():
-    """At world 1 every shard is its whole tensor (no padding); full_base() streams the frozen weights,
-    each equal to the module's before sharding, with one unit gathered at a time and none after."""
+    """At world 1 every shard is its whole tensor (no padding); full_base() streams the frozen
+    weights, each equal to the module's before sharding, with one unit gathered at a time and none
+    after."""
     model = make_model()
     before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
     fsdp = qf.FSDP(model, model.units(), "cpu", torch.float32)
     assert all(s.shard_numel == s.numel for u in fsdp.units for s in u.slots)
     names = []
     for name, t in fsdp.full_base():
-        gathered = [u for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.slots)]
+        gathered = [
+            u for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.slots)
+        ]
         assert len(gathered) == 1, name
-        dense = (lambda w: w.dequantize(torch.float32)) if isinstance(t, qf.NF4Tensor) else (lambda w: w)
+        dense = (
+            (lambda w: w.dequantize(torch.float32))
+            if isinstance(t, qf.NF4Tensor)
+            else (lambda w: w)
+        )
         assert torch.equal(dense(t), dense(before[name])), name
         names.append(name)
-    assert names == list(before) and all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.slots)
+    assert names == list(before) and all(
+        s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.slots
+    )
 
 
 @pytest.mark.parametrize("checkpointing", ["inside", "around", "off"])
@@ -664,10 +792,13 @@ def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
     def counted(*a, reduce_scatter=False, **k):
         calls["reduce_scatter" if reduce_scatter else "all_gather"] += 1
         return real(*a, reduce_scatter=reduce_scatter, **k)
+
     monkeypatch.setattr(qf, "_collective", counted)
     fsdp = qf.FSDP(model, model.units(), "cpu", torch.float32)
     if checkpointing == "around":
-        model.model.layers = torch.nn.ModuleList(CheckpointAround(layer) for layer in model.model.layers)
+        model.model.layers = torch.nn.ModuleList(
+            CheckpointAround(layer) for layer in model.model.layers
+        )
     x, y = torch.randint(256, (2, 16)), torch.randint(256, (2, 16))
     ref = make_model()  # the same weights, unsharded
     ref.checkpointing = checkpointing != "off"
@@ -676,42 +807,64 @@ def test_unit_lifecycle_one_collective_each(checkpointing, monkeypatch):
     loss = model(x, y)
     n_layers = len(model.model.layers)
     assert calls["all_gather"] == n_layers + 2
-    gathered = [u.name for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.slots)]
+    gathered = [
+        u.name for u in fsdp.units if any(s.full.untyped_storage().nbytes() for s in u.slots)
+    ]
     assert gathered == ["model.norm+lm_head"]
     loss.backward()
     assert calls == {"all_gather": 2 * n_layers + 2, "reduce_scatter": n_layers}
     assert all(s.full.untyped_storage().nbytes() == 0 for u in fsdp.units for s in u.slots)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    grads = {s.name: u.master.grad[s.start:s.start + s.numel] for u in fsdp.units for s in u.adapters}
+    grads = {
+        s.name: u.master.grad[s.start : s.start + s.numel] for u in fsdp.units for s in u.adapters
+    }
     for name, p in ref.named_parameters():
         if p.requires_grad:  # world 1: the shard is the whole tensor
-            torch.testing.assert_close(grads[name].view(p.shape), p.grad, rtol=1e-5, atol=1e-7, msg=name)
+            torch.testing.assert_close(
+                grads[name].view(p.shape), p.grad, rtol=1e-5, atol=1e-7, msg=name
+            )
 
 
 def test_gather_copies_out_and_reduce_scatter_builds_its_input_in_a_few_ops(monkeypatch):
-    """Per unit, the copy-out from the all-gather buffer is at most 3 tensor ops, and so is the building of the
-    reduce-scatter's input, whatever the number of tensors in the unit (a block has dozens): one
-    split_with_sizes_copy, one _chunk_cat (views not counted; the profiler's op events, not kernels)."""
+    """Per unit, the copy-out from the all-gather buffer is at most 3 tensor ops, and so is the
+    building of the reduce-scatter's input, whatever the number of tensors in the unit (a block has
+    dozens): one split_with_sizes_copy, one _chunk_cat (views not counted; the profiler's op events,
+    not kernels)."""
     real = qf._collective
 
-    def collective(*args, **kwargs):  # the collective itself (here a copy: no process group) is not the input
+    # the collective itself (here a copy: no process group) is not the input
+    def collective(*args, **kwargs):
         with torch.profiler.record_function("collective"):
             return real(*args, **kwargs)
+
     monkeypatch.setattr(qf, "_collective", collective)
     model = make_model()
     fsdp = qf.FSDP(model, model.units(), "cpu", torch.float32)
-    views = {"aten::view", "aten::reshape", "aten::as_strided", "aten::slice", "aten::_reshape_alias", "aten::alias"}
+    views = {
+        "aten::view",
+        "aten::reshape",
+        "aten::as_strided",
+        "aten::slice",
+        "aten::_reshape_alias",
+        "aten::alias",
+    }
     with torch.profiler.profile() as prof:
         model(torch.randint(256, (2, 16)), torch.randint(256, (2, 16))).backward()
     counted = {}
     for e in prof.events():
         if e.name in ("fsdp::copy_out", "fsdp::reduce_scatter"):
-            ops = [c.name for c in e.cpu_children if c.name.startswith("aten::") and c.name not in views]
+            ops = [
+                c.name
+                for c in e.cpu_children
+                if c.name.startswith("aten::") and c.name not in views
+            ]
             counted.setdefault(e.name, []).append(len(ops))
     n_tensors = len(fsdp.units[1].slots)
     assert n_tensors > 40 and len(counted["fsdp::copy_out"]) >= 2 * len(model.model.layers)
     assert len(counted["fsdp::reduce_scatter"]) == len(model.model.layers)
-    assert max(counted["fsdp::copy_out"]) <= 3 and max(counted["fsdp::reduce_scatter"]) <= 3, counted
+    assert max(counted["fsdp::copy_out"]) <= 3 and max(counted["fsdp::reduce_scatter"]) <= 3, (
+        counted
+    )
 
 
 def test_clip_grad_norm_equals_torch():
@@ -726,7 +879,9 @@ def test_clip_grad_norm_equals_torch():
             r.grad = p.grad.clone()
         total = fsdp.clip_grad_norm_(max_norm).item()  # a tensor, as torch's
         expected = torch.nn.utils.clip_grad_norm_(ref, max_norm).item()
-        assert total == pytest.approx(expected, rel=1e-6) and (total > max_norm) == (max_norm == 0.5)
+        assert total == pytest.approx(expected, rel=1e-6) and (total > max_norm) == (
+            max_norm == 0.5
+        )
         for p, r in zip(fsdp.parameters(), ref):
             torch.testing.assert_close(p.grad, r.grad, rtol=1e-6, atol=0)
 
@@ -771,7 +926,9 @@ class Int8LoRA(torch.nn.Module):
 
     def __init__(self, g):
         super().__init__()
-        self.weight = torch.nn.Parameter(Int8Tensor.quantize(torch.randn(5, 5, generator=g)), requires_grad=False)
+        self.weight = torch.nn.Parameter(
+            Int8Tensor.quantize(torch.randn(5, 5, generator=g)), requires_grad=False
+        )
         self.lora_A = torch.nn.Parameter(torch.randn(2, 5, generator=g))
         self.lora_B = torch.nn.Parameter(torch.randn(5, 2, generator=g))
 
@@ -792,8 +949,11 @@ def int8_grads(rank, world):
         m.lora_A.requires_grad_(True)
         m.lora_B.requires_grad_(True)
     fsdp = qf.FSDP(model, [model[0], model[2]], "cpu", torch.float32)
-    assert all(type(fsdp.param_of[f"{i}.weight"][1].value) is Int8Tensor for i in (0, 2))  # rebuilt from the shards
-    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))[rank * 6 // world:(rank + 1) * 6 // world]
+    # rebuilt from the shards
+    assert all(type(fsdp.param_of[f"{i}.weight"][1].value) is Int8Tensor for i in (0, 2))
+    x = torch.randn(6, 5, generator=torch.Generator().manual_seed(1))[
+        rank * 6 // world : (rank + 1) * 6 // world
+    ]
     model(x).square().sum().mul(world / 6).backward()  # mean over the global batch, as AVG reduces
     return fsdp.full_adapters(of=lambda master: master.grad)
 
@@ -815,7 +975,9 @@ def test_shards_any_tensor_subclass(world, tmp_path):
     for m in ref[0], ref[2]:
         m.lora_A.requires_grad_(True)
         m.lora_B.requires_grad_(True)
-    ref(torch.randn(6, 5, generator=torch.Generator().manual_seed(1))).square().sum().div(6).backward()
+    ref(torch.randn(6, 5, generator=torch.Generator().manual_seed(1))).square().sum().div(
+        6
+    ).backward()
     if world == 1:
         results = [int8_grads(0, 1)]
     else:
@@ -825,17 +987,22 @@ def test_shards_any_tensor_subclass(world, tmp_path):
     for grads in results:
         for i in (0, 2):
             for n in ("lora_A", "lora_B"):
-                torch.testing.assert_close(grads[f"{i}.{n}"], getattr(ref[i], n).grad, rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(
+                    grads[f"{i}.{n}"], getattr(ref[i], n).grad, rtol=1e-5, atol=1e-6
+                )
 
 
 class Block(torch.nn.Module):
-    """A residual block that is not Llama's: an nn.LayerNorm, nn.Linear layers with and without a bias, a
-    keyword argument, a tuple out."""
+    """A residual block that is not Llama's: an nn.LayerNorm, nn.Linear layers with and without a
+    bias, a keyword argument, a tuple out."""
 
     def __init__(self, d, bias):
         super().__init__()
         self.norm = torch.nn.LayerNorm(d)
-        self.up, self.down = torch.nn.Linear(d, 2 * d, bias=bias), torch.nn.Linear(2 * d, d, bias=not bias)
+        self.up, self.down = (
+            torch.nn.Linear(d, 2 * d, bias=bias),
+            torch.nn.Linear(2 * d, d, bias=not bias),
+        )
 
     def forward(self, x, scale=1.0):
         h = self.down(F.gelu(self.up(self.norm(x))))
@@ -843,7 +1010,8 @@ class Block(torch.nn.Module):
 
 
 class Net(torch.nn.Module):
-    """Embeddings, three Blocks (the last one run twice), a trainable plain parameter in the root, a head."""
+    """Embeddings, three Blocks (the last one run twice), a trainable plain parameter in the root, a
+    head."""
 
     def __init__(self, vocab=64, d=64):
         super().__init__()
@@ -857,11 +1025,15 @@ class Net(torch.nn.Module):
         for block in [*self.blocks, self.blocks[-1]]:
             h, a = block(h, scale=0.5)
             aux = aux + a
-        return F.cross_entropy(self.head(h * self.gain).flatten(0, 1).float(), targets.flatten()) + 0.1 * aux
+        return (
+            F.cross_entropy(self.head(h * self.gain).flatten(0, 1).float(), targets.flatten())
+            + 0.1 * aux
+        )
 
 
 def qlora_net():
-    """Net (fp32) with every nn.Linear a LoRALinear.from_linear of itself; embeddings and LayerNorms frozen."""
+    """Net (fp32) with every nn.Linear a LoRALinear.from_linear of itself; embeddings and LayerNorms
+    frozen."""
     torch.manual_seed(0)
     net = Net()
     for m in list(net.modules()):
@@ -875,14 +1047,19 @@ def qlora_net():
 
 
 def run_net(net, optimizer, rank=0, world=1, micro=True):
-    """3 AdamW steps over a global batch of 6 sequences (this rank's rows; with micro, in two backward()
-    calls), a no-grad forward before each step and after it, and a block called alone -> [losses per step]."""
+    """3 AdamW steps over a global batch of 6 sequences (this rank's rows; with micro, in two
+    backward() calls), a no-grad forward before each step and after it, and a block called alone ->
+    [losses per step]."""
     g, out = torch.Generator().manual_seed(1), []
-    mean = (lambda t: t) if world == 1 else lambda t: (torch.distributed.all_reduce(t), t / world)[1]
+    mean = (
+        (lambda t: t) if world == 1 else lambda t: (torch.distributed.all_reduce(t), t / world)[1]
+    )
     for _ in range(3):
-        tokens, targets = torch.randint(64, (2, 6, 8), generator=g)[:, rank * 6 // world:(rank + 1) * 6 // world]
+        tokens, targets = torch.randint(64, (2, 6, 8), generator=g)[
+            :, rank * 6 // world : (rank + 1) * 6 // world
+        ]
         loss = 0.0
-        for rows in ((slice(0, 1), slice(1, None)) if micro else (slice(None),)):
+        for rows in (slice(0, 1), slice(1, None)) if micro else (slice(None),):
             part = net(tokens[rows], targets[rows]) * len(tokens[rows]) / len(tokens)
             part.backward()
             loss = loss + part.detach()
@@ -890,15 +1067,22 @@ def run_net(net, optimizer, rank=0, world=1, micro=True):
             before = net(tokens, targets)
             optimizer.step()
             optimizer.zero_grad()
-            after, alone = net(tokens, targets), net.blocks[1](net.embed(tokens), scale=2.0)[0].float().mean()
+            after, alone = (
+                net(tokens, targets),
+                net.blocks[1](net.embed(tokens), scale=2.0)[0].float().mean(),
+            )
         out.append([mean(t.float()).item() for t in (loss, before, after, alone)])
     return out
 
 
 def sharded_net(rank, world, compute_dtype):
     net = qlora_net()
-    fsdp = qf.FSDP(net, [net.embed, *net.blocks, net.head], device="cpu", compute_dtype=compute_dtype)
-    losses = run_net(net, qf.AdamW(fsdp.parameters(), lr=0.05, eps=1e-4, weight_decay=0.1), rank, world)
+    fsdp = qf.FSDP(
+        net, [net.embed, *net.blocks, net.head], device="cpu", compute_dtype=compute_dtype
+    )
+    losses = run_net(
+        net, qf.AdamW(fsdp.parameters(), lr=0.05, eps=1e-4, weight_decay=0.1), rank, world
+    )
     return losses, fsdp.full_adapters()
 
 
@@ -910,18 +1094,23 @@ def _net_worker(rank, world, port, compute_dtype, out_path):
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("world,compute_dtype", [(1, None), (2, None), (3, None), (2, torch.bfloat16)],
-                         ids=["world1", "world2", "world3", "world2-bf16"])
+@pytest.mark.parametrize(
+    "world,compute_dtype",
+    [(1, None), (2, None), (3, None), (2, torch.bfloat16)],
+    ids=["world1", "world2", "world3", "world2-bf16"],
+)
 def test_any_model_sharded_equals_it_unsharded(world, compute_dtype, tmp_path):
-    """FSDP lifts out of Llama: a model of its own (residual blocks with nn.LayerNorm, from_linear LoRA layers
-    with and without a bias, a trainable parameter in the root, a keyword argument and a tuple out, one block
-    run twice, one called alone), sharded over 1, 2 and 3 ranks with two backward() calls per step and no-grad
-    forwards before and after each optimizer step, gives the losses and adapters of the same model unsharded
-    under torch.optim.AdamW; in bf16 (every parameter gathered in it, the fp32 LayerNorm too) its losses are
-    within 1% (or 1e-3) of them."""
+    """FSDP lifts out of Llama: a model of its own (residual blocks with nn.LayerNorm, from_linear
+    LoRA layers with and without a bias, a trainable parameter in the root, a keyword argument and a
+    tuple out, one block run twice, one called alone), sharded over 1, 2 and 3 ranks with two
+    backward() calls per step and no-grad forwards before and after each optimizer step, gives the
+    losses and adapters of the same model unsharded under torch.optim.AdamW; in bf16 (every
+    parameter gathered in it, the fp32 LayerNorm too) its losses are within 1% (or 1e-3) of them."""
     ref = qlora_net()
     trainable = [p for p in ref.parameters() if p.requires_grad]
-    want = run_net(ref, torch.optim.AdamW(trainable, lr=0.05, eps=1e-4, weight_decay=0.1), micro=False)
+    want = run_net(
+        ref, torch.optim.AdamW(trainable, lr=0.05, eps=1e-4, weight_decay=0.1), micro=False
+    )
     if world == 1:
         results = [sharded_net(0, 1, compute_dtype)]
     else:
@@ -931,21 +1120,27 @@ def test_any_model_sharded_equals_it_unsharded(world, compute_dtype, tmp_path):
     for losses, adapters in results:
         assert adapters.keys() == {n for n, p in ref.named_parameters() if p.requires_grad}
         if compute_dtype:  # Adam's steps on bf16 gradients may point elsewhere: the losses only
-            torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-2, atol=1e-3)
+            torch.testing.assert_close(
+                torch.tensor(losses), torch.tensor(want), rtol=1e-2, atol=1e-3
+            )
             continue
         torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
         for name, p in ref.named_parameters():
             if p.requires_grad:
-                torch.testing.assert_close(adapters[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+                torch.testing.assert_close(
+                    adapters[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name
+                )
 
 
 def test_a_parameter_in_two_units_is_refused():
-    """A parameter in two units (a head tied to the embeddings, each its own unit) is refused at construction,
-    naming both places."""
+    """A parameter in two units (a head tied to the embeddings, each its own unit) is refused at
+    construction, naming both places."""
     net = qlora_net()
     net.head = torch.nn.Linear(64, 64, bias=False)
     net.head.weight = net.embed.weight
-    with pytest.raises(ValueError, match="parameter head.weight \\(also embed.weight\\) is in two units"):
+    with pytest.raises(
+        ValueError, match="parameter head.weight \\(also embed.weight\\) is in two units"
+    ):
         qf.FSDP(net, [net.embed, *net.blocks, net.head], device="cpu")
 
 
@@ -957,26 +1152,32 @@ def test_a_unit_outside_the_model_is_refused():
 
 
 def test_a_sharded_parameter_outside_its_unit_is_a_clear_error():
-    """A unit's parameter read outside its forward is an AttributeError that names it (its storage is empty
-    then: reading it used to crash the process); inside, it is the full tensor."""
+    """A unit's parameter read outside its forward is an AttributeError that names it (its storage
+    is empty then: reading it used to crash the process); inside, it is the full tensor."""
     net = qlora_net()
     fsdp = qf.FSDP(net, [net.embed, *net.blocks, net.head], device="cpu")
     with pytest.raises(AttributeError, match="blocks.0.norm.weight is sharded by FSDP"):
         net.blocks[0].norm.weight.sum()
     seen = []
-    net.blocks[0].norm.register_forward_hook(lambda m, args, out: seen.append(m.weight.sum().item()))
+    net.blocks[0].norm.register_forward_hook(
+        lambda m, args, out: seen.append(m.weight.sum().item())
+    )
     net(torch.randint(64, (1, 8)), torch.randint(64, (1, 8)))
-    assert seen == [64.0] and fsdp.units[1].gathered is False  # LayerNorm's ones; freed after the block
+    # LayerNorm's ones; freed after the block
+    assert seen == [64.0] and fsdp.units[1].gathered is False
 
 
 def test_dropping_the_trainer_frees_it():
-    """Once train()'s results are dropped, gc.collect() frees the FSDP object and every shard buffer: no hook
-    keeps them (a gradient hook held from C++ used to keep them for the life of the process)."""
+    """Once train()'s results are dropped, gc.collect() frees the FSDP object and every shard
+    buffer: no hook keeps them (a gradient hook held from C++ used to keep them for the life of the
+    process)."""
     import gc
     import weakref
-    _, _, fsdp = qf.train(qf.parse_args(BASE + ["--batch_size", "2", "--steps", "2"]))
-    refs = [weakref.ref(fsdp)] + [weakref.ref(t) for u in fsdp.all_units for t in (u.shard_bytes, u.master)
-                                  if t is not None]
+
+    _, _, fsdp = qf.fine_tune(qf.parse_args(BASE + ["--batch_size", "2", "--steps", "2"]))
+    refs = [weakref.ref(fsdp)] + [
+        weakref.ref(t) for u in fsdp.all_units for t in (u.shard_bytes, u.master) if t is not None
+    ]
     del fsdp
     gc.collect()
     assert len(refs) > 5 and all(r() is None for r in refs)
@@ -1030,23 +1231,24 @@ def test_world_larger_than_some_tensors(tmp_path):
 def test_offloaded_activations_change_nothing(compile, monkeypatch):
     """--offload_activations moves every checkpointed block input (and nothing else) through a
     separate host buffer and back -- 4 blocks x 3 steps of (2, 32, 128) fp32, each block's but the
-    last's copied back when the block after it starts its backward, ahead of its own -- and trains bitwise
-    like the run that keeps them on the device, with eager blocks and with compiled ones (whose
-    graph, not autograd's ops, decides what is saved)."""
+    last's copied back when the block after it starts its backward, ahead of its own -- and trains
+    bitwise like the run that keeps them on the device, with eager blocks and with compiled ones
+    (whose graph, not autograd's ops, decides what is saved)."""
     packed, real = [], qf.OffloadedInputs._pack
 
     def counting(self, t):
         out = real(self, t)
         if out is not t:
             packed.append(tuple(t.shape))
-            assert out[1] is not t and torch.equal(out[1], t)  # a copy, not the tensor itself
+            assert out.host is not t and torch.equal(out.host, t)  # a copy, not the tensor itself
         return out
 
     real_unpack, ahead = qf.OffloadedInputs._unpack, []
 
-    def unpacking(self, entry):  # was this block input's copy back issued before its backward asked for it?
+    # was this block input's copy back issued before its backward asked for it?
+    def unpacking(self, entry):
         if not isinstance(entry, torch.Tensor):
-            ahead.append(entry[2] is not None)
+            ahead.append(entry.back is not None)
         return real_unpack(self, entry)
 
     monkeypatch.setattr(qf.OffloadedInputs, "_pack", counting)
@@ -1056,13 +1258,15 @@ def test_offloaded_activations_change_nothing(compile, monkeypatch):
     assert packed == []
     offloaded = run_single(argv + ["--offload_activations"])
     assert packed == [(2, 32, 128)] * 4 * 3
-    assert ahead == [False, True, True, True] * 3  # each block's but the last's came back ahead of its backward
+    # each block's but the last's came back ahead of its backward
+    assert ahead == [False, True, True, True] * 3
     assert plain["losses"] == offloaded["losses"]
     for k, v in plain["adapters"].items():
         assert torch.equal(offloaded["adapters"][k], v), k
 
 
 # ---- 6. AdamW ---------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])
 @pytest.mark.parametrize("chunk_bytes", [None, 50])
@@ -1073,9 +1277,16 @@ def test_adamw_equals_torch(weight_decay, chunk_bytes, monkeypatch):
     at some steps (each keeps its own step count; chunks split where the counts differ)."""
     monkeypatch.setattr(qf, "ADAM_CHUNK_BYTES", {"cpu": chunk_bytes} if chunk_bytes else {})
     torch.manual_seed(0)
-    params = [torch.randn(s, dtype=dtype, requires_grad=True)
-              for s, dtype in [((7, 3), torch.float32), ((64,), torch.float64), ((0,), torch.float32),
-                               ((5, 5, 2), torch.float32), ((9,), torch.float64)]]
+    params = [
+        torch.randn(s, dtype=dtype, requires_grad=True)
+        for s, dtype in [
+            ((7, 3), torch.float32),
+            ((64,), torch.float64),
+            ((0,), torch.float32),
+            ((5, 5, 2), torch.float32),
+            ((9,), torch.float64),
+        ]
+    ]
     ref = [p.detach().clone().requires_grad_() for p in params]
     ours = qf.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
     theirs = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
@@ -1092,10 +1303,10 @@ def test_adamw_equals_torch(weight_decay, chunk_bytes, monkeypatch):
 
 
 def test_adamw_is_a_drop_in_for_torch():
-    """Our AdamW takes torch.optim.AdamW's keywords at their defaults (and foreach=True), refuses any other
-    value naming the keyword, and an unknown keyword as torch does; with a tensor lr it equals torch's; it
-    continues from a torch.optim.AdamW state_dict as torch does, and torch continues from ours as we do;
-    sparse gradients and complex parameters are refused."""
+    """Our AdamW takes torch.optim.AdamW's keywords at their defaults (and foreach=True), refuses
+    any other value naming the keyword, and an unknown keyword as torch does; with a tensor lr it
+    equals torch's; it continues from a torch.optim.AdamW state_dict as torch does, and torch
+    continues from ours as we do; sparse gradients and complex parameters are refused."""
     g = torch.Generator().manual_seed(0)
     p0 = [torch.randn(5, 3, generator=g), torch.randn(7, generator=g)]
     grads = [[torch.randn(p.shape, generator=g) for p in p0] for _ in range(6)]
@@ -1112,7 +1323,14 @@ def test_adamw_is_a_drop_in_for_torch():
         return params, opt
 
     kw = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
-    defaults = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=None)
+    defaults = dict(
+        amsgrad=False,
+        maximize=False,
+        foreach=None,
+        capturable=False,
+        differentiable=False,
+        fused=None,
+    )
     want, _ = run(torch.optim.AdamW, grads, **kw)
     for cls_first, cls_then in ((torch.optim.AdamW, qf.AdamW), (qf.AdamW, torch.optim.AdamW)):
         half, opt = run(cls_first, grads[:3], **kw)
@@ -1123,20 +1341,34 @@ def test_adamw_is_a_drop_in_for_torch():
         got, _ = run(qf.AdamW, grads, **{**kw, **extra})
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
-    for key, value in (("amsgrad", True), ("maximize", True), ("foreach", False), ("capturable", True),
-                       ("fused", True), ("differentiable", True), ("decoupled_weight_decay", False)):
+    for key, value in (
+        ("amsgrad", True),
+        ("maximize", True),
+        ("foreach", False),
+        ("capturable", True),
+        ("fused", True),
+        ("differentiable", True),
+        ("decoupled_weight_decay", False),
+    ):
         with pytest.raises(ValueError, match=f"AdamW: {key}={value} is not implemented here"):
             qf.AdamW([torch.zeros(2, requires_grad=True)], **{key: value})
     with pytest.raises(TypeError, match="unexpected keyword argument 'momentum'"):
         qf.AdamW([torch.zeros(2, requires_grad=True)], momentum=0.9)
-    sparse, complex_ = torch.zeros(4, requires_grad=True), torch.zeros(4, dtype=torch.complex64, requires_grad=True)
+    sparse, complex_ = (
+        torch.zeros(4, requires_grad=True),
+        torch.zeros(4, dtype=torch.complex64, requires_grad=True),
+    )
     sparse.grad = torch.ones(4).to_sparse()
     complex_.grad = torch.ones(4, dtype=torch.complex64)
     for p in sparse, complex_:
-        with pytest.raises(RuntimeError, match="AdamW does not support sparse gradients or complex parameters"):
+        with pytest.raises(
+            RuntimeError, match="AdamW does not support sparse gradients or complex parameters"
+        ):
             qf.AdamW([p]).step()
 
+
 # ---- 7. Llama ---------------------------------------------------------------------------------
+
 
 def test_initial_model_equals_base_model():
     """At initialization (B = 0) the model's logits equal the base model's, computed by a plain
@@ -1165,8 +1397,10 @@ def test_llama_equals_reference_with_adapters():
     adapters = [p for p in model.parameters() if p.requires_grad]
     logits, ref = model(tokens), reference_logits(model, tokens)
     torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
-    for g, g_ref in zip(torch.autograd.grad(logits.square().mean(), adapters),
-                        torch.autograd.grad(ref.square().mean(), adapters)):
+    for g, g_ref in zip(
+        torch.autograd.grad(logits.square().mean(), adapters),
+        torch.autograd.grad(ref.square().mean(), adapters),
+    ):
         torch.testing.assert_close(g, g_ref, rtol=1e-3, atol=1e-6)
 
 
@@ -1178,10 +1412,17 @@ def test_only_adapters_require_grad():
     assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
     assert len(trainable) == 2 * 7 * model.config.num_hidden_layers
     sd = model.state_dict()
-    for key in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
-                "model.layers.0.post_attention_layernorm.weight", "model.norm.weight", "lm_head.weight",
-                "model.layers.3.self_attn.v_proj.lora_A", "model.layers.3.mlp.up_proj.lora_B"):
+    for key in (
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.3.self_attn.v_proj.lora_A",
+        "model.layers.3.mlp.up_proj.lora_B",
+    ):
         assert key in sd, key
     assert isinstance(sd["lm_head.weight"], qf.NF4Tensor)
     assert isinstance(sd["model.layers.0.self_attn.q_proj.weight"], qf.NF4Tensor)
@@ -1219,7 +1460,8 @@ def test_chunked_loss_equals_plain(dtype, compile, monkeypatch):
     if dtype == torch.float32:
         torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-5)
-    else:  # bf16 logits: the loss within bf16's rounding, the gradient (|g| ~ 1e-2) to a tenth of its size
+    # bf16 logits: the loss within bf16's rounding, the gradient (|g| ~ 1e-2) to a tenth of its size
+    else:
         torch.testing.assert_close(loss, ref, rtol=1e-3, atol=0)
         torch.testing.assert_close(h.grad, h_ref.grad, rtol=2e-2, atol=1e-3)
 
@@ -1228,19 +1470,23 @@ def test_chunked_loss_equals_plain(dtype, compile, monkeypatch):
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 def test_chunked_loss_ignores_targets(reduction, compile, monkeypatch):
     """With some targets IGNORE_INDEX (-100), the chunked cross entropy and its gradient equal
-    F.cross_entropy(ignore_index=-100) for reduction mean and sum; ignored rows get no gradient,
-    and when every target is ignored the loss is 0 and the gradient zero (not 0/0); compiled and eager."""
+    F.cross_entropy(ignore_index=-100) for reduction mean and sum; ignored rows get no gradient, and
+    when every target is ignored the loss is 0 and the gradient zero (not 0/0); compiled and eager.
+    """
     monkeypatch.setattr(qf, "COMPILE", compile)
     torch.manual_seed(0)
     w = qf.to_nf4(torch.randn(256, 64) / 8)
     t = torch.randint(256, (23,))
-    t[torch.tensor([0, 4, 5, 6, 17, 22])] = -100  # both ends, either side of a border of chunks of 5
+    # both ends, either side of a border of chunks of 5
+    t[torch.tensor([0, 4, 5, 6, 17, 22])] = -100
     for targets in (t, torch.full((23,), -100)):
         h = torch.randn(23, 64, requires_grad=True)
         loss = qf.chunked_cross_entropy(h, w, targets, chunk=5, reduction=reduction)
         (2 * loss).backward()
         h_ref = h.detach().clone().requires_grad_()
-        ref = F.cross_entropy(h_ref @ w.dequantize().T, targets, ignore_index=-100, reduction=reduction)
+        ref = F.cross_entropy(
+            h_ref @ w.dequantize().T, targets, ignore_index=-100, reduction=reduction
+        )
         if (targets == -100).all():
             assert loss.item() == 0 and torch.equal(h.grad, torch.zeros_like(h))
             continue
@@ -1263,13 +1509,16 @@ def test_loss_equals_logits_cross_entropy():
 @pytest.mark.parametrize("compile", [False, True])
 @pytest.mark.parametrize("bad", [-1, 50])
 def test_loss_refuses_targets_out_of_range(bad, compile, monkeypatch):
-    """A target outside [0, vocab) other than IGNORE_INDEX (-100) is an error, as in F.cross_entropy, not
-    silently class 0; checked before the compiled kernel, whose own bounds check can abort the process."""
+    """A target outside [0, vocab) other than IGNORE_INDEX (-100) is an error, as in
+    F.cross_entropy, not silently class 0; checked before the compiled kernel, whose own bounds
+    check can abort the process."""
     monkeypatch.setattr(qf, "COMPILE", compile)
     h, W, y = torch.randn(6, 32), torch.randn(50, 32), torch.tensor([1, 2, bad, 4, -100, 6])
     with pytest.raises(IndexError):
         F.cross_entropy(h @ W.T, y)
-    with pytest.raises(RuntimeError, match=r"a target is outside \[0, vocab\) and not IGNORE_INDEX"):
+    with pytest.raises(
+        RuntimeError, match=r"a target is outside \[0, vocab\) and not IGNORE_INDEX"
+    ):
         qf.chunked_cross_entropy(h, W, y)
 
 
@@ -1281,6 +1530,7 @@ def test_compiled_block_is_one_graph_holding_no_dense_weight():
     matmul op that uses it."""
     from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
     from torch._dynamo.backends.common import aot_autograd
+
     model = make_model(dtype=torch.bfloat16)
     layer = model.model.layers[0]
     dynamo_graphs, graphs = [], []
@@ -1288,21 +1538,32 @@ def test_compiled_block_is_one_graph_holding_no_dense_weight():
     def keep(gm, example_inputs):  # record a graph and run it as it is
         graphs.append(gm)
         return make_boxed_func(gm.forward)
-    aot = aot_autograd(fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition)
+
+    aot = aot_autograd(
+        fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
+    )
     backend = lambda gm, example_inputs: (dynamo_graphs.append(gm), aot(gm, example_inputs))[1]  # noqa: E731
     x = torch.randn(2, 16, 128, dtype=torch.bfloat16, requires_grad=True)
     cos, sin = qf.rope_cos_sin(model.config, 16, torch.device("cpu"), torch.bfloat16)
-    torch.compile(layer.forward, backend=backend, fullgraph=True)(x, cos, sin, True).float().sum().backward()
+    torch.compile(layer.forward, backend=backend, fullgraph=True)(
+        x, cos, sin, True
+    ).float().sum().backward()
     calls = [n.target for n in dynamo_graphs[0].graph.nodes if n.op == "call_function"]
     assert len(dynamo_graphs) == 1 and calls[0] is torch.ops.higher_order.tag_activation_checkpoint
     shapes = {tuple(m.weight.shape) for m in layer.modules() if isinstance(m, qf.LoRALinear)}
     shapes |= {s[::-1] for s in shapes} | {(math.prod(s),) for s in shapes}  # transposed, flat
-    shapes = {str(list(s)) for s in shapes}  # as text: a graph's shapes may hold (unhashable) SymInts
+    # as text: a graph's shapes may hold (unhashable) SymInts
+    shapes = {str(list(s)) for s in shapes}
     assert len(graphs) == 2  # forward, backward
     for gm in graphs:
         values = [n.meta.get("val") for n in gm.graph.nodes]
-        dense = [v.shape for v in values if isinstance(v, torch.Tensor) and v.dtype.is_floating_point
-                 and str(list(v.shape)) in shapes]
+        dense = [
+            v.shape
+            for v in values
+            if isinstance(v, torch.Tensor)
+            and v.dtype.is_floating_point
+            and str(list(v.shape)) in shapes
+        ]
         assert dense == [] and len(values) > 100
 
 
@@ -1323,8 +1584,9 @@ def test_tiny_model_overfits_a_batch():
 
 
 def test_rmsnorm_and_rope_tables_as_hugging_face():
-    """A bf16 RMSNorm with a random weight equals Hugging Face's weight * (normalized in fp32, cast to
-    bf16), bit for bit; RoPE's cos and sin tables are those of positions 0, 1, ... (the frequencies twice)."""
+    """A bf16 RMSNorm with a random weight equals Hugging Face's weight * (normalized in fp32, cast
+    to bf16), bit for bit; RoPE's cos and sin tables are those of positions 0, 1, ... (the
+    frequencies twice)."""
     norm = qf.RMSNorm(256, 1e-5, torch.bfloat16)
     with torch.no_grad():
         norm.weight.copy_(torch.randn(256))
@@ -1340,8 +1602,8 @@ def test_rmsnorm_and_rope_tables_as_hugging_face():
 
 
 def test_each_norm_in_its_place():
-    """With every norm weight random (not 1), the model equals the plain fp32 reference: each block's
-    two norms and the final one each scale what they should."""
+    """With every norm weight random (not 1), the model equals the plain fp32 reference: each
+    block's two norms and the final one each scale what they should."""
     torch.manual_seed(0)
     model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
     with torch.no_grad():
@@ -1349,23 +1611,46 @@ def test_each_norm_in_its_place():
             if name.endswith("norm.weight"):
                 p.copy_(1 + 0.5 * torch.randn_like(p))
         tokens = torch.randint(256, (2, 16))
-        torch.testing.assert_close(model(tokens), reference_logits(model, tokens), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model(tokens), reference_logits(model, tokens), rtol=1e-4, atol=1e-4
+        )
+
 
 # ---- 8. predicting the peak, and what a step keeps for backward ----------------------------
 
 # A 512-wide model whose activations (4 x 512 tokens: 2048 rows) outweigh its weights, and
 # whose activation shapes cannot be mistaken for a weight's (512, 256, 1536, 8192).
-MEM = qf.LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1536, num_hidden_layers=4,
-                     num_attention_heads=8, num_key_value_heads=4)
-MEM_ARGV = ["--model", "mem", "--batch_size", "4", "--seq_len", "512", "--device", "cpu", "--data", "dummy"]
+MEM = qf.LlamaConfig(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1536,
+    num_hidden_layers=4,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+)
+MEM_ARGV = [
+    "--model",
+    "mem",
+    "--batch_size",
+    "4",
+    "--seq_len",
+    "512",
+    "--device",
+    "cpu",
+    "--data",
+    "dummy",
+]
 
 
 def _allocated_peak(fn):
     """(result, peak, end) of the bytes fn allocates, from the profiler's allocator events."""
     with torch.profiler.profile(profile_memory=True) as prof:
         out = fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
-                    if e.name() == "[memory]")
+    events = sorted(
+        (e.start_ns(), e.nbytes())
+        for e in prof.profiler.kineto_results.events()
+        if e.name() == "[memory]"
+    )
     total = peak = 0
     for _, n in events:
         total += n
@@ -1379,13 +1664,15 @@ def _saved_for_backward(args):
     each block's recompute saves is recorded too (compiled, the recompute is part of the block's
     backward graph, which test_compiled_block_is_one_graph_holding_no_dense_weight reads)."""
     model, fsdp = qf.build(args, MEM, torch.device("cpu"))
-    shapes = {s for s in fsdp.base_shapes().values() if len(s) == 2}  # RMSNorm's 1-D weights are dense
+    # RMSNorm's 1-D weights are dense
+    shapes = {s for s in fsdp.base_shapes().values() if len(s) == 2}
     shapes |= {s[::-1] for s in shapes} | {(math.prod(s),) for s in shapes}  # transposed or flat
     found, seen = [], []
 
     def record(t):
         seen.append(tuple(t.shape))
-        if type(t) is torch.Tensor and t.is_floating_point() and tuple(t.shape) in shapes:  # not packed codes
+        # not packed codes
+        if type(t) is torch.Tensor and t.is_floating_point() and tuple(t.shape) in shapes:
             found.append(tuple(t.shape))
 
     @contextlib.contextmanager
@@ -1396,8 +1683,9 @@ def _saved_for_backward(args):
 
     real = qf.checkpoint
     if not args.compile:
-        qf.checkpoint = lambda *a, **k: real(*a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()),
-                                             **k)
+        qf.checkpoint = lambda *a, **k: real(
+            *a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()), **k
+        )
     try:
         x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), t)[1], lambda t: t):
@@ -1414,11 +1702,12 @@ def _step_memory(args):
     model(x, y).backward()
     loss, forward_peak, forward_end = _allocated_peak(lambda: model(x, y))
     _, backward_peak, _ = _allocated_peak(loss.backward)
-    est = qf.predicted_memory(args, 1)
-    return max(forward_peak, forward_end + backward_peak), est["activation_peak"] + est["gathers"]
+    est = qf.predicted_memory(args, 1, MEM)
+    return max(forward_peak, forward_end + backward_peak), est.activation_peak + est.gathers
 
 
-PATHS = [(True, True), (True, False), (False, True), (False, False)]  # (compiled blocks, checkpointing)
+# (compiled blocks, checkpointing)
+PATHS = [(True, True), (True, False), (False, True), (False, False)]
 
 
 def _mem_worker(out_path):
@@ -1428,9 +1717,15 @@ def _mem_worker(out_path):
     qf.CONFIGS["mem"] = MEM
     out = {}
     for compile, checkpointing in PATHS:
-        args = qf.parse_args(MEM_ARGV + ["--compile" if compile else "--no-compile",
-                                         "--checkpointing" if checkpointing else "--no-checkpointing"])
-        qf.COMPILE = compile  # as train() sets it: the NF4 kernels and the loss follow --compile too
+        args = qf.parse_args(
+            MEM_ARGV
+            + [
+                "--compile" if compile else "--no-compile",
+                "--checkpointing" if checkpointing else "--no-checkpointing",
+            ]
+        )
+        # as train() sets it: the NF4 kernels and the loss follow --compile too
+        qf.COMPILE = compile
         out["saved", compile, checkpointing] = _saved_for_backward(args)
         out["memory", compile, checkpointing] = _step_memory(args)
     torch.save(out, out_path)
@@ -1457,7 +1752,9 @@ def _mem_process(request, tmp_path_factory):
 def mem_runs(_mem_process):
     proc, path = _mem_process
     proc.join()
-    assert proc.exitcode == 0, f"the MEM checks' process failed (exit code {proc.exitcode}; its traceback is above)"
+    assert proc.exitcode == 0, (
+        f"the MEM checks' process failed (exit code {proc.exitcode}; its traceback is above)"
+    )
     return torch.load(path)
 
 
@@ -1490,16 +1787,17 @@ def test_estimate_bounds_compiled_blocks_without_checkpointing(mem_runs):
 
 def test_estimate_counts_the_real_all_gather_buffers():
     """The estimate's all-gather row is two of a block unit's all-gathered buffers, each the bytes
-    FSDP actually lays out for the unit (within the NF4 scale factors and mean per tensor); its sharded
-    rows at world 2 are half of world 1's."""
+    FSDP actually lays out for the unit (within the NF4 scale factors and mean per tensor); its
+    sharded rows at world 2 are half of world 1's."""
     args = qf.parse_args(BASE + ["--batch_size", "2"])  # fp32
     _, fsdp = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
     unit = fsdp.units[1]  # a block
     est = qf.estimate_memory(qf.CONFIGS["tiny"], world=1, dtype_bytes=4)
-    assert abs(est["gathers"] / 2 - unit.unit_bytes) <= len(unit.slots) * 8  # NF4's scale factors and mean
+    # NF4's scale factors and mean
+    assert abs(est.gathers / 2 - unit.unit_bytes) <= len(unit.slots) * 8
     half = qf.estimate_memory(qf.CONFIGS["tiny"], world=2, dtype_bytes=4)
-    for row, v in est["state"].items():
-        assert half["state"][row] == pytest.approx(v / 2), row
+    for row, v in est.state.items():
+        assert half.state[row] == pytest.approx(v / 2), row
 
 
 def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
@@ -1514,7 +1812,7 @@ def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
     assert "checkpointed block inputs" in out and "predicted peak per GPU" in out
     monkeypatch.setenv("WORLD_SIZE", "1")
     est = qf.estimate_memory(qf.CONFIGS["tiny"], world=1, dtype_bytes=4)
-    weights = sum(v for k, v in est["state"].items() if "gradients" not in k and "AdamW" not in k)
+    weights = sum(v for k, v in est.state.items() if "gradients" not in k and "AdamW" not in k)
     run = run_single(BASE + ["--batch_size", "2", "--steps", "1"])
     assert abs(weights - run["local_bytes"]) < 0.05 * run["local_bytes"]
 
@@ -1528,46 +1826,77 @@ def fit_json(argv, world, capsys, monkeypatch):
 
 
 @pytest.mark.parametrize("model", ["llama2-7b", "llama3-8b", "llama2-70b"])
-def test_fit_plans_fit_keep_the_batch_and_never_get_slower_with_more_memory(model, capsys, monkeypatch):
-    """For 7B, 8B and 70B at world 1, 2 and 8 and budgets from 0.5 to 80 GiB per GPU, --estimate --fit's plan fits
-    the budget, keeps this rank's batch (micro-batch x grad_accum = 8), is --estimate's prediction with the plan's
-    flags given by hand, and a larger budget never picks a plan later (slower) in fit_plans' order, every plan
-    before it not fitting; a budget nothing fits is one error naming the smallest peak (the list's last plan)."""
-    monkeypatch.setattr(qf, "host_available", lambda: None)  # the host's memory: test_fit_weighs_the_host_memory_too
+def test_fit_plans_fit_keep_the_batch_and_never_get_slower_with_more_memory(
+    model, capsys, monkeypatch
+):
+    """For 7B, 8B and 70B at world 1, 2 and 8 and budgets from 0.5 to 80 GiB per GPU, --estimate
+    --fit's plan fits the budget, keeps this rank's batch (micro-batch x grad_accum = 8), is
+    --estimate's prediction with the plan's flags given by hand, and a larger budget never picks a
+    plan later (slower) in fit_plans' order, every plan before it not fitting; a budget nothing fits
+    is one error naming the smallest peak (the list's last plan)."""
+    # the host's memory: test_fit_weighs_the_host_memory_too
+    monkeypatch.setattr(qf, "host_available", lambda: None)
     argv = ["--model", model, "--batch_size", "4", "--grad_accum", "2", "--seq_len", "2048"]
     plans = qf.fit_plans(qf.parse_args(argv))
     peaks = {}
     for world in (1, 2, 8):
         for i, plan in enumerate(plans):
-            hand = ["--batch_size", str(plan.batch_size), "--grad_accum", str(plan.grad_accum),
-                    "--checkpointing" if plan.checkpointing else "--no-checkpointing"]
-            hand += ["--offload_activations"] * plan.offload_activations + ["--cpu_offload"] * plan.cpu_offload
-            peaks[world, i] = fit_json(argv[:2] + ["--seq_len", "2048"] + hand, world, capsys, monkeypatch)
+            hand = [
+                "--batch_size",
+                str(plan.batch_size),
+                "--grad_accum",
+                str(plan.grad_accum),
+                "--checkpointing" if plan.checkpointing else "--no-checkpointing",
+            ]
+            hand += ["--offload_activations"] * plan.offload_activations + [
+                "--cpu_offload"
+            ] * plan.cpu_offload
+            peaks[world, i] = fit_json(
+                argv[:2] + ["--seq_len", "2048"] + hand, world, capsys, monkeypatch
+            )
         last, refused = len(plans), 0
         for budget in (0.5, 4, 6, 8, 12, 16, 24, 40, 80):
             try:
                 got = fit_json(argv + ["--fit", str(budget)], world, capsys, monkeypatch)
             except SystemExit as e:
                 assert e.code == 2 and peaks[world, len(plans) - 1]["predicted_peak_gib"] > budget
-                said = re.search(r"the smallest predicted peak is ([\d.]+) GiB", capsys.readouterr().err)
-                assert said and abs(float(said[1]) - peaks[world, len(plans) - 1]["predicted_peak_gib"]) <= 0.006
+                said = re.search(
+                    r"the smallest predicted peak is ([\d.]+) GiB", capsys.readouterr().err
+                )
+                assert (
+                    said
+                    and abs(float(said[1]) - peaks[world, len(plans) - 1]["predicted_peak_gib"])
+                    <= 0.006
+                )
                 refused += 1
                 continue
-            i = next(i for i, p in enumerate(plans) if all(got[k] == getattr(p, k) for k in qf.FIT_FLAGS))
-            assert got["predicted_peak_gib"] <= budget and got["batch_size"] * got["grad_accum"] == 8
+            i = next(
+                i for i, p in enumerate(plans) if all(got[k] == getattr(p, k) for k in qf.FIT_FLAGS)
+            )
+            assert (
+                got["predicted_peak_gib"] <= budget and got["batch_size"] * got["grad_accum"] == 8
+            )
             assert got == {**peaks[world, i], "max_seq_len": got["max_seq_len"], "seq_len": 2048}
-            assert all(peaks[world, j]["predicted_peak_gib"] > budget for j in range(i)) and i <= last
+            assert (
+                all(peaks[world, j]["predicted_peak_gib"] > budget for j in range(i)) and i <= last
+            )
             last = i
-        assert 0 < refused < 9 and last < len(plans) - 1  # 0.5 GiB fits nothing; 80 GiB needs no offload
+        # 0.5 GiB fits nothing; 80 GiB needs no offload
+        assert 0 < refused < 9 and last < len(plans) - 1
 
 
 def test_fit_weighs_the_host_memory_too(capsys, monkeypatch):
-    """A plan whose host memory (the estimate's host row) is more than the machine has is not chosen, and the
-    printout says so: Llama-2-70B on one 12 GiB GPU needs --cpu_offload, which 1 GiB of host cannot hold."""
+    """A plan whose host memory (the estimate's host row) is more than the machine has is not
+    chosen, and the printout says so: Llama-2-70B on one 12 GiB GPU needs --cpu_offload, which 1 GiB
+    of host cannot hold."""
     monkeypatch.setattr(qf, "host_available", lambda: qf.GiB)
     with pytest.raises(SystemExit):
-        fit_json(["--model", "llama2-70b", "--batch_size", "2", "--seq_len", "2048", "--fit", "12"], 1, capsys,
-                 monkeypatch)
+        fit_json(
+            ["--model", "llama2-70b", "--batch_size", "2", "--seq_len", "2048", "--fit", "12"],
+            1,
+            capsys,
+            monkeypatch,
+        )
     out, err = capsys.readouterr()
     assert "its host memory is not available" in out and "of host memory are not available" in err
 
@@ -1576,18 +1905,27 @@ def test_fit_needs_a_number_on_a_cpu(capsys):
     """--fit without a number asks the GPU for its free memory: on a CPU it is one error line."""
     with pytest.raises(SystemExit) as exc:
         qf.main(BASE + ["--batch_size", "2", "--fit"])
-    assert exc.value.code == 2 and "--fit: on a CPU give the memory to fit in" in capsys.readouterr().err
+    assert (
+        exc.value.code == 2
+        and "--fit: on a CPU give the memory to fit in" in capsys.readouterr().err
+    )
 
 
 # ---- 9. Hugging Face checkpoints ----------------------------------------------------------------
+
 
 def write_st(path, tensors, header_patch=None):
     """An independent safetensors writer (length, JSON header, raw bytes) for the reader to face."""
     names = {torch.bfloat16: "BF16", torch.float32: "F32", torch.float16: "F16", torch.int16: "I16"}
     header, blobs, offset = {}, [], 0
     for name, t in tensors.items():
-        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()  # a 0-d tensor as 1 element
-        header[name] = {"dtype": names[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + len(raw)]}
+        # a 0-d tensor as 1 element
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        header[name] = {
+            "dtype": names[t.dtype],
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(raw)],
+        }
         blobs.append(raw)
         offset += len(raw)
     if header_patch:
@@ -1601,10 +1939,17 @@ def hf_state_dict(config, dtype=torch.bfloat16, seed=0):
     """Dense random weights under Hugging Face's LlamaForCausalLM names."""
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in qf.Llama(config).named_parameters() if not p.requires_grad}
-    return {n: (torch.ones(s) + 0.1 * torch.randn(s, generator=g) if "norm" in n
-                else torch.randn(s, generator=g) * (1.0 if "embed" in n else s[1] ** -0.5)).to(dtype)
-            for n, s in shapes.items()}
+        shapes = {
+            n: tuple(p.shape) for n, p in qf.Llama(config).named_parameters() if not p.requires_grad
+        }
+    return {
+        n: (
+            torch.ones(s) + 0.1 * torch.randn(s, generator=g)
+            if "norm" in n
+            else torch.randn(s, generator=g) * (1.0 if "embed" in n else s[1] ** -0.5)
+        ).to(dtype)
+        for n, s in shapes.items()
+    }
 
 
 def write_hf_checkpoint(path, config, sd, shards=1):
@@ -1646,7 +1991,9 @@ def test_from_pretrained_equals_quantized_originals(shards, tmp_path, hf_dir):
     for name, w in sd.items():
         p = params[name]
         if isinstance(p, qf.NF4Tensor):
-            assert torch.equal(p.dequantize(torch.float32), qf.to_nf4(w.float()).dequantize(torch.float32)), name
+            assert torch.equal(
+                p.dequantize(torch.float32), qf.to_nf4(w.float()).dequantize(torch.float32)
+            ), name
         else:
             assert torch.equal(p, w.float()), name
     ref = make_model()
@@ -1655,7 +2002,9 @@ def test_from_pretrained_equals_quantized_originals(shards, tmp_path, hf_dir):
     tokens = torch.randint(256, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), ref(tokens), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(model(tokens), reference_logits(ref, tokens), rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(
+            model(tokens), reference_logits(ref, tokens), rtol=1e-4, atol=1e-4
+        )
 
 
 def test_tied_embeddings_and_rope_constants_load(tmp_path):
@@ -1671,17 +2020,31 @@ def test_tied_embeddings_and_rope_constants_load(tmp_path):
     model = qf.Llama.from_pretrained(path, dtype=torch.float32)
     embed = sd["model.embed_tokens.weight"].float()
     assert torch.equal(model.model.embed_tokens.weight, embed)
-    assert torch.equal(model.lm_head.weight.dequantize(torch.float32), qf.to_nf4(embed).dequantize(torch.float32))
+    assert torch.equal(
+        model.lm_head.weight.dequantize(torch.float32), qf.to_nf4(embed).dequantize(torch.float32)
+    )
 
 
 def test_config_llama3_and_transformers5_layout():
     """config.json from transformers 4 (rope_theta, rope_scaling) and 5 (rope_parameters) give the
     same LlamaConfig and frequencies; Llama 3.1 scaling equals Meta's apply_scaling, written out
     here: low frequencies divided by `factor`, high ones kept, a smooth band between."""
-    rs = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-          "original_max_position_embeddings": 8192}
-    base = dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8)
+    rs = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
+    base = dict(
+        model_type="llama",
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+    )
     v4 = qf.config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": rs})
     v5 = qf.config_from_hf({**base, "rope_parameters": {**rs, "rope_theta": 500000.0}})
     assert v4.rope_theta == v5.rope_theta == 500000.0 and v4.num_key_value_heads == 8
@@ -1705,19 +2068,28 @@ def test_config_llama3_and_transformers5_layout():
             band += 1
     assert band > 0
     torch.testing.assert_close(scaled, torch.tensor(meta, dtype=torch.float32), rtol=1e-6, atol=0)
-    # Older transformers name the type "type"; the three other keys have Meta's defaults (1, 4, 8192).
-    older = qf.config_from_hf({**base, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0}})
+    # Older transformers name the type "type"; the three other keys have Meta's defaults (1, 4,
+    # 8192).
+    older = qf.config_from_hf(
+        {**base, "rope_theta": 500000.0, "rope_scaling": {"type": "llama3", "factor": 8.0}}
+    )
     assert torch.equal(qf.rope_inv_freq(older), scaled)
 
 
 def train_run(argv):
-    summary, losses, fsdp = qf.train(qf.parse_args(argv))
-    return dict(summary=summary, losses=losses, adapters=fsdp.full_adapters(), local_bytes=fsdp.local_bytes())
+    summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv))
+    return dict(
+        summary=summary,
+        losses=losses,
+        adapters=fsdp.full_adapters(),
+        local_bytes=fsdp.local_bytes(),
+    )
 
 
 def test_peft_adapter_files(tmp_path):
-    """--out writes adapter_model.safetensors with PEFT's keys (base_model.model.<module>.lora_A.weight,
-    A rank x in, B out x rank) and adapter_config.json; they load back exactly."""
+    """--out writes adapter_model.safetensors with PEFT's keys
+    (base_model.model.<module>.lora_A.weight, A rank x in, B out x rank) and adapter_config.json;
+    they load back exactly."""
     out = str(tmp_path / "out")
     run = train_run(BASE + ["--steps", "2", "--batch_size", "2", "--out", out, "--lora_rank", "4"])
     with open(os.path.join(out, "adapter_model.safetensors"), "rb") as f:  # read the header by hand
@@ -1725,13 +2097,30 @@ def test_peft_adapter_files(tmp_path):
         header = json.loads(f.read(n))
     keys = {k for k in header if k != "__metadata__"}
     assert len(keys) == 2 * 7 * 4
-    assert header["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]["shape"] == [4, 128]
-    assert header["base_model.model.model.layers.3.mlp.down_proj.lora_B.weight"]["shape"] == [128, 4]
-    assert header["base_model.model.model.layers.2.self_attn.k_proj.lora_B.weight"]["shape"] == [64, 4]
+    assert header["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]["shape"] == [
+        4,
+        128,
+    ]
+    assert header["base_model.model.model.layers.3.mlp.down_proj.lora_B.weight"]["shape"] == [
+        128,
+        4,
+    ]
+    assert header["base_model.model.model.layers.2.self_attn.k_proj.lora_B.weight"]["shape"] == [
+        64,
+        4,
+    ]
     with open(os.path.join(out, "adapter_config.json")) as f:
         cfg = json.load(f)
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["lora_alpha"] == 16.0
-    assert set(cfg["target_modules"]) == {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+    assert set(cfg["target_modules"]) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
     assert cfg["task_type"] == "CAUSAL_LM" and cfg["bias"] == "none"
     loaded = qf.load_adapters(out)
     assert loaded.keys() == run["adapters"].keys()
@@ -1744,13 +2133,25 @@ def test_resume_equals_uninterrupted(tmp_path, dropout):
     """Stopped after step 3 and resumed with --resume, a run ends with bitwise the same adapters
     (and losses) as an uninterrupted one (CPU, fp32, same world size), with LoRA dropout too; only
     the newest checkpoint stays in --out."""
-    argv = BASE + ["--steps", "6", "--batch_size", "2", "--lr", "0.5", "--adam_eps", "1e-8", "--lora_dropout", dropout]
+    argv = BASE + [
+        "--steps",
+        "6",
+        "--batch_size",
+        "2",
+        "--lr",
+        "0.5",
+        "--adam_eps",
+        "1e-8",
+        "--lora_dropout",
+        dropout,
+    ]
     full = train_run(argv)
     out = str(tmp_path / "run")
     first = train_run(argv + ["--out", out, "--save_every", "3", "--stop_at", "3"])
     assert open(os.path.join(out, "latest")).read() == "checkpoint-3"
     rest = train_run(argv + ["--out", out, "--resume"])
-    assert [d for d in os.listdir(out) if d.startswith("checkpoint-")] == ["checkpoint-6"]  # only the newest kept
+    # only the newest kept
+    assert [d for d in os.listdir(out) if d.startswith("checkpoint-")] == ["checkpoint-6"]
     assert first["losses"] + rest["losses"] == full["losses"]
     for k, v in full["adapters"].items():
         assert torch.equal(rest["adapters"][k], v), k
@@ -1765,7 +2166,9 @@ def test_resume_at_another_world_size(tmp_path):
     train_run(argv + ["--batch_size", "4", "--out", out, "--save_every", "3", "--stop_at", "3"])
     results = run_sharded(2, argv + ["--batch_size", "2", "--out", out, "--resume"], tmp_path)
     for r in results:
-        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            torch.tensor(r["losses"]), torch.tensor(full["losses"][3:]), rtol=1e-5, atol=1e-5
+        )
         for k, v in full["adapters"].items():
             torch.testing.assert_close(r["adapters"][k], v, rtol=1e-5, atol=1e-6, msg=k)
 
@@ -1779,11 +2182,17 @@ def test_sharded_save_resumes_in_one_process_and_merges_alike(tmp_path):
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     stop = ["--stop_at", "2", "--out"]
     train_run(argv + ["--batch_size", "4"] + stop + [one, "--merge_to", one + "-merged"])
-    run_sharded(2, argv + ["--batch_size", "2"] + stop + [two, "--merge_to", two + "-merged"], tmp_path)
-    merged = [qf.SafetensorsFile(os.path.join(d + "-merged", "model.safetensors")) for d in (one, two)]
+    run_sharded(
+        2, argv + ["--batch_size", "2"] + stop + [two, "--merge_to", two + "-merged"], tmp_path
+    )
+    merged = [
+        qf.SafetensorsFile(os.path.join(d + "-merged", "model.safetensors")) for d in (one, two)
+    ]
     assert merged[0].entries.keys() == merged[1].entries.keys()
     for name in merged[0].entries:
-        torch.testing.assert_close(merged[1].get(name), merged[0].get(name), rtol=1e-5, atol=1e-6, msg=name)
+        torch.testing.assert_close(
+            merged[1].get(name), merged[0].get(name), rtol=1e-5, atol=1e-6, msg=name
+        )
     resumed = train_run(argv + ["--batch_size", "4", "--out", two, "--resume"])
     assert_same_run(resumed, dict(losses=full["losses"][2:], adapters=full["adapters"]))
 
@@ -1815,7 +2224,7 @@ def test_interrupted_save_keeps_previous_checkpoint(dies, tmp_path, monkeypatch)
     else:
         monkeypatch.setattr(qf.os, "replace", dying_replace)
     with pytest.raises(KeyboardInterrupt):
-        qf.train(qf.parse_args(argv + ["--out", out, "--save_every", "2"]))
+        qf.fine_tune(qf.parse_args(argv + ["--out", out, "--save_every", "2"]))
     monkeypatch.setattr(qf, "save_safetensors", real_save)
     monkeypatch.setattr(qf.os, "replace", real_replace)
     assert open(os.path.join(out, "latest")).read() == "checkpoint-2"
@@ -1841,40 +2250,68 @@ def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
     with open(os.path.join(path, "generation_config.json"), "w") as f:
         json.dump({"eos_token_id": [2, 3]}, f)
     out, merged = str(tmp_path / "out"), str(tmp_path / "merged")
-    train_run(BASE + ["--steps", "2", "--batch_size", "2", "--checkpoint", path, "--out", out, "--merge_to", merged])
+    train_run(
+        BASE
+        + [
+            "--steps",
+            "2",
+            "--batch_size",
+            "2",
+            "--checkpoint",
+            path,
+            "--out",
+            out,
+            "--merge_to",
+            merged,
+        ]
+    )
     adapters = qf.load_adapters(out)
     sf = qf.SafetensorsFile(os.path.join(merged, "model.safetensors"))
     assert sf.entries.keys() == sd.keys()
     for name, w in sd.items():
-        module = name[:-len(".weight")]
-        expected = qf.to_nf4(w.float()).dequantize(torch.float32) if w.dim() == 2 and "embed" not in name else w.float()
+        module = name[: -len(".weight")]
+        expected = (
+            qf.to_nf4(w.float()).dequantize(torch.float32)
+            if w.dim() == 2 and "embed" not in name
+            else w.float()
+        )
         if module + ".lora_A" in adapters:
-            assert adapters[module + ".lora_B"].abs().max() > 0  # trained: the merge changes the weight
-            expected = expected + 2.0 * (adapters[module + ".lora_B"] @ adapters[module + ".lora_A"])
+            # trained: the merge changes the weight
+            assert adapters[module + ".lora_B"].abs().max() > 0
+            expected = expected + 2.0 * (
+                adapters[module + ".lora_B"] @ adapters[module + ".lora_A"]
+            )
         torch.testing.assert_close(sf.get(name), expected, rtol=1e-6, atol=1e-6, msg=name)
     reloaded = qf.Llama.from_pretrained(merged, dtype=torch.float32)
     assert isinstance(reloaded.lm_head.weight, qf.NF4Tensor)
     with open(os.path.join(merged, "config.json")) as f:
         merged_cfg = json.load(f)
     assert merged_cfg["bos_token_id"] == 1 and merged_cfg["eos_token_id"] == [2, 3]
-    assert merged_cfg["hidden_size"] == cfg["hidden_size"] and merged_cfg["tie_word_embeddings"] is False
+    assert (
+        merged_cfg["hidden_size"] == cfg["hidden_size"]
+        and merged_cfg["tie_word_embeddings"] is False
+    )
     assert os.path.isfile(os.path.join(merged, "generation_config.json"))
 
 
 def test_sharded_export_round_trips_bit_for_bit(tmp_path):
-    """--merge_to above --max_shard_size writes Hugging Face's sharded layout: model-0000k-of-0000n.safetensors,
-    each at most the limit unless one tensor is larger, and model.safetensors.index.json listing every tensor once
-    (total_size its bytes); our loader reads it to the same tensors, bit for bit, as the single-file export."""
+    """--merge_to above --max_shard_size writes Hugging Face's sharded layout:
+    model-0000k-of-0000n.safetensors, each at most the limit unless one tensor is larger, and
+    model.safetensors.index.json listing every tensor once (total_size its bytes); our loader reads
+    it to the same tensors, bit for bit, as the single-file export."""
     argv = BASE + ["--steps", "2", "--batch_size", "2", "--dtype", "bf16"]
     one, sharded = str(tmp_path / "one"), str(tmp_path / "sharded")
     train_run(argv + ["--merge_to", one])
-    train_run(argv + ["--merge_to", sharded, "--max_shard_size", "0.0002"])  # 200 kB; the embeddings are 65.5 kB
+    # 200 kB; the embeddings are 65.5 kB
+    train_run(argv + ["--merge_to", sharded, "--max_shard_size", "0.0002"])
     assert sorted(os.listdir(one)) == ["config.json", "model.safetensors"]
     index = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))
     files = sorted(set(index["weight_map"].values()))
     n = len(files)
     assert n > 3 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-    assert sorted(os.listdir(sharded)) == sorted(files + ["config.json", "model.safetensors.index.json"])
+    assert sorted(os.listdir(sharded)) == sorted(
+        files + ["config.json", "model.safetensors.index.json"]
+    )
     whole = qf.SafetensorsFile(os.path.join(one, "model.safetensors"))
     assert sorted(index["weight_map"]) == sorted(whole.entries)  # every tensor, once
     for f in files:
@@ -1892,17 +2329,24 @@ def test_sharded_export_round_trips_bit_for_bit(tmp_path):
 
 
 def test_loading_and_drawing_report_progress(tmp_path, hf_dir, monkeypatch, capsys):
-    """Loading a checkpoint and drawing a random base print, on rank 0, a line at least every PROGRESS_S seconds
-    (here 0: after every tensor) with the tensors done of all, the bytes read of all, the rate and the time
-    left, and one line when done."""
+    """Loading a checkpoint and drawing a random base print, on rank 0, a line at least every
+    PROGRESS_S seconds (here 0: after every tensor) with the tensors done of all, the bytes read of
+    all, the rate and the time left, and one line when done."""
     monkeypatch.setattr(qf, "PROGRESS_S", 0.0)
-    for argv, what in ((["--checkpoint", hf_dir[0]], f"loading {hf_dir[0]}"), ([], "drawing a random base")):
+    for argv, what in (
+        (["--checkpoint", hf_dir[0]], f"loading {hf_dir[0]}"),
+        ([], "drawing a random base"),
+    ):
         capsys.readouterr()
         train_run(BASE + ["--steps", "1", "--batch_size", "2"] + argv)
         lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith(what)]
-        assert len(lines) == 40 and re.fullmatch(rf"{re.escape(what)}: 39 tensors, [\d.]+ [kM]B in [\d.]+ s \(.+/s\)",
-                                                 lines[-1]), lines[-1]
-        assert re.fullmatch(rf"{re.escape(what)}: 1/39 tensors, [\d.]+ [kM]?B of [\d.]+ MB, .+/s, \d+ s left", lines[0])
+        assert len(lines) == 40 and re.fullmatch(
+            rf"{re.escape(what)}: 39 tensors, [\d.]+ [kM]B in [\d.]+ s \(.+/s\)", lines[-1]
+        ), lines[-1]
+        assert re.fullmatch(
+            rf"{re.escape(what)}: 1/39 tensors, [\d.]+ [kM]?B of [\d.]+ MB, .+/s, \d+ s left",
+            lines[0],
+        )
 
 
 def _bad(tmp_path, hf_dir, case):
@@ -1921,71 +2365,129 @@ def _bad(tmp_path, hf_dir, case):
     if case == "missing dir":
         return ["--checkpoint", d], "no such directory"
     if case == "llama3 rope without factor":
-        return ckpt(cfg={**cfg, "rope_scaling": {"rope_type": "llama3"}}), "llama3 rope_scaling needs a positive factor"
+        return ckpt(
+            cfg={**cfg, "rope_scaling": {"rope_type": "llama3"}}
+        ), "llama3 rope_scaling needs a positive factor"
     if case == "head dim":
-        return ckpt(cfg={**cfg, "head_dim": 64}), "head_dim must be hidden_size / num_attention_heads"
+        return ckpt(
+            cfg={**cfg, "head_dim": 64}
+        ), "head_dim must be hidden_size / num_attention_heads"
     if case == "rope yarn":
-        return ckpt(cfg={**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}), \
-            "rope_scaling type 'yarn' is not supported"
+        return ckpt(
+            cfg={**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
+        ), "rope_scaling type 'yarn' is not supported"
     if case == "bytes for shape":
-        return ckpt(patch=lambda h: h["model.norm.weight"].update(shape=[64])), "bytes for shape [64]"
+        return ckpt(
+            patch=lambda h: h["model.norm.weight"].update(shape=[64])
+        ), "bytes for shape [64]"
     if case == "negative offsets":
-        return ckpt(patch=lambda h: h["model.norm.weight"].update(data_offsets=[-16, 0])), \
-            "offsets [-16, 0] run past"
+        return ckpt(
+            patch=lambda h: h["model.norm.weight"].update(data_offsets=[-16, 0])
+        ), "offsets [-16, 0] run past"
     if case == "infinite theta":
         return ckpt(cfg={**cfg, "rope_theta": float("inf")}), "rope_theta must be a positive number"
     if case == "kv heads as text":
-        return ckpt(cfg={**cfg, "num_key_value_heads": "2"}), "num_key_value_heads must divide num_attention_heads"
+        return ckpt(
+            cfg={**cfg, "num_key_value_heads": "2"}
+        ), "num_key_value_heads must divide num_attention_heads"
     if case == "eps as text":
         return ckpt(cfg={**cfg, "rms_norm_eps": "1e-5"}), "rms_norm_eps must be a positive number"
     if case == "kv heads":
-        return ckpt(cfg={**cfg, "num_key_value_heads": 3}), "num_key_value_heads must divide num_attention_heads"
+        return ckpt(
+            cfg={**cfg, "num_key_value_heads": 3}
+        ), "num_key_value_heads must divide num_attention_heads"
     if case == "hidden size":
-        return ckpt(cfg={**{k: v for k, v in cfg.items() if k != "head_dim"}, "hidden_size": 4, "vocab_size": 10,
-                         "num_attention_heads": 1, "num_key_value_heads": 1}), \
-            "every weight's size must be a multiple of 64"
+        return ckpt(
+            cfg={
+                **{k: v for k, v in cfg.items() if k != "head_dim"},
+                "hidden_size": 4,
+                "vocab_size": 10,
+                "num_attention_heads": 1,
+                "num_key_value_heads": 1,
+            }
+        ), "every weight's size must be a multiple of 64"
     if case == "index of numbers":
         args = ckpt()
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
             json.dump({"weight_map": {"lm_head.weight": 3}}, f)
         return args, "not a safetensors index (no weight_map of file names)"
-    if case == "far more layers":  # the model used to be built first: minutes of modules, then the mismatch
-        return ckpt(cfg={**cfg, "num_hidden_layers": 10**6}), \
-            "8,999,964 tensors missing from the checkpoint, e.g. model.layers.4.input_layernorm.weight"
-    if case == "far wider":  # its shards used to be allocated first: tens of GB, the allocator's traceback
-        return ckpt(cfg={**{k: v for k, v in cfg.items() if k != "head_dim"}, "hidden_size": 1 << 16,
-                         "intermediate_size": 1 << 18}), \
-            "tensor model.embed_tokens.weight has shape [256, 128], config.json implies [256, 65536]"
-    if case in ("index climbs out", "index absolute"):  # a weight_map naming files outside the checkpoint
+    # the model used to be built first: minutes of modules, then the mismatch
+    if case == "far more layers":
+        return (
+            ckpt(cfg={**cfg, "num_hidden_layers": 10**6}),
+            "8,999,964 tensors missing from the checkpoint, "
+            "e.g. model.layers.4.input_layernorm.weight",
+        )
+    # its shards used to be allocated first: tens of GB, the allocator's traceback
+    if case == "far wider":
+        return ckpt(
+            cfg={
+                **{k: v for k, v in cfg.items() if k != "head_dim"},
+                "hidden_size": 1 << 16,
+                "intermediate_size": 1 << 18,
+            }
+        ), "tensor model.embed_tokens.weight has shape [256, 128], config.json implies [256, 65536]"
+    # a weight_map naming files outside the checkpoint
+    if case in ("index climbs out", "index absolute"):
         args = ckpt()
-        target = "../elsewhere.safetensors" if case == "index climbs out" else os.path.join(path, "model.safetensors")
+        target = (
+            "../elsewhere.safetensors"
+            if case == "index climbs out"
+            else os.path.join(path, "model.safetensors")
+        )
         with open(os.path.join(d, "model.safetensors.index.json"), "w") as f:
             json.dump({"weight_map": {"lm_head.weight": target}}, f)
-        return args, f"entry lm_head.weight names {target!r}, not a file in the checkpoint directory"
+        return (
+            args,
+            f"entry lm_head.weight names {target!r}, not a file in the checkpoint directory",
+        )
     if case == "boolean as text":
-        return (ckpt(cfg={**cfg, "tie_word_embeddings": "false"}),
-                "tie_word_embeddings must be true or false, not 'false'")
+        return (
+            ckpt(cfg={**cfg, "tie_word_embeddings": "false"}),
+            "tie_word_embeddings must be true or false, not 'false'",
+        )
     if case == "context length 0":
-        return ckpt(cfg={**cfg, "max_position_embeddings": 0}), "max_position_embeddings must be a positive integer"
+        return ckpt(
+            cfg={**cfg, "max_position_embeddings": 0}
+        ), "max_position_embeddings must be a positive integer"
     if case == "layers as true":
-        return ckpt(cfg={**cfg, "num_hidden_layers": True}), "num_hidden_layers is missing or not a positive integer"
+        return ckpt(
+            cfg={**cfg, "num_hidden_layers": True}
+        ), "num_hidden_layers is missing or not a positive integer"
     if case == "merge onto the base":
-        return ["--checkpoint", path, "--merge_to", path], "holds a model already; choose a new directory"
+        return [
+            "--checkpoint",
+            path,
+            "--merge_to",
+            path,
+        ], "holds a model already; choose a new directory"
     if case == "missing config":
         os.makedirs(d)
         return ["--checkpoint", d], "config.json: no such file"
     if case == "not a llama":
-        return ckpt(cfg={**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}), "not a Llama"
+        return ckpt(
+            cfg={**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
+        ), "not a Llama"
     if case == "wrong shape":
-        return ckpt(sd={**sd, "model.norm.weight": torch.ones(64)}), "model.norm.weight has shape [64]"
+        return ckpt(
+            sd={**sd, "model.norm.weight": torch.ones(64)}
+        ), "model.norm.weight has shape [64]"
     if case == "unexpected name":
-        return ckpt(sd={**sd, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}), "unexpected tensor"
+        return ckpt(
+            sd={**sd, "model.layers.9.mlp.up_proj.weight": torch.ones(2, 2)}
+        ), "unexpected tensor"
     if case == "missing tensor":
-        return ckpt(sd={k: v for k, v in sd.items() if k != "lm_head.weight"}), "missing from the checkpoint"
+        return ckpt(
+            sd={k: v for k, v in sd.items() if k != "lm_head.weight"}
+        ), "missing from the checkpoint"
     if case == "integer weight":
-        return ckpt(sd={**sd, "model.norm.weight": torch.ones(128, dtype=torch.int16)}), "is I16, not floating point"
+        return ckpt(
+            sd={**sd, "model.norm.weight": torch.ones(128, dtype=torch.int16)}
+        ), "is I16, not floating point"
     if case == "unknown dtype":
-        return ckpt(patch=lambda h: h["model.norm.weight"].update(dtype="F8_E4M3")), "unsupported dtype F8_E4M3"
+        return ckpt(
+            patch=lambda h: h["model.norm.weight"].update(dtype="F8_E4M3")
+        ), "unsupported dtype F8_E4M3"
     if case == "header beyond file":
         args = ckpt()
         with open(os.path.join(d, "model.safetensors"), "r+b") as f:
@@ -1997,9 +2499,13 @@ def _bad(tmp_path, hf_dir, case):
         os.truncate(fname, os.path.getsize(fname) - 1000)
         return args, "run past the end of the data"
     if case == "overlapping":
+
         def overlap(h):
             h["model.norm.weight"]["data_offsets"] = list(h["lm_head.weight"]["data_offsets"])
-            h["model.norm.weight"]["data_offsets"][1] = h["model.norm.weight"]["data_offsets"][0] + 256
+            h["model.norm.weight"]["data_offsets"][1] = (
+                h["model.norm.weight"]["data_offsets"][0] + 256
+            )
+
         return ckpt(patch=overlap), "overlap"
     if case == "short data":
         f = tmp_path / "short.txt"
@@ -2027,45 +2533,76 @@ def _bad(tmp_path, hf_dir, case):
         (tmp_path / "tokens.npy").write_bytes(b"\x93NUMPY garbage" * 100)
         return ["--data", str(tmp_path / "tokens.npy")], "cannot be read as .npy"
     if case == "mask counts nothing":
-        np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.zeros(500, np.uint8))
+        np.savez(
+            tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.zeros(500, np.uint8)
+        )
         return ["--data", str(tmp_path / "sft.npz")], "loss_mask counts no target"
     if case == "mask values":
-        np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.full(500, 2, np.uint8))
+        np.savez(
+            tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.full(500, 2, np.uint8)
+        )
         return ["--data", str(tmp_path / "sft.npz")], "loss_mask holds values other than 0 and 1"
     if case == "mask length":
-        np.savez(tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.ones(499, np.uint8))
+        np.savez(
+            tmp_path / "sft.npz", tokens=np.ones(500, np.int32), loss_mask=np.ones(499, np.uint8)
+        )
         return ["--data", str(tmp_path / "sft.npz")], "loss_mask has shape (499,), tokens (500,)"
     if case == "val_data missing":
-        return ["--val_data", str(tmp_path / "nope.npy")], f"--val_data {tmp_path / 'nope.npy'}: no such file"
+        return [
+            "--val_data",
+            str(tmp_path / "nope.npy"),
+        ], f"--val_data {tmp_path / 'nope.npy'}: no such file"
     if case == "val_data too short":
         (tmp_path / "val.txt").write_bytes(b"short")
-        return ["--val_data", str(tmp_path / "val.txt")], "val.txt: 5 tokens, fewer than --seq_len + 1 = 33"
+        return [
+            "--val_data",
+            str(tmp_path / "val.txt"),
+        ], "val.txt: 5 tokens, fewer than --seq_len + 1 = 33"
     if case == "val_data past the vocabulary":
         np.save(tmp_path / "val.npy", np.full(500, 300, np.int32))
         return ["--val_data", str(tmp_path / "val.npy")], "val.npy: token id 300 >= vocab_size 256"
     if case == "prompt not ids":
-        return ["--model", "llama3-8b", "--sample", "5", "--prompt", "Hello"], "comma-separated token ids"
+        return [
+            "--model",
+            "llama3-8b",
+            "--sample",
+            "5",
+            "--prompt",
+            "Hello",
+        ], "comma-separated token ids"
     if case == "resume other rank":
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
         return ["--out", out, "--resume", "--lora_rank", "4"], "saved with --lora_rank 8"
-    if case == "resume another layout":  # the moments as an older version saved them: {name: {exp_avg, ...}}
+    # the moments as an older version saved them: {name: {exp_avg, ...}}
+    if case == "resume another layout":
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
         path = os.path.join(out, "checkpoint-1", "training_state.pt")
         state = torch.load(path)
         names = state["moments"]["exp_avg"].keys()
-        state["moments"] = {n: {k: state["moments"][k][n] for k in ("exp_avg", "exp_avg_sq")} for n in names}
+        state["moments"] = {
+            n: {k: state["moments"][k][n] for k in ("exp_avg", "exp_avg_sq")} for n in names
+        }
         torch.save(state, path)
         return ["--out", out, "--resume"], "its adapters or AdamW moments are not this model's"
     if case == "out holds a checkpoint":  # a new run there, without --resume, would replace it
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
-        return ["--out", out], "holds a run's checkpoint; --resume continues it, or choose another --out"
+        return [
+            "--out",
+            out,
+        ], "holds a run's checkpoint; --resume continues it, or choose another --out"
     if case == "resume other seed":  # LoRA dropout's masks and the batches come from it
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
-        return ["--out", out, "--resume", "--seed", "7"], "saved with --seed 1337, this run has --seed 7"
+        return [
+            "--out",
+            out,
+            "--resume",
+            "--seed",
+            "7",
+        ], "saved with --seed 1337, this run has --seed 7"
     if case == "resume other shapes":
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
@@ -2083,28 +2620,70 @@ def _bad(tmp_path, hf_dir, case):
     if case == "save blocked":  # a directory where the checkpoint's pointer goes
         os.makedirs(tmp_path / "out" / "latest")
         return ["--out", str(tmp_path / "out")], "latest: cannot be written (Is a directory)"
-    if case == "non-finite update":  # step 1's loss is finite, its weight decay overflows: never saved
-        return ["--lr", "1e38", "--weight_decay", "10", "--steps", "1", "--out", str(tmp_path / "out")], \
-            "out: the adapters hold inf or NaN after step 1, not saved"
+    # step 1's loss is finite, its weight decay overflows: never saved
+    if case == "non-finite update":
+        return [
+            "--lr",
+            "1e38",
+            "--weight_decay",
+            "10",
+            "--steps",
+            "1",
+            "--out",
+            str(tmp_path / "out"),
+        ], "out: the adapters hold inf or NaN after step 1, not saved"
     if case == "profile too short":
         return ["--profile", str(tmp_path / "prof")], "--profile traces steps 3-5: this run has 2"
     if case == "non-finite weight":
-        return ckpt(sd={**sd, "model.norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)}), \
-            "tensor model.norm.weight holds inf or NaN"
+        return ckpt(
+            sd={**sd, "model.norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)}
+        ), "tensor model.norm.weight holds inf or NaN"
     if case == "non-finite loss":  # step 1's update, at this learning rate, overflows the adapters
         return ["--lr", "1e38"], "loss is nan at step 2; stopped before updating"
     raise AssertionError(case)
 
 
 BAD_CHECKPOINT_CASES = [  # section 9: checkpoints, their config.json, resuming, saving
-    "missing dir", "missing config", "not a llama", "wrong shape", "unexpected name", "missing tensor",
-    "integer weight", "unknown dtype", "header beyond file", "truncated", "overlapping", "bytes for shape",
-    "negative offsets", "non-finite weight", "head dim", "rope yarn",
-    "llama3 rope without factor", "infinite theta", "eps as text", "kv heads", "kv heads as text", "hidden size",
-    "index of numbers", "far more layers", "far wider", "index climbs out", "index absolute", "boolean as text",
-    "context length 0", "layers as true", "merge onto the base", "out holds a checkpoint", "resume other rank",
-    "resume another layout", "resume other seed", "resume other shapes", "training state not a dict", "save blocked",
-    "non-finite update"]
+    "missing dir",
+    "missing config",
+    "not a llama",
+    "wrong shape",
+    "unexpected name",
+    "missing tensor",
+    "integer weight",
+    "unknown dtype",
+    "header beyond file",
+    "truncated",
+    "overlapping",
+    "bytes for shape",
+    "negative offsets",
+    "non-finite weight",
+    "head dim",
+    "rope yarn",
+    "llama3 rope without factor",
+    "infinite theta",
+    "eps as text",
+    "kv heads",
+    "kv heads as text",
+    "hidden size",
+    "index of numbers",
+    "far more layers",
+    "far wider",
+    "index climbs out",
+    "index absolute",
+    "boolean as text",
+    "context length 0",
+    "layers as true",
+    "merge onto the base",
+    "out holds a checkpoint",
+    "resume other rank",
+    "resume another layout",
+    "resume other seed",
+    "resume other shapes",
+    "training state not a dict",
+    "save blocked",
+    "non-finite update",
+]
 
 
 def assert_one_line_error(case, tmp_path, hf_dir, capsys):
@@ -2125,15 +2704,22 @@ def test_bad_checkpoint_one_line_error(case, tmp_path, hf_dir, capsys):
 
 
 @pytest.mark.parametrize("offload", [[], ["--cpu_offload"]])
-def test_shards_that_do_not_fit_are_refused_before_allocating(offload, tmp_path, hf_dir, monkeypatch, capsys):
-    """A model whose sharded state would not fit this machine's available memory (here made 1 MB) is refused
-    before anything is built, in one line with the estimate's figure and what is available."""
+def test_shards_that_do_not_fit_are_refused_before_allocating(
+    offload, tmp_path, hf_dir, monkeypatch, capsys
+):
+    """A model whose sharded state would not fit this machine's available memory (here made 1 MB) is
+    refused before anything is built, in one line with the estimate's figure and what is available.
+    """
     monkeypatch.setattr(qf, "host_available", lambda: 10**6)
     monkeypatch.setattr(qf, "build", None)  # never reached
     with pytest.raises(SystemExit):
         qf.main(BASE + ["--batch_size", "2", "--checkpoint", hf_dir[0]] + offload)
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "the model's shards need 0.00" in err[0] and "0.00 GiB is available" in err[0], err
+    assert (
+        len(err) == 1
+        and "the model's shards need 0.00" in err[0]
+        and "0.00 GiB is available" in err[0]
+    ), err
 
 
 def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
@@ -2145,23 +2731,41 @@ def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
     single = run_single(argv + ["--batch_size", "4"])
     results = run_sharded(2, argv + ["--batch_size", "2"], tmp_path)
     est = qf.estimate_memory(qf.CONFIGS["tiny"], world=2, dtype_bytes=4)
-    weights = sum(v for k, v in est["state"].items() if "gradients" not in k and "AdamW" not in k)
+    weights = sum(v for k, v in est.state.items() if "gradients" not in k and "AdamW" not in k)
     for r in results:
         assert_same_run(r, single)
         assert r["local_bytes"] <= single["local_bytes"] / 2 + 4096
-        assert abs(weights - r["local_bytes"]) < 0.05 * r["local_bytes"], (weights, r["local_bytes"])
+        assert abs(weights - r["local_bytes"]) < 0.05 * r["local_bytes"], (
+            weights,
+            r["local_bytes"],
+        )
 
 
 # ---- 10. data, training loop, command line, sampling, several nodes ---------------------------
+
 
 def last_json(out):
     return json.loads(out.strip().splitlines()[-1])
 
 
-BAD_CLI_CASES = ["short data", "token id", "negative token id", "bin for a big vocabulary", "unknown format",
-                 "float tokens", "not an array", "mask counts nothing", "mask values", "mask length",
-                 "prompt not ids", "profile too short", "non-finite loss", "val_data missing", "val_data too short",
-                 "val_data past the vocabulary"]
+BAD_CLI_CASES = [
+    "short data",
+    "token id",
+    "negative token id",
+    "bin for a big vocabulary",
+    "unknown format",
+    "float tokens",
+    "not an array",
+    "mask counts nothing",
+    "mask values",
+    "mask length",
+    "prompt not ids",
+    "profile too short",
+    "non-finite loss",
+    "val_data missing",
+    "val_data too short",
+    "val_data past the vocabulary",
+]
 
 
 @pytest.mark.parametrize("case", BAD_CLI_CASES)
@@ -2171,12 +2775,17 @@ def test_bad_data_or_flag_one_line_error(case, tmp_path, hf_dir, capsys):
     assert_one_line_error(case, tmp_path, hf_dir, capsys)
 
 
-@pytest.mark.parametrize("argv,words", [(["--lr", "nan"], "--lr must be a finite number, got nan"),
-                                        (["--temperature", "inf"], "--temperature must be a finite number"),
-                                        (["--lora_dropout", "1.5"], "--lora_dropout must be in [0, 1), got 1.5"),
-                                        (["--batch_size", "0"], "--batch_size must be >= 1, got 0"),
-                                        (["--max_shard_size", "0"], "--max_shard_size must be a positive number"),
-                                        (["--fit", "-1"], "--fit must be a positive number (GB), got -1.0")])
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--temperature", "inf"], "--temperature must be a finite number"),
+        (["--lora_dropout", "1.5"], "--lora_dropout must be in [0, 1), got 1.5"),
+        (["--batch_size", "0"], "--batch_size must be >= 1, got 0"),
+        (["--max_shard_size", "0"], "--max_shard_size must be a positive number"),
+        (["--fit", "-1"], "--fit must be a positive number (GB), got -1.0"),
+    ],
+)
 def test_bad_flag_refused_by_the_parser(argv, words, capsys):
     """A flag out of its range stops the run before anything is read or built: exit status 2 and
     argparse's error line naming the flag."""
@@ -2190,13 +2799,27 @@ def test_help_lists_every_flag(capsys):
     with pytest.raises(SystemExit) as exc:
         qf.parse_args(["--help"])
     out = capsys.readouterr().out
-    assert exc.value.code == 0 and "--fit [GIB]" in out and "10% of the GPU's" in out and "--val_data PATH" in out
+    assert (
+        exc.value.code == 0
+        and "--fit [GIB]" in out
+        and "10% of the GPU's" in out
+        and "--val_data PATH" in out
+    )
 
 
 def test_bad_input_no_traceback_in_a_real_process(tmp_path):
     """From the shell: exit status 2, one line on stderr, no Python traceback."""
-    p = subprocess.run([sys.executable, os.path.join(HERE, "qlora_fsdp.py"), "--checkpoint", str(tmp_path / "nope")],
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "qlora_fsdp.py"),
+            "--checkpoint",
+            str(tmp_path / "nope"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 2 and "Traceback" not in p.stderr
     assert p.stderr.strip() == f"error: --checkpoint {tmp_path / 'nope'}: no such directory"
 
@@ -2217,32 +2840,39 @@ def test_compiled_blocks_equal_eager():
     argv = [a for a in BASE if a != "--no-compile"] + ["--batch_size", "2", "--steps", "3"]
     eager = run_single(argv + ["--no-compile"])
     compiled = run_single(argv + ["--compile"])
-    torch.testing.assert_close(torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-5
+    )
     for k, v in eager["adapters"].items():
         torch.testing.assert_close(compiled["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
 def test_fit_runs_the_plan_it_prints(capsys):
-    """A --fit run on the tiny model trains with the plan it chose, and its losses are those of the same run with
-    the plan's flags given by hand (bitwise), and of the run it replaces (the same rows: any split of the batch)."""
+    """A --fit run on the tiny model trains with the plan it chose, and its losses are those of the
+    same run with the plan's flags given by hand (bitwise), and of the run it replaces (the same
+    rows: any split of the batch)."""
     argv = BASE + ["--batch_size", "4", "--steps", "2"]
     args = qf.parse_args(argv)
     plans = qf.fit_plans(args)
-    peaks = [qf.predicted_memory(p, 1)["gpu_peak"] for p in plans]
+    peaks = [qf.predicted_memory(p, 1, qf.CONFIGS[p.model]).gpu_peak for p in plans]
     assert peaks[1] < peaks[0]  # micro-batch 2 x 2 without checkpointing: the second plan
     budget = peaks[1] / qf.GiB * (1 + 1e-9)
     fitted = train_run(argv + ["--fit", repr(budget)])
     assert "--fit chose micro-batch 2 x 2:" in capsys.readouterr().out
     assert all(fitted["summary"][k] == getattr(plans[1], k) for k in qf.FIT_FLAGS)
-    by_hand = train_run(argv[:-4] + ["--steps", "2", "--batch_size", "2", "--grad_accum", "2", "--no-checkpointing"])
+    by_hand = train_run(
+        argv[:-4] + ["--steps", "2", "--batch_size", "2", "--grad_accum", "2", "--no-checkpointing"]
+    )
     assert fitted["losses"] == by_hand["losses"]
     plain = train_run(argv)["losses"]
-    torch.testing.assert_close(torch.tensor(fitted["losses"]), torch.tensor(plain), rtol=1e-5, atol=0)
+    torch.testing.assert_close(
+        torch.tensor(fitted["losses"]), torch.tensor(plain), rtol=1e-5, atol=0
+    )
 
 
 def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
-    """An out-of-memory error in a step is one error line naming the step, the predicted peak, the device's
-    memory and --fit, exit code 2; the checkpoint saved before it is untouched."""
+    """An out-of-memory error in a step is one error line naming the step, the predicted peak, the
+    device's memory and --fit, exit code 2; the checkpoint saved before it is untouched."""
     real, calls = qf.train_step, []
 
     def oom(*args, **kwargs):
@@ -2250,96 +2880,157 @@ def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatc
         if len(calls) == 2:
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
         return real(*args, **kwargs)
+
     monkeypatch.setattr(qf, "train_step", oom)
     out = str(tmp_path / "out")
     with pytest.raises(SystemExit) as exc:
         qf.main(BASE + ["--batch_size", "2", "--out", out, "--save_every", "1"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1, err
-    assert err[0].startswith("error: out of memory on cpu at step 2: --estimate predicted a peak of ")
+    assert err[0].startswith(
+        "error: out of memory on cpu at step 2: --estimate predicted a peak of "
+    )
     assert "--fit" in err[0] and open(os.path.join(out, "latest")).read() == "checkpoint-1"
     assert qf.load_adapters(os.path.join(out, "checkpoint-1"))
 
 
 def test_out_of_memory_on_one_rank_ends_every_rank(tmp_path):
-    """Under torchrun, an out-of-memory error on rank 1 is its one error line and exit 2, and torchrun ends rank 0,
-    which was waiting in a collective: the run stops within seconds, nothing left hanging."""
+    """Under torchrun, an out-of-memory error on rank 1 is its one error line and exit 2, and
+    torchrun ends rank 0, which was waiting in a collective: the run stops within seconds, nothing
+    left hanging."""
     script = tmp_path / "oom.py"
-    script.write_text("\n".join([  # rank 1's second step raises what CUDA raises when it runs out of memory
-        "import sys, torch",
-        f"sys.path.insert(0, {HERE!r})",
-        "import qlora_fsdp as qf",
-        "real = qf.train_step",
-        "def oom(*a, **k):",
-        "    if torch.distributed.get_rank() == 1 and qf.oom_calls:",
-        "        raise torch.OutOfMemoryError('CUDA out of memory')",
-        "    qf.oom_calls = 1",
-        "    return real(*a, **k)",
-        "qf.oom_calls, qf.train_step = 0, oom",
-        "qf.main(sys.argv[1:])", ""]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           str(script)] + BASE + ["--batch_size", "2"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    # rank 1's second step raises what CUDA raises when it runs out of memory
+    script.write_text(
+        "\n".join(
+            [
+                "import sys, torch",
+                f"sys.path.insert(0, {HERE!r})",
+                "import qlora_fsdp as qf",
+                "real = qf.train_step",
+                "def oom(*a, **k):",
+                "    if torch.distributed.get_rank() == 1 and qf.oom_calls:",
+                "        raise torch.OutOfMemoryError('CUDA out of memory')",
+                "    qf.oom_calls = 1",
+                "    return real(*a, **k)",
+                "qf.oom_calls, qf.train_step = 0, oom",
+                "qf.main(sys.argv[1:])",
+                "",
+            ]
+        )
+    )
+    cmd = (
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            "2",
+            "--master_port",
+            str(free_port()),
+            str(script),
+        ]
+        + BASE
+        + ["--batch_size", "2"]
+    )
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert p.returncode != 0
-    assert "error: out of memory on cpu at step 2" in p.stderr and "exitcode  : 2" in p.stderr, p.stderr[-3000:]
+    assert "error: out of memory on cpu at step 2" in p.stderr and "exitcode  : 2" in p.stderr, (
+        p.stderr[-3000:]
+    )
 
 
 def val_file(tmp_path):
-    """An .npz of 300 tokens whose loss mask counts a target where its id is even: 9 sequences of 32 + 1."""
+    """An .npz of 300 tokens whose loss mask counts a target where its id is even: 9 sequences of 32
+    + 1."""
     ids = random_ids(300, seed=1)
     np.savez(tmp_path / "val.npz", tokens=ids, loss_mask=(ids % 2 == 0).astype(np.uint8))
     return str(tmp_path / "val.npz"), ids
 
 
 def test_val_loss_is_the_masked_cross_entropy_of_the_first_sequences(tmp_path):
-    """The held-out loss is the plain masked cross entropy of the model's logits over --val_data's first
-    --eval_seqs sequences (sequence i: tokens [32 i, 32 i + 33)), all counted targets at once; at world 1 (batch 2
-    per rank: three micro-batches, the last one short) and world 3 (one micro-batch, a rank's second row past the
-    end) alike, and with fewer sequences in the file than asked, all of them."""
+    """The held-out loss is the plain masked cross entropy of the model's logits over --val_data's
+    first --eval_seqs sequences (sequence i: tokens [32 i, 32 i + 33)), all counted targets at once;
+    at world 1 (batch 2 per rank: three micro-batches, the last one short) and world 3 (one
+    micro-batch, a rank's second row past the end) alike, and with fewer sequences in the file than
+    asked, all of them."""
     path, ids = val_file(tmp_path)
-    argv = BASE + ["--val_data", path, "--eval_seqs", "5", "--lr", "0", "--steps", "1"]  # lr 0: the untrained model
+    # lr 0: the untrained model
+    argv = BASE + ["--val_data", path, "--eval_seqs", "5", "--lr", "0", "--steps", "1"]
     args = qf.parse_args(argv + ["--batch_size", "2"])
     model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
     val = qf.load_tokens(path, 256, 32, "--val_data")
     want = {}
     for k in (5, 64):
         n = min(k, (len(ids) - 1) // 32)
-        seqs = torch.from_numpy(np.stack([ids[32 * i:32 * i + 33] for i in range(n)]).astype(np.int64))
-        y = seqs[:, 1:].masked_fill(torch.from_numpy(ids[1:32 * n + 1].reshape(n, 32) % 2 != 0), -100)
+        seqs = torch.from_numpy(
+            np.stack([ids[32 * i : 32 * i + 33] for i in range(n)]).astype(np.int64)
+        )
+        y = seqs[:, 1:].masked_fill(
+            torch.from_numpy(ids[1 : 32 * n + 1].reshape(n, 32) % 2 != 0), -100
+        )
         with torch.no_grad():
-            want[k] = F.cross_entropy(model(seqs[:, :-1]).flatten(0, 1), y.flatten(), ignore_index=-100).item()
-        got, got_n = qf.evaluate(model, val, qf.parse_args(argv + ["--batch_size", "2", "--eval_seqs", str(k)]), 1, 0,
-                                 torch.device("cpu"))
+            want[k] = F.cross_entropy(
+                model(seqs[:, :-1]).flatten(0, 1), y.flatten(), ignore_index=-100
+            ).item()
+        got, got_n = qf.evaluate(
+            model,
+            val,
+            qf.parse_args(argv + ["--batch_size", "2", "--eval_seqs", str(k)]),
+            1,
+            0,
+            torch.device("cpu"),
+        )
         assert got_n == n == (5 if k == 5 else 9) and got == pytest.approx(want[k], rel=1e-6)
     assert want[5] != pytest.approx(want[64], rel=1e-3)
-    sharded = [r["summary"]["val_loss"] for r in run_sharded(3, argv + ["--batch_size", "2"], tmp_path)]
+    sharded = [
+        r["summary"]["val_loss"] for r in run_sharded(3, argv + ["--batch_size", "2"], tmp_path)
+    ]
     single = train_run(argv + ["--batch_size", "6"])["summary"]["val_loss"]
     assert sharded + [single] == pytest.approx([want[5]] * 4, rel=1e-6)
 
 
 def test_evaluation_stays_inside_the_training_step_peak(tmp_path):
-    """An evaluation allocates at its peak less than a training step's forward of the same micro-batch (under
-    no_grad nothing is saved for backward; without checkpointing the forward keeps every block's activations),
-    and less than the step's predicted activation peak."""
+    """An evaluation allocates at its peak less than a training step's forward of the same
+    micro-batch (under no_grad nothing is saved for backward; without checkpointing the forward
+    keeps every block's activations), and less than the step's predicted activation peak."""
     path, _ = val_file(tmp_path)
     args = qf.parse_args(BASE + ["--batch_size", "8", "--eval_seqs", "8", "--no-checkpointing"])
     model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
     val, cpu = qf.load_tokens(path, 256, 32, "--val_data"), torch.device("cpu")
     x, y = qf.get_batch(None, 0, 0, args, 1, 0, 256)
-    model(x, y).backward()  # the first backward's one-time allocations (the masters' gradients) made
+    # the first backward's one-time allocations (the masters' gradients) made
+    model(x, y).backward()
     _, forward_peak, _ = _allocated_peak(lambda: model(x, y))
     _, eval_peak, _ = _allocated_peak(lambda: qf.evaluate(model, val, args, 1, 0, cpu))
-    assert 0 < eval_peak < 0.5 * forward_peak and eval_peak < qf.predicted_memory(args, 1)["activation_peak"]
+    assert (
+        0 < eval_peak < 0.5 * forward_peak
+        and eval_peak < qf.predicted_memory(args, 1, qf.CONFIGS[args.model]).activation_peak
+    )
 
 
 def test_metrics_file_has_every_step_once_across_a_resume(tmp_path, monkeypatch):
-    """--out's metrics.jsonl holds one record per logged step (step, loss, lr, ms, tokens_per_s, mem_gib) and one
-    per evaluation (step, val_loss), written as they come: a run that dies after step 3 (checkpoint at 2) keeps
-    them, and its --resume drops the records after step 2 before writing its own: every step appears once."""
+    """--out's metrics.jsonl holds one record per logged step (step, loss, lr, ms, tokens_per_s,
+    mem_gib) and one per evaluation (step, val_loss), written as they come: a run that dies after
+    step 3 (checkpoint at 2) keeps them, and its --resume drops the records after step 2 before
+    writing its own: every step appears once."""
     path, _ = val_file(tmp_path)
     out = str(tmp_path / "out")
-    argv = BASE + ["--batch_size", "2", "--out", out, "--save_every", "2", "--val_data", path, "--eval_every", "2",
-                   "--log_every", "1"]
+    argv = BASE + [
+        "--batch_size",
+        "2",
+        "--out",
+        out,
+        "--save_every",
+        "2",
+        "--val_data",
+        path,
+        "--eval_every",
+        "2",
+        "--log_every",
+        "1",
+    ]
     real, calls = qf.train_step, []
 
     def dies_at_step_4(*args, **kwargs):
@@ -2347,6 +3038,7 @@ def test_metrics_file_has_every_step_once_across_a_resume(tmp_path, monkeypatch)
         if len(calls) == 4:
             raise RuntimeError("killed")
         return real(*args, **kwargs)
+
     monkeypatch.setattr(qf, "train_step", dies_at_step_4)
     with pytest.raises(RuntimeError, match="killed"):
         train_run(argv)
@@ -2357,13 +3049,20 @@ def test_metrics_file_has_every_step_once_across_a_resume(tmp_path, monkeypatch)
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps = [r["step"] for r in records if "loss" in r]
     assert steps == [1, 2, 3, 4] and [r["step"] for r in records if "val_loss" in r] == [2, 4]
-    assert all(r.keys() == {"step", "loss", "lr", "ms", "tokens_per_s", "mem_gib"} for r in records if "loss" in r)
-    assert records[-1]["val_loss"] == resumed["summary"]["val_loss"] and records[-2]["loss"] == resumed["losses"][-1]
+    assert all(
+        r.keys() == {"step", "loss", "lr", "ms", "tokens_per_s", "mem_gib"}
+        for r in records
+        if "loss" in r
+    )
+    assert (
+        records[-1]["val_loss"] == resumed["summary"]["val_loss"]
+        and records[-2]["loss"] == resumed["losses"][-1]
+    )
 
 
 def test_sparkline_draws_low_to_high(monkeypatch):
-    """sparkline puts values on eight bars from the lowest to the highest, averaged down to its width, in block
-    characters, or ASCII where the terminal cannot show them."""
+    """sparkline puts values on eight bars from the lowest to the highest, averaged down to its
+    width, in block characters, or ASCII where the terminal cannot show them."""
     assert qf.sparkline([1.0, 2.0, 3.0, 4.0]) == "▁▃▆█" and qf.sparkline([5.0, 5.0]) == "▁▁"
     line = qf.sparkline([float(i) for i in range(80)], width=40)
     assert len(line) == 40 and list(line) == sorted(line, key="▁▂▃▄▅▆▇█".index)
@@ -2373,8 +3072,9 @@ def test_sparkline_draws_low_to_high(monkeypatch):
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's VmHWM")
 def test_peak_memory_restarts_after_step_1():
-    """reset_peak_memory restarts the CPU's peak from the resident set now: a 512 MiB buffer freed before it is
-    in the peak before and not after; a run's JSON has the steady state's peak and step 1's apart."""
+    """reset_peak_memory restarts the CPU's peak from the resident set now: a 512 MiB buffer freed
+    before it is in the peak before and not after; a run's JSON has the steady state's peak and step
+    1's apart."""
     cpu = torch.device("cpu")
     qf.reset_peak_memory(cpu)
     big = torch.ones(512 * 2**20 // 4)
@@ -2387,14 +3087,39 @@ def test_peak_memory_restarts_after_step_1():
 
 
 def test_cli_loss_falls_on_default_data(capsys):
-    """`python qlora_fsdp.py` trains the tiny model on its own bytes and the loss falls; the
-    last line is the JSON summary. (fp32 at the shapes of the compiled tests above: their graphs.)"""
-    qf.main(["--device", "cpu", "--dtype", "fp32", "--batch_size", "2", "--seq_len", "32", "--steps", "80",
-             "--log_every", "10", "--warmup_steps", "5"])  # its data: this file's bytes, which every edit moves
+    """`python qlora_fsdp.py` trains the tiny model on its own bytes and the loss falls; the last
+    line is the JSON summary. (fp32 at the shapes of the compiled tests above: their graphs.)"""
+    qf.main(
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--batch_size",
+            "2",
+            "--seq_len",
+            "32",
+            "--steps",
+            "80",
+            # its data: this file's bytes, which every edit moves
+            "--log_every",
+            "10",
+            "--warmup_steps",
+            "5",
+        ]
+    )
     out = capsys.readouterr().out
     assert "step 80/80 | loss" in out and " tok/s | mem " in out
     s = last_json(out)
-    for key in ("model", "world_size", "steps", "final_loss", "step_ms", "tokens_per_s", "peak_mem_gib"):
+    for key in (
+        "model",
+        "world_size",
+        "steps",
+        "final_loss",
+        "step_ms",
+        "tokens_per_s",
+        "peak_mem_gib",
+    ):
         assert key in s
     assert s["world_size"] == 1 and s["steps"] == 80
     assert s["final_loss"] < s["first_loss"] - 1.0
@@ -2406,11 +3131,18 @@ def random_ids(n=4000, seed=0):
 
 def test_data_formats_read_the_same_ids(tmp_path):
     """The same ids come back from .npy (any integer dtype), .npz, .bin (uint16) and .txt (raw
-    bytes); a uint32 .npy of Llama 3 ids up to 128,255 loads memory-mapped for its 128,256 vocabulary."""
+    bytes); a uint32 .npy of Llama 3 ids up to 128,255 loads memory-mapped for its 128,256
+    vocabulary."""
     ids = random_ids(1000)
-    writers = {"a.npy": lambda f: np.save(f, ids.astype(np.int64)), "b.npy": lambda f: np.save(f, ids.astype(np.uint8)),
-               "c.npz": lambda f: np.savez(f, tokens=ids.astype(np.uint16), loss_mask=np.ones(1000, np.uint8)),
-               "d.bin": lambda f: ids.astype(np.uint16).tofile(f), "e.txt": lambda f: ids.astype(np.uint8).tofile(f)}
+    writers = {
+        "a.npy": lambda f: np.save(f, ids.astype(np.int64)),
+        "b.npy": lambda f: np.save(f, ids.astype(np.uint8)),
+        "c.npz": lambda f: np.savez(
+            f, tokens=ids.astype(np.uint16), loss_mask=np.ones(1000, np.uint8)
+        ),
+        "d.bin": lambda f: ids.astype(np.uint16).tofile(f),
+        "e.txt": lambda f: ids.astype(np.uint8).tofile(f),
+    }
     for name, write in writers.items():
         write(str(tmp_path / name))
         tokens, mask = qf.load_tokens(str(tmp_path / name), 256, 32)
@@ -2423,15 +3155,29 @@ def test_data_formats_read_the_same_ids(tmp_path):
 
 
 def test_ranks_split_the_global_batch(tmp_path):
-    """A step's global batch depends only on (seed, step) and batch_size x grad_accum x world, laid out (micro,
-    rank, row): 1 rank's batch of 8 is 2 ranks' batches of 4 side by side, and 2 ranks' 2 micro-batches of 2
-    each -- random (dummy) tokens and a file's."""
+    """A step's global batch depends only on (seed, step) and batch_size x grad_accum x world, laid
+    out (micro, rank, row): 1 rank's batch of 8 is 2 ranks' batches of 4 side by side, and 2 ranks'
+    2 micro-batches of 2 each -- random (dummy) tokens and a file's."""
     np.save(tmp_path / "ids.npy", random_ids())
     for data in (None, qf.load_tokens(str(tmp_path / "ids.npy"), 256, 32)):
         one = qf.get_batch(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "8"]), 1, 0, 256)
-        two = [qf.get_batch(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "4"]), 2, r, 256) for r in range(2)]
-        four = [qf.get_batch(data, 3, m, qf.parse_args(BASE + ["--batch_size", "2", "--grad_accum", "2"]), 2, r, 256)
-                for m in range(2) for r in range(2)]
+        two = [
+            qf.get_batch(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "4"]), 2, r, 256)
+            for r in range(2)
+        ]
+        four = [
+            qf.get_batch(
+                data,
+                3,
+                m,
+                qf.parse_args(BASE + ["--batch_size", "2", "--grad_accum", "2"]),
+                2,
+                r,
+                256,
+            )
+            for m in range(2)
+            for r in range(2)
+        ]
         for i in range(2):  # inputs, targets
             assert torch.equal(torch.cat([two[0][i], two[1][i]]), one[i])
             assert torch.equal(torch.cat([b[i] for b in four]), one[i])
@@ -2457,15 +3203,19 @@ def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
     whose counts differ, train alike (the same losses and adapters)."""
     ids = random_ids()
     np.save(tmp_path / "bare.npy", ids)
-    # a target counts where its id is a multiple of 3: the mask of any batch follows from its targets
+    # a target counts where its id is a multiple of 3: the mask of any batch follows from its
+    # targets
     np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
     argv = BASE + ["--data", str(tmp_path / "masked.npz"), "--grad_accum", "2", "--steps", "2"]
     single = run_single(argv + ["--batch_size", "3"])
     args = qf.parse_args(BASE + ["--batch_size", "3", "--grad_accum", "2"])
     model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the untrained model
-    bare = (np.load(tmp_path / "bare.npy"), None)
-    x, y = map(torch.cat, zip(*[qf.get_batch(bare, 0, micro, args, 1, 0, 256) for micro in range(2)]))
-    counted = y % 3 == 0  # (6, 32): rows 0-2 the first micro-batch, 3-5 the second; one row per rank
+    bare = qf.TokenData(np.load(tmp_path / "bare.npy"), None)
+    x, y = map(
+        torch.cat, zip(*[qf.get_batch(bare, 0, micro, args, 1, 0, 256) for micro in range(2)])
+    )
+    # (6, 32): rows 0-2 the first micro-batch, 3-5 the second; one row per rank
+    counted = y % 3 == 0
     assert len(set(counted.sum(1).tolist())) > 1  # ranks and micro-batches count differently
     with torch.no_grad():
         logits = model(x)
@@ -2483,22 +3233,39 @@ def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(compile, tmp_pat
     eager and compiled (at the shapes of the compiled tests above: their graphs)."""
     ids = random_ids()
     np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
-    argv = [a for a in BASE if a != "--no-compile"] + [compile, "--data", str(tmp_path / "masked.npz"),
-                                                       "--grad_accum", "2", "--steps", "1", "--batch_size", "2",
-                                                       "--grad_clip", "0"]
+    argv = [a for a in BASE if a != "--no-compile"] + [
+        compile,
+        "--data",
+        str(tmp_path / "masked.npz"),
+        "--grad_accum",
+        "2",
+        "--steps",
+        "1",
+        "--batch_size",
+        "2",
+        "--grad_clip",
+        "0",
+    ]
     args = qf.parse_args(argv)
     trained = run_single(argv)["adapters"]
-    _, fsdp = qf.build(qf.parse_args(argv + ["--no-compile"]), qf.CONFIGS["tiny"], torch.device("cpu"))
+    _, fsdp = qf.build(
+        qf.parse_args(argv + ["--no-compile"]), qf.CONFIGS["tiny"], torch.device("cpu")
+    )
     model = make_model()  # the run's starting weights, in full, unsharded:
-    base = {name: t.clone() for name, t in fsdp.full_base()}  # each valid until the next unit is gathered
+    # each valid until the next unit is gathered
+    base = {name: t.clone() for name, t in fsdp.full_base()}
     model.load_state_dict({**base, **fsdp.full_adapters()})
     data = qf.load_tokens(str(tmp_path / "masked.npz"), 256, args.seq_len)
-    x, y = map(torch.cat, zip(*[qf.get_batch(data, 0, micro, args, 1, 0, 256) for micro in range(2)]))
+    x, y = map(
+        torch.cat, zip(*[qf.get_batch(data, 0, micro, args, 1, 0, 256) for micro in range(2)])
+    )
     counted = y != qf.IGNORE_INDEX  # (4, 32): rows 0-1 the first micro-batch, 2-3 the second
     assert counted[:2].sum() != counted[2:].sum()
     F.cross_entropy(model(x)[counted], y[counted]).backward()
     adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    torch.optim.AdamW(adapters.values(), lr=qf.learning_rate(0, args), eps=args.adam_eps, weight_decay=0.0).step()
+    torch.optim.AdamW(
+        adapters.values(), lr=qf.learning_rate(0, args), eps=args.adam_eps, weight_decay=0.0
+    ).step()
     for name, p in adapters.items():
         torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
 
@@ -2513,7 +3280,7 @@ def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
     args = qf.parse_args(BASE + ["--data", path, "--batch_size", "2", "--steps", "2"])
     data = qf.load_tokens(path, 256, 32)
     assert all((qf.get_batch(data, step, 0, args, 1, 0, 256)[1] == -100).all() for step in range(2))
-    _, losses, fsdp = qf.train(args)
+    _, losses, fsdp = qf.fine_tune(args)
     assert losses == [0.0, 0.0]
     initial = dict(qf.initial_weights(fsdp.adapter_shapes(), args.seed))
     for k, v in fsdp.full_adapters().items():
@@ -2535,9 +3302,9 @@ class GradRecorder:
 
 
 def test_step_gradient_is_the_summed_loss_gradient_over_the_count_in_fp32():
-    """In bf16, train_step hands the optimizer exactly the gradient of the summed loss divided in fp32
-    by the number of counted targets (63: its inverse is no bf16 number), the reference taken by a
-    plain backward of the summed loss through the same sharded model."""
+    """In bf16, train_step hands the optimizer exactly the gradient of the summed loss divided in
+    fp32 by the number of counted targets (63: its inverse is no bf16 number), the reference taken
+    by a plain backward of the summed loss through the same sharded model."""
     args = qf.parse_args(["bf16" if a == "fp32" else a for a in BASE] + ["--batch_size", "2"])
     model, fsdp = qf.build(args, qf.CONFIGS[args.model], torch.device("cpu"))
     x, y = qf.get_batch(None, 0, 0, args, 1, 0, qf.CONFIGS[args.model].vocab_size)
@@ -2562,7 +3329,9 @@ def test_skipped_step_updates_nothing_and_leaves_no_gradient():
     before = fsdp.full_adapters()
     fsdp.load_full("model.norm.weight", torch.full((config.hidden_size,), float("nan")))
     batch = qf.get_batch(None, 0, 0, args, 1, 0, config.vocab_size)
-    loss, _ = qf.train_step(model, fsdp, qf.AdamW(fsdp.parameters()), [batch], 1.0, torch.device("cpu"))
+    loss, _ = qf.train_step(
+        model, fsdp, qf.AdamW(fsdp.parameters()), [batch], 1.0, torch.device("cpu")
+    )
     assert math.isnan(loss)
     assert all(p.grad is None for p in fsdp.parameters())
     for name, t in fsdp.full_adapters().items():
@@ -2598,7 +3367,9 @@ def test_profile_traces_steps_3_to_5(tmp_path):
 def test_output_paths_created_and_left_clean(tmp_path):
     """The startup check creates missing output directories and leaves no file behind in them."""
     dirs = [str(tmp_path / name / "deeper") for name in ("out", "merged", "prof")]
-    qf.check_writable(qf.parse_args(["--out", dirs[0], "--merge_to", dirs[1], "--profile", dirs[2]]), rank=0)
+    qf.check_writable(
+        qf.parse_args(["--out", dirs[0], "--merge_to", dirs[1], "--profile", dirs[2]]), rank=0
+    )
     assert all(os.listdir(d) == [] for d in dirs)
 
 
@@ -2608,10 +3379,23 @@ def test_sample_equals_stepwise_reference(temperature, monkeypatch):
     token at a time over the last seq_len tokens: the argmax of forward's last logits at
     temperature 0, else a draw from softmax(logits / T) by the --seed generator -- as computed
     here from the trained adapters."""
-    monkeypatch.setitem(qf.CONFIGS, "micro-ids", dataclasses.replace(qf.CONFIGS["micro"], vocab_size=320))
-    argv = BASE + ["--model", "micro-ids", "--data", "dummy", "--batch_size", "2", "--steps", "2", "--seq_len", "8"]
+    monkeypatch.setitem(
+        qf.CONFIGS, "micro-ids", dataclasses.replace(qf.CONFIGS["micro"], vocab_size=320)
+    )
+    argv = BASE + [
+        "--model",
+        "micro-ids",
+        "--data",
+        "dummy",
+        "--batch_size",
+        "2",
+        "--steps",
+        "2",
+        "--seq_len",
+        "8",
+    ]
     sample = ["--sample", "8", "--prompt", "5, 17,300", "--temperature", str(temperature)]
-    summary, _, fsdp = qf.train(qf.parse_args(argv + sample))
+    summary, _, fsdp = qf.fine_tune(qf.parse_args(argv + sample))
     model, ref = qf.build(qf.parse_args(argv), qf.CONFIGS["micro-ids"], torch.device("cpu"))
     for name, t in fsdp.full_adapters().items():
         ref.load_full(name, t)
@@ -2620,7 +3404,11 @@ def test_sample_equals_stepwise_reference(temperature, monkeypatch):
         for _ in range(8):  # 3 + 8 tokens: the window of 8 slides
             logits = model(torch.tensor([ids[-8:]]))[0, -1].float()
             probs = torch.softmax(logits / temperature, -1) if temperature else None
-            ids.append(int(torch.multinomial(probs, 1, generator=g)) if temperature else int(logits.argmax()))
+            ids.append(
+                int(torch.multinomial(probs, 1, generator=g))
+                if temperature
+                else int(logits.argmax())
+            )
     assert summary["sample"] == ids[3:]
 
 
@@ -2628,7 +3416,7 @@ def test_sample_same_on_two_ranks(tmp_path):
     """Sharded over 2 ranks, --sample (here drawn at temperature 0.8 from the --seed generator)
     gives the single process's text on every rank."""
     argv = BASE + ["--steps", "1", "--sample", "16", "--prompt", "def ", "--temperature", "0.8"]
-    single, _, _ = qf.train(qf.parse_args(argv + ["--batch_size", "4"]))
+    single, _, _ = qf.fine_tune(qf.parse_args(argv + ["--batch_size", "4"]))
     assert isinstance(single["sample"], str) and single["sample"]
     for r in run_sharded(2, argv + ["--batch_size", "2"], tmp_path):
         assert r["summary"]["sample"] == single["sample"]
@@ -2645,11 +3433,14 @@ def test_sampling_at_a_tiny_temperature_is_greedy():
 def test_compile_notice_before_the_first_step(monkeypatch, capsys):
     """With --compile (the default) one line before the first step says it compiles and how to
     skip that; with --no-compile there is no such line."""
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)  # the notice is tested, not the compiler
+    # the notice is tested, not the compiler
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: fn)
     monkeypatch.setattr(qf, "COMPILE", qf.COMPILE)  # train sets it; restored after the test
     notice = "compiling the first step (about a minute on a CPU); --no-compile skips it"
     for flag in ("--compile", "--no-compile"):
-        qf.main([a for a in BASE if a != "--no-compile"] + ["--batch_size", "1", "--steps", "1", flag])
+        qf.main(
+            [a for a in BASE if a != "--no-compile"] + ["--batch_size", "1", "--steps", "1", flag]
+        )
         out = capsys.readouterr().out
         assert (notice in out) == (flag == "--compile")
         if flag == "--compile":
@@ -2658,10 +3449,28 @@ def test_compile_notice_before_the_first_step(monkeypatch, capsys):
 
 def test_torchrun_cli_two_processes():
     """`torchrun --nproc_per_node 2 qlora_fsdp.py` runs on CPU over gloo and reports world 2."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(free_port()),
-           os.path.join(HERE, "qlora_fsdp.py"), "--device", "cpu", "--steps", "3", "--no-compile", "--seq_len", "32",
-           "--batch_size", "2"]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(HERE, "qlora_fsdp.py"),
+        "--device",
+        "cpu",
+        "--steps",
+        "3",
+        "--no-compile",
+        "--seq_len",
+        "32",
+        "--batch_size",
+        "2",
+    ]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     s = last_json(p.stdout)
     assert s["world_size"] == 2 and s["steps"] == 3 and math.isfinite(s["final_loss"])
@@ -2670,12 +3479,31 @@ def test_torchrun_cli_two_processes():
 def test_two_nodes_equal_one_process(single_run_tiny):
     """Two torchrun "nodes" of one process each (--nnodes 2, --node_rank 0 and 1, meeting at
     --master_addr 127.0.0.1) end with the single process's final loss on the same global batch."""
-    launch = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-              "--master_addr", "127.0.0.1", "--master_port", str(free_port())]
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
     script = [os.path.join(HERE, "qlora_fsdp.py")] + BASE + ["--batch_size", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [subprocess.Popen(launch + ["--node_rank", str(r)] + script, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=env) for r in (0, 1)]
+    nodes = [
+        subprocess.Popen(
+            launch + ["--node_rank", str(r)] + script,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
     try:
         outs = [p.communicate(timeout=240) for p in nodes]
     finally:
@@ -2705,9 +3533,13 @@ def test_cuda_nf4_equals_cpu(compile):
     w = torch.randn(256, 384, dtype=torch.bfloat16)
     cpu, gpu = qf.quantize_nf4(w, compile=compile), qf.quantize_nf4(w.cuda(), compile=compile)
     codes_cpu, codes_gpu = unpack_codes(cpu[0]), unpack_codes(gpu[0].cpu())
-    assert (codes_cpu - codes_gpu).abs().max() <= 1 and (codes_cpu != codes_gpu).float().mean() < 1e-4
+    assert (codes_cpu - codes_gpu).abs().max() <= 1 and (
+        codes_cpu != codes_gpu
+    ).float().mean() < 1e-4
     for a, b in zip(cpu[1:], gpu[1:]):
-        torch.testing.assert_close(b.cpu().float(), a.float(), rtol=1e-6, atol=1 if a.dtype == torch.int8 else 0)
+        torch.testing.assert_close(
+            b.cpu().float(), a.float(), rtol=1e-6, atol=1 if a.dtype == torch.int8 else 0
+        )
     d_cpu = qf.dequantize_nf4(*cpu, compile=compile)
     d_gpu = qf.dequantize_nf4(*(t.cuda() for t in cpu), compile=compile).cpu()
     torch.testing.assert_close(d_gpu.float(), d_cpu.float(), rtol=2**-7, atol=0)
@@ -2725,22 +3557,33 @@ def test_cuda_eager_dequantize_copies_nothing_to_the_gpu():
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         qf.dequantize_nf4(*parts, compile=False)
         torch.cuda.synchronize()
-    assert not [e.name for e in prof.events() if "HtoD" in e.name], "host-to-device copy per dequantize"
+    assert not [e.name for e in prof.events() if "HtoD" in e.name], (
+        "host-to-device copy per dequantize"
+    )
 
 
 @cuda
-@pytest.mark.parametrize("extra", [["--compile"], ["--no-compile"], ["--no-compile", "--cpu_offload",
-                                                                      "--offload_activations"]])
+@pytest.mark.parametrize(
+    "extra",
+    [["--compile"], ["--no-compile"], ["--no-compile", "--cpu_offload", "--offload_activations"]],
+)
 def test_cuda_training_equals_cpu(extra, hf_dir):
     """One process on the GPU (fp32) gives the CPU run's losses and adapters, compiled and eager,
-    and with shards, optimizer and block inputs offloaded to the host (side-stream copies). Both start
-    from one checkpoint (a random base drawn on the GPU is another one than the CPU's). Tolerance: matmuls
-    and attention sum in another order on the GPU."""
-    argv = [a for a in BASE if a not in ("--device", "cpu", "--no-compile")] + ["--batch_size", "4",
-                                                                               "--checkpoint", hf_dir[0]]
-    on_cpu = run_single(argv + ["--device", "cpu", "--no-compile"])  # eager: compiled equals it (tested above)
+    and with shards, optimizer and block inputs offloaded to the host (side-stream copies). Both
+    start from one checkpoint (a random base drawn on the GPU is another one than the CPU's).
+    Tolerance: matmuls and attention sum in another order on the GPU."""
+    argv = [a for a in BASE if a not in ("--device", "cpu", "--no-compile")] + [
+        "--batch_size",
+        "4",
+        "--checkpoint",
+        hf_dir[0],
+    ]
+    # eager: compiled equals it (tested above)
+    on_cpu = run_single(argv + ["--device", "cpu", "--no-compile"])
     on_gpu = run_single(argv + ["--device", "cuda"] + extra)
-    torch.testing.assert_close(torch.tensor(on_gpu["losses"]), torch.tensor(on_cpu["losses"]), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        torch.tensor(on_gpu["losses"]), torch.tensor(on_cpu["losses"]), rtol=1e-4, atol=1e-4
+    )
     for k, v in on_cpu["adapters"].items():
         torch.testing.assert_close(on_gpu["adapters"][k], v, rtol=1e-3, atol=1e-4, msg=k)
 
@@ -2752,20 +3595,48 @@ def test_cuda_peak_memory_matches_estimate(extra, monkeypatch):
     checkpointing), over what was allocated before the run (earlier tests' leftovers), is within 10%
     of --estimate's prediction for a model whose activations and weights are both sizeable;
     peak_reserved_gib and step 1's peaks are reported beside it."""
-    monkeypatch.setitem(qf.CONFIGS, "gpu-check", qf.LlamaConfig(
-        vocab_size=32000, hidden_size=2048, intermediate_size=5504, num_hidden_layers=8, num_attention_heads=16))
-    argv = ["--device", "cuda", "--model", "gpu-check", "--data", "dummy", "--batch_size", "4", "--seq_len", "1024",
-            "--steps", "3", "--log_every", "100"] + extra
+    monkeypatch.setitem(
+        qf.CONFIGS,
+        "gpu-check",
+        qf.LlamaConfig(
+            vocab_size=32000,
+            hidden_size=2048,
+            intermediate_size=5504,
+            num_hidden_layers=8,
+            num_attention_heads=16,
+        ),
+    )
+    argv = [
+        "--device",
+        "cuda",
+        "--model",
+        "gpu-check",
+        "--data",
+        "dummy",
+        "--batch_size",
+        "4",
+        "--seq_len",
+        "1024",
+        "--steps",
+        "3",
+        "--log_every",
+        "100",
+    ] + extra
     import gc
-    torch._dynamo.reset()  # its blocks compiled afresh for their shapes, not dynamic ones after the tests before
+
+    # its blocks compiled afresh for their shapes, not dynamic ones after the tests before
+    torch._dynamo.reset()
     gc.collect()
     torch._C._cuda_clearCublasWorkspaces()  # the estimate counts them: not in what was there before
     torch.cuda.empty_cache()
     before = torch.cuda.memory_allocated() / qf.GiB
-    summary, _, _ = qf.train(qf.parse_args(argv))
+    summary, _, _ = qf.fine_tune(qf.parse_args(argv))
     peak = summary["peak_mem_gib"] - before
     assert abs(peak - summary["predicted_peak_gib"]) <= 0.1 * peak, (before, summary)
-    assert summary["peak_reserved_gib"] >= summary["peak_mem_gib"] and summary["step1_peak_mem_gib"] > 0
+    assert (
+        summary["peak_reserved_gib"] >= summary["peak_mem_gib"]
+        and summary["step1_peak_mem_gib"] > 0
+    )
 
 
 @cuda
@@ -2773,37 +3644,68 @@ def test_cuda_profile_writes_trace_and_memory_snapshot(tmp_path):
     """--profile on CUDA writes the trace and a memory snapshot of the allocator's history, with
     Python stacks only."""
     out = str(tmp_path / "prof")
-    run_single([a for a in BASE if a not in ("--device", "cpu")] + ["--device", "cuda", "--batch_size", "2",
-                                                                     "--steps", "6", "--profile", out])
+    run_single(
+        [a for a in BASE if a not in ("--device", "cpu")]
+        + ["--device", "cuda", "--batch_size", "2", "--steps", "6", "--profile", out]
+    )
     assert os.path.isfile(os.path.join(out, "trace_rank0.json"))
     import pickle
+
     with open(os.path.join(out, "memory_rank0.pickle"), "rb") as f:
         snap = pickle.load(f)
     traces = [e for t in snap["device_traces"] for e in t]
-    assert traces and all(not any(fr.get("filename", "").endswith((".cpp", ".h")) for fr in e.get("frames", []))
-                          for e in traces)
+    assert traces and all(
+        not any(fr.get("filename", "").endswith((".cpp", ".h")) for fr in e.get("frames", []))
+        for e in traces
+    )
 
 
 # ---- Peers: Hugging Face transformers and PEFT, only where installed (never a dependency) --------
 
+
 def test_equals_transformers_and_peft_loads_our_adapters(tmp_path):
-    """A checkpoint saved by transformers loads here; with the same (dequantized) weights our
-    logits equal LlamaForCausalLM's; PEFT loads the adapters we train into that model and its
-    logits equal ours; transformers loads our merged checkpoint, in one file and sharded, to the same
-    logits, and a checkpoint it saves sharded loads here."""
+    """A checkpoint saved by transformers loads here; with the same (dequantized) weights our logits
+    equal LlamaForCausalLM's; PEFT loads the adapters we train into that model and its logits equal
+    ours; transformers loads our merged checkpoint, in one file and sharded, to the same logits, and
+    a checkpoint it saves sharded loads here."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+    )
     base, out, merged = str(tmp_path / "base"), str(tmp_path / "out"), str(tmp_path / "merged")
     transformers.LlamaForCausalLM(cfg).float().save_pretrained(base)
-    train_run(BASE + ["--checkpoint", base, "--steps", "2", "--batch_size", "2", "--lora_rank", "4",
-                      "--out", out, "--merge_to", merged])
+    train_run(
+        BASE
+        + [
+            "--checkpoint",
+            base,
+            "--steps",
+            "2",
+            "--batch_size",
+            "2",
+            "--lora_rank",
+            "4",
+            "--out",
+            out,
+            "--merge_to",
+            merged,
+        ]
+    )
     ours = qf.Llama.from_pretrained(base, dtype=torch.float32, lora_rank=4).eval()
     hf = transformers.LlamaForCausalLM(cfg).float().eval()
-    dense = {n: p.dequantize(torch.float32) if isinstance(p, qf.NF4Tensor) else p.detach()
-             for n, p in ours.named_parameters() if not n.endswith(("lora_A", "lora_B"))}
+    dense = {
+        n: p.dequantize(torch.float32) if isinstance(p, qf.NF4Tensor) else p.detach()
+        for n, p in ours.named_parameters()
+        if not n.endswith(("lora_A", "lora_B"))
+    }
     missing, unexpected = hf.load_state_dict(dense, strict=False)
     assert not missing and not unexpected
     tokens = torch.randint(256, (2, 24))
@@ -2815,14 +3717,36 @@ def test_equals_transformers_and_peft_loads_our_adapters(tmp_path):
         back = transformers.LlamaForCausalLM.from_pretrained(merged, dtype=torch.float32).eval()
         torch.testing.assert_close(ours(tokens), back(tokens).logits, rtol=1e-5, atol=1e-5)
     sharded, theirs = str(tmp_path / "sharded"), str(tmp_path / "theirs")
-    train_run(BASE + ["--checkpoint", base, "--steps", "2", "--batch_size", "2", "--lora_rank", "4",
-                      "--merge_to", sharded, "--max_shard_size", "0.0002"])
+    train_run(
+        BASE
+        + [
+            "--checkpoint",
+            base,
+            "--steps",
+            "2",
+            "--batch_size",
+            "2",
+            "--lora_rank",
+            "4",
+            "--merge_to",
+            sharded,
+            "--max_shard_size",
+            "0.0002",
+        ]
+    )
     assert os.path.isfile(os.path.join(sharded, "model.safetensors.index.json"))
-    transformers.LlamaForCausalLM.from_pretrained(base).save_pretrained(theirs, max_shard_size="200KB")
-    assert os.path.isfile(os.path.join(theirs, "model.safetensors.index.json"))  # transformers' own shards
+    transformers.LlamaForCausalLM.from_pretrained(base).save_pretrained(
+        theirs, max_shard_size="200KB"
+    )
+    # transformers' own shards
+    assert os.path.isfile(os.path.join(theirs, "model.safetensors.index.json"))
     with torch.no_grad():
         back = transformers.LlamaForCausalLM.from_pretrained(sharded, dtype=torch.float32).eval()
         torch.testing.assert_close(ours(tokens), back(tokens).logits, rtol=1e-5, atol=1e-5)
-        fresh = [qf.Llama.from_pretrained(d, dtype=torch.float32, lora_rank=4).eval() for d in (base, theirs)]
+        fresh = [
+            qf.Llama.from_pretrained(d, dtype=torch.float32, lora_rank=4).eval()
+            for d in (base, theirs)
+        ]
         assert torch.equal(fresh[0](tokens), fresh[1](tokens))
-        assert (ours(tokens) - fresh[0](tokens)).abs().max() > 1e-2  # the adapters compared above moved it
+        # the adapters compared above moved it
+        assert (ours(tokens) - fresh[0](tokens)).abs().max() > 1e-2

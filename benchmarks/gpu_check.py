@@ -32,7 +32,8 @@ import qlora_fsdp as qf  # noqa: E402
 def estimate(flags, world):
     """--estimate's predicted peak per GPU (GiB) for these flags at this world size (its function, in this process:
     no time out of the budget)."""
-    return qf.predicted_memory(qf.parse_args([str(f) for f in flags]), world)["gpu_peak"] / qf.GiB
+    args = qf.parse_args([str(f) for f in flags])
+    return qf.predicted_memory(args, world, qf.CONFIGS[args.model]).gpu_peak / qf.GiB
 
 
 def fmt(x, spec):
