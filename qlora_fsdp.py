@@ -38,6 +38,7 @@ Run it:
 
 import argparse
 import contextlib
+import functools
 import io
 import itertools
 import json
@@ -74,7 +75,7 @@ GiB = 1024**3
 #
 # Full fine-tuning in bf16 keeps, per parameter, the weight (2 B), its gradient (2 B) and
 # Adam's two moments (2 x 2 B): 8 B per parameter. A 7B model needs 56 GB before a single
-# activation exists (Llama-2-7B has 6.74 B parameters: 13.5 + 13.5 + 27 = 54 GB).
+# activation exists (Llama-2-7B has 6.74 B parameters: 13.5 + 13.5 + 27, about 54 GB).
 # QLoRA freezes the base in NF4 (about 0.516 B per parameter, section 2) and trains only
 # LoRA adapters. They are kept in fp32 (4 B) with fp32 gradients (4 B) and two fp32 moments
 # (8 B): 16 B per *adapter* parameter, and there are only about 0.3% of them.
@@ -251,7 +252,7 @@ def _double_quantize(absmax, scaler_block_size: int):
     return q.view(-1)[:n], factor, mean
 
 
-def _absmax(scale_q, scale_factor, scale_mean, scaler_block_size: int):
+def _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size: int):
     """The (n_blocks,) fp32 block scales back from their int8 codes: q / factor[group] + mean."""
     group = torch.arange(scale_q.numel(), device=scale_q.device) // scaler_block_size
     return scale_q.float() / scale_factor[group] + scale_mean
@@ -272,14 +273,14 @@ def _dequantize(
 ):
     """The inverse of quantize_nf4: a (numel,) tensor of `dtype`, w = NF4[code] * absmax[block].
 
-    This is the reference, and the path for --no-compile and for every dtype but bf16. Codes
+    This is the reference, and the path for compile=False and for every dtype but bf16. Codes
     index the codebook as int32, a chunk (at most half the weight) at a time, so that no
     temporary of 4-byte codes and values outgrows the output.
     """
     if packed.device not in _NF4_ON_DEVICE:
         _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
     table = _NF4_ON_DEVICE[packed.device]
-    absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)
+    absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
     blocks = packed.view(-1, block_size // 2)  # (n_blocks, 32)
     out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=packed.device)
     # Blocks per chunk: DEQUANT_CHUNK elements, at most half the weight (numel / 2 = packed).
@@ -324,7 +325,7 @@ def _dequantize_bf16_pairs(
 
     Viewed as bf16, it equals _dequantize's output.
     """
-    absmax = _absmax(scale_q, scale_factor, scale_mean, scaler_block_size)[:, None]
+    absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)[:, None]
     byte = packed.view(-1, block_size // 2).int()  # (n_blocks, 32)
     first = _bf16_bits(_nf4_lookup(byte >> 4) * absmax)  # elements 0, 2, 4, ... of each block
     second = _bf16_bits(_nf4_lookup(byte & 0xF) * absmax)  # elements 1, 3, 5, ...
@@ -400,8 +401,10 @@ def dequantize_nf4(
     torch.compile); otherwise the eager reference.
     """
     inner = [packed, scale_q, scale_factor, scale_mean]
-    compiled = use_compiled(compile, packed) or torch.compiler.is_compiling()
-    fast = compiled and packed.device.type != "meta"
+    # Inside an outer torch.compile the bf16 path is the custom op whatever `compile` says:
+    # traced into the outer graph, the kernel would lose its vectorization.
+    outer = torch.compiler.is_compiling() and packed.device.type != "meta"
+    fast = outer or use_compiled(compile, packed)
     with torch.no_grad():  # frozen weights are never part of the autograd graph
         if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
             return _dequantize_bf16(inner, block_size, scaler_block_size)
@@ -436,7 +439,7 @@ class NF4Tensor(torch.Tensor):
     INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
 
     @staticmethod
-    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *sizes, **kw_sizes):
+    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *blocks, **kw):
         return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=packed.device)
 
     def __init__(
@@ -526,13 +529,23 @@ def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
 
 
 def _nf4_copy_(dst, src, non_blocking=False):
-    """dst.copy_(src): src an NF4Tensor of the same layout (exact), or dense (quantized)."""
+    """dst.copy_(src) with an NF4Tensor on either side; nothing is written before all is known.
+
+    Into NF4: from NF4 of the same layout the codes are copied exactly; from another layout
+    (other block sizes) the source is re-quantized into the destination's; from a dense
+    tensor it is quantized. Into a dense tensor: the source is dequantized.
+    """
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(
-            f"copy_ into NF4Tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}"
+            f"copy_ into a tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}"
         )
+    if not isinstance(dst, NF4Tensor):
+        return dst.copy_(src.dequantize(dst.dtype), non_blocking=non_blocking)
+    layout = (dst.block_size, dst.scaler_block_size)
     if not isinstance(src, NF4Tensor):
-        src = to_nf4(src.to(dst.dtype), dst.block_size, dst.scaler_block_size)
+        src = to_nf4(src.to(dst.dtype), *layout)
+    elif (src.block_size, src.scaler_block_size) != layout:
+        src = to_nf4(src.dequantize(torch.float32).to(dst.dtype), *layout)
     for name in NF4Tensor.INNER:
         getattr(dst, name).copy_(getattr(src, name), non_blocking=non_blocking)
     return dst
@@ -624,23 +637,12 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # -----------------------------------------------------------------------------
 # 4. LoRA over a frozen NF4 base (QLoRA)
 # -----------------------------------------------------------------------------
-# Needs: import math, random, torch, torch.nn as nn, torch.nn.functional as F; from above:
-# NF4Tensor, to_nf4, linear_nf4.
+# Needs: import math, torch, torch.nn as nn, torch.nn.functional as F; from above: NF4Tensor,
+# to_nf4, linear_nf4.
 #
 # y = x W^T + (alpha / rank) * dropout(x) A^T B^T, with W (out, in) frozen in NF4, A (rank, in)
 # and B (out, rank). B starts at zero, so the model starts as the base (Hu et al. 2021). The
 # adapters are fp32, cast to the compute dtype in forward (when sharded: at the all-gather).
-
-
-def seeded(*key, device="cpu"):
-    """A generator for one use, e.g. seeded(seed, "batch", step).
-
-    Every rank draws the same numbers from it, and each key is a stream of its own (seeded
-    from a SHA-512 of the key). A CUDA generator draws other numbers than the CPU's, about
-    1000x as fast.
-    """
-    seed = random.Random("/".join(map(str, key))).getrandbits(63)
-    return torch.Generator(device).manual_seed(seed)
 
 
 def random_weight(shape, generator=None):
@@ -673,7 +675,8 @@ class NF4Linear(nn.Module):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.compile = compile
+        # The per-layer switch for the NF4 kernels (`compile` itself is nn.Module.compile).
+        self.compile_kernels = compile
         if weight is None:
             weight = random_weight((out_features, in_features))
         nf4 = to_nf4(weight.detach().to(dtype), compile=compile)
@@ -684,20 +687,19 @@ class NF4Linear(nn.Module):
             self.bias = nn.Parameter(zeros, requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear, *lora, compile=None, **lora_kw):
+    def from_linear(cls, linear, *, compile=None, **kw):
         """This class around an existing nn.Linear, with nothing drawn at random.
 
-        Its weight is quantized (reporting its dtype) and its bias kept, both frozen.
-        LoRALinear takes rank, alpha and dropout too, as its constructor does.
+        Its weight is quantized (reporting its dtype) and its bias kept, both frozen. kw:
+        the rest of the constructor's keywords (LoRALinear's rank, alpha, dropout).
         """
         module = cls(
             linear.in_features,
             linear.out_features,
-            *lora,
             dtype=linear.weight.dtype,
             compile=compile,
             weight=linear.weight,
-            **lora_kw,
+            **kw,
         )
         module.bias = None
         if linear.bias is not None:
@@ -705,8 +707,31 @@ class NF4Linear(nn.Module):
         return module
 
     def forward(self, x):
-        y = linear_nf4(x, self.weight, self.compile)
+        y = linear_nf4(x, self.weight, self.compile_kernels)
         return y if self.bias is None else y + self.bias
+
+    def _apply(self, fn, recurse=True):
+        """Module.to(), .cuda(), .half() and the like: the NF4 weight stays packed.
+
+        nn.Module would hand the weight to fn, whose .to(dtype) dequantizes. Here it moves
+        its packed data to fn's device instead and reports fn's dtype, with no dense copy.
+        """
+        weight = self._parameters.pop("weight", None)
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            if weight is not None:
+                self._parameters["weight"] = weight
+        if weight is None or not isinstance(weight, NF4Tensor):
+            return self
+        # What fn makes of an empty tensor of the weight's kind says where it goes.
+        probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
+        moved = weight.detach().to(probe.device)  # stays packed
+        relabeled = NF4Tensor(
+            *moved.inner(), weight.shape, probe.dtype, weight.block_size, weight.scaler_block_size
+        )
+        self._parameters["weight"] = nn.Parameter(relabeled, requires_grad=False)
+        return self
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         # A dense (Hugging Face) weight is quantized on the way in. This also serves
@@ -714,7 +739,7 @@ class NF4Linear(nn.Module):
         key = prefix + "weight"
         if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
             dense = state_dict[key].to(self.weight.dtype)
-            state_dict[key] = to_nf4(dense, compile=self.compile)
+            state_dict[key] = to_nf4(dense, compile=self.compile_kernels)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
@@ -750,7 +775,7 @@ class LoRALinear(NF4Linear):
         """x (..., in) -> (..., out). xA: dropout(x) A^T, if the caller made it already."""
         if xA is None:
             xA = F.linear(self.dropout(x), self.lora_A.to(x.dtype))  # (..., rank)
-        y = linear_nf4(x, self.weight, self.compile)  # (..., out)
+        y = linear_nf4(x, self.weight, self.compile_kernels)  # (..., out)
         # y + scaling * xA B^T as one addmm: a compiled backward that recomputes it then
         # keeps the (..., out) sum alone.
         y2d = y.view(-1, y.shape[-1])
@@ -758,6 +783,11 @@ class LoRALinear(NF4Linear):
         B = self.lora_B.to(x.dtype)
         y = torch.addmm(y2d, xA2d, B.T, alpha=self.scaling).view(y.shape)
         return y if self.bias is None else y + self.bias
+
+    @classmethod
+    def from_linear(cls, linear, rank=8, alpha=16.0, dropout=0.0, *, compile=None):
+        """LoRA over an existing nn.Linear: its weight in NF4, its bias kept, fresh adapters."""
+        return super().from_linear(linear, compile=compile, rank=rank, alpha=alpha, dropout=dropout)
 
     @staticmethod
     def shared_input(x, *layers):
@@ -783,48 +813,53 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, time, torch, torch.distributed as dist, torch.nn as nn,
+# Needs: import contextlib, math, time, functools, torch, torch.distributed as dist, torch.nn as nn,
 # torch.nn.functional as F, torch.utils._pytree as pytree; from typing import NamedTuple, Optional.
 #
 # The model is cut into *units*, as FSDP2's fully_shard cuts it. For Llama they are the
 # embeddings, each block, and the final norm with lm_head; parameters in no unit form the root
 # unit. Every tensor of a unit is flattened and split into `world` pieces of ceil(numel / world)
-# elements, zero padded, and rank r keeps piece r in the dtype the tensor travels in. That means
-# each inner tensor of a tensor subclass (an NF4 weight comes apart by __tensor_flatten__), each
-# frozen and each trainable weight. (FSDP2 splits dim 0: the same order, but a flat split takes
-# any shape at any world size.) One collective moves all of a unit's pieces, side by side in one
-# byte buffer, the widest dtypes first so that each piece starts aligned:
+# elements, zero padded, and rank r keeps piece r: a frozen tensor's in the dtype it travels
+# in, a trainable one's in an fp32 master, cast at each all-gather. That means each inner
+# tensor of a tensor subclass (an NF4 weight comes apart by __tensor_flatten__), each frozen
+# and each trainable weight. (FSDP2 splits dim 0; a flat split gives the same row-major pieces
+# and works when dim 0 < world.) One collective moves all of a unit's pieces, side by side in
+# one byte buffer, frozen ones first (each padded to 16 bytes), so that each piece starts
+# aligned:
 #
-#   rank 0 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed ...]
-#   rank 1 shard bytes  [ q.scale_factor | ... | norm.w | q.lora_A | q.lora_B | ... | q.packed ...]
+#   rank 0 shard bytes  [ q.scale_factor | ... | norm.w | ... | q.packed | ... | q.lora_A | ... ]
+#   rank 1 shard bytes  [ q.scale_factor | ... | norm.w | ... | q.packed | ... | q.lora_A | ... ]
 #        \__ all-gather __/
 #   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's columns into its
 #   (world, shard bytes) block of the unit's full storage -> the full tensors, set on their
 #   modules while the unit is gathered
 #
-# A unit's life, run by hooks on its modules (FSDP2's, written small):
-#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's. Its
+# A unit's life, run by hooks on its modules (FSDP2's, written small). Each call of one of its
+# modules is a *use*, followed from its forward into its backward:
+#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's. The
 #                  inputs pass through an identity autograd function whose backward marks the
-#                  end of the unit's backward.
-#   post-forward:  free (the storage resized to 0). A hook on each output tensor marks the
-#                  start of its backward.
-#   pre-backward:  all-gather again, prefetch the previous unit.
-#   post-backward: after the recompute and the backward, one reduce-scatter, in fp32, of the
-#                  gradients (their mean); free.
+#                  end of this use's backward.
+#   post-forward:  a hook on each output tensor marks the start of this use's backward. Once
+#                  every module of the unit has run, free (the storage resized to 0), except
+#                  the root and the last unit, which backward needs at once.
+#   pre-backward:  all-gather again (if freed), prefetch the previous unit.
+#   post-backward: when no use of the unit is still in its backward (after the recompute), one
+#                  reduce-scatter, in fp32, of the gradients (their mean); free.
 #   end of backward (a callback queued on the autograd engine): units whose inputs needed no
-#                  gradient reduce now. Every reduction is added to the masters' .grad, so that
-#                  several backward() calls accumulate.
-# CPU offload keeps the shards, the fp32 masters, their gradients and the optimizer on the
-# host. They are plain tensors, not FSDP2's DTensors, whose dispatch every optimizer op would
-# pay (section 6).
+#                  gradient reduce now. Every reduction is added to the parameters' .grad, so
+#                  that several backward() calls accumulate.
+# Each trainable parameter stays a parameter of its module, under its own name: this rank's
+# fp32 piece, a view into its unit's flat master (FSDP2 gives a DTensor). CPU offload keeps
+# the shards, the masters, their gradients and the optimizer on the host. They are plain
+# tensors, not DTensors, whose dispatch every optimizer op would pay (section 6).
 
 
 class _Slot:
     """One tensor of a unit, sharded into `world` pieces of shard_numel elements of `dtype`.
 
     `dtype` is what the tensor travels and computes in. This rank keeps its piece (`local`:
-    in the unit's shard bytes or, if trainable, in its fp32 master), and while the unit is
-    gathered the full tensor exists too (`full`).
+    in the unit's shard bytes or, if trainable, a parameter that views the unit's fp32
+    master), and while the unit is gathered the full tensor exists too (`full`).
     """
 
     def __init__(self, name, tensor, dtype, trainable, world, rank):
@@ -835,6 +870,12 @@ class _Slot:
         self.rank = rank
         self.numel = tensor.numel()
         self.shard_numel = -(-self.numel // world)  # ceil: every rank's piece is this long
+        if not trainable:
+            # A frozen piece is padded to a multiple of 16 bytes, so that each piece after it
+            # starts 16-byte aligned, as vectorized kernels assume. (A trainable piece cannot
+            # be: the reduce-scatter's chunk-cat fixes its size.)
+            per_16_bytes = 16 // math.gcd(16, dtype.itemsize)
+            self.shard_numel = -(-self.shard_numel // per_16_bytes) * per_16_bytes
         self.nbytes = self.shard_numel * dtype.itemsize
         # Set by the unit's layout: where the piece starts in the unit's shard bytes, and for a
         # trainable slot where it starts in the unit's master.
@@ -894,6 +935,7 @@ class _Param:
             return self.cls.__tensor_unflatten__(inner, self.flatten_meta, self.shape, self.stride)
         return tensors[0]
 
+    @torch.no_grad()
     def keep(self, full):
         """Keep this rank's pieces of a full tensor in this parameter's form (a subclass too)."""
         for slot, t in zip(self.slots, self.flatten(full)):
@@ -903,14 +945,12 @@ class _Param:
 def _layout_order(slot):
     """The sort key that places a slot in its unit's shard bytes.
 
-    1. Frozen slots whose bytes are no multiple of 16 go last, so that every other slot
-       starts 16-byte aligned, as vectorized kernels assume.
-    2. Wider dtypes first: every slot then starts aligned for its own dtype.
-    3. Slots of one dtype together (the name breaks ties between dtypes of one width).
-    4. Trainable slots last among their dtype: their masters are cast in one run.
+    1. Frozen slots first: each is a multiple of 16 bytes, so each starts 16-byte aligned.
+    2. Then the trainable ones, wider dtypes first, so that each starts aligned for its own
+       dtype, and those of one dtype together (the name breaks ties between dtypes of one
+       width): their masters are cast in one run.
     """
-    unaligned = slot.nbytes % 16 != 0 and not slot.trainable
-    return (unaligned, -slot.dtype.itemsize, str(slot.dtype), slot.trainable)
+    return (slot.trainable, -slot.dtype.itemsize, str(slot.dtype))
 
 
 class _CastRun(NamedTuple):
@@ -934,16 +974,35 @@ class _Reduction(NamedTuple):
     """A reduce-scatter in flight. Its input is held here until the collective is done."""
 
     unit: "ShardedUnit"
+    got: list  # per trainable slot of the unit: whether it had a gradient
     work: Optional[dist.Work]
     output: torch.Tensor
     input: torch.Tensor
 
 
 class _Arrived(NamedTuple):
-    """A unit's reduced gradient shard, waiting to be added to its master's .grad."""
+    """A unit's reduced gradient shard, waiting to be added to its parameters' .grad."""
 
     unit: "ShardedUnit"
-    grad: torch.Tensor
+    got: list
+    grad: torch.Tensor  # laid out as the unit's master
+
+
+class _Use:
+    """One pass of a forward through a unit: a call of each of its modules, at most once.
+
+    Its backward is over when every _PostBackward node on its calls' inputs has run. With no
+    such node (no input needed a gradient) it lasts to the end of backward.
+    """
+
+    def __init__(self):
+        self.ran = set()  # the modules called in it
+        self.nodes = 0  # _PostBackward nodes made on its calls' inputs
+        self.nodes_done = 0  # of those, the ones whose backward has run
+        self.started = False  # a gradient reached one of its outputs: its backward began
+
+    def done(self):
+        return self.nodes > 0 and self.nodes_done == self.nodes
 
 
 def _collective(out, inp, group, reduce_scatter=False):
@@ -998,16 +1057,17 @@ class _PostBackward(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, unit, *inputs):
+    def forward(ctx, unit, use, *inputs):
         ctx.unit = unit
+        ctx.use = use
         # An input that gets no gradient gets None, not a tensor of zeros.
         ctx.set_materialize_grads(False)
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.post_backward()
-        return (None,) + grads
+        ctx.unit.node_done(ctx.use)
+        return (None, None) + grads
 
 
 class _Sharded:
@@ -1064,11 +1124,11 @@ class ShardedUnit:
         self._take_over([p for _, _, p in params])
         # The state that the hooks move through.
         self.gathered = False
-        self.in_backward = False
-        self.needs_backward = False
-        self.to_run = set()  # its modules yet to run in this forward
         self.inflight = None  # its all-gather in flight, an _AllGather
         self.version = None  # _version() when it was gathered or prefetched
+        self.use = None  # the _Use that its modules' calls join, until each of them ran
+        self.started = []  # the uses whose backward began and is not over
+        self.needs_backward = False  # an output needs a gradient: a backward will come
         for m in modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)
@@ -1111,21 +1171,22 @@ class ShardedUnit:
             self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin
         )
         # The fp32 master of the trainable tensors: this rank's pieces in one flat tensor, laid
-        # out as a row of the reduce-scatter's input. AdamW steps one tensor per unit, and the
-        # padding stays 0 under it.
+        # out as a row of the reduce-scatter's input, so that a reduction lands in place and
+        # one cast sends them. Each piece is a parameter of its own (below), a view into it;
+        # the padding stays 0 under AdamW.
         self.master = None
         if self.master_numel:
-            zeros = torch.zeros(self.master_numel, device=fsdp.store_device, pin_memory=pin)
-            self.master = nn.Parameter(zeros)
+            self.master = torch.zeros(self.master_numel, device=fsdp.store_device, pin_memory=pin)
         # Each full tensor is a (world, shard bytes) block of one storage, in slot order. The
         # storage is empty until the unit is gathered.
         flat = torch.empty(world * self.unit_bytes, dtype=torch.uint8, device=device)
         self.storage = flat.untyped_storage()
         for slot in self.slots:
             if slot.trainable:
-                # detach(), not .data: writes through the view bump the master's version.
+                # A view shares the master's storage and its version counter: an optimizer
+                # step on the parameter moves the master's version.
                 end = slot.start + slot.shard_numel
-                slot.local = self.master.detach()[slot.start : end]
+                slot.local = nn.Parameter(self.master[slot.start : end])
             else:
                 end = slot.offset + slot.nbytes
                 slot.local = self.shard_bytes[slot.offset : end].view(slot.dtype)
@@ -1137,10 +1198,12 @@ class ShardedUnit:
         self.storage.resize_(0)
 
     def _take_over(self, originals):
-        """The parameters give way to this rank's pieces, and to full ones when gathered."""
-        if self.master is not None:
-            # model.parameters() are then what the optimizer steps, as with fully_shard.
-            self.modules[0].register_parameter("fsdp_master", self.master)
+        """The parameters give way to this rank's pieces, and to full ones when gathered.
+
+        A trainable parameter's piece takes its place on its module, under its name:
+        model.named_parameters() and the optimizer see the pieces, as with fully_shard. A
+        frozen one leaves its module's parameters.
+        """
         for p, original in zip(self.params, originals):
             # A model built on "meta" is loaded later (FSDP.load_full).
             if original.device.type != "meta":
@@ -1148,6 +1211,8 @@ class ShardedUnit:
             p.value = p.unflatten([slot.full for slot in p.slots])
             for module, attr in p.places:
                 module._parameters.pop(attr, None)
+                if p.trainable:
+                    module._parameters[attr] = p.slots[0].local
                 _mark_sharded(module, attr, p.fqn)
         self.places = [(m, attr, p.value) for p in self.params for m, attr in p.places]
 
@@ -1185,7 +1250,8 @@ class ShardedUnit:
         The all-gather is issued now unless prefetched, and again if the pieces were written
         since. Every tensor is copied out of it in one op.
         """
-        if self.version != self._version():  # gathered or prefetched before a step: stale
+        stale = self.version is not None and self.version != self._version()
+        if stale:  # gathered or prefetched before its pieces were written (a step)
             self.free()
         if self.gathered or not self.slots:
             return
@@ -1202,6 +1268,9 @@ class ShardedUnit:
                 dim=1,
                 out=[slot.padded_bytes for slot in self.slots],
             )
+        # A trainable tensor gets a gradient only while its parameter asks for one.
+        for slot in self.adapters:
+            slot.full.requires_grad_(slot.local.requires_grad)
         # The full tensors sit on their modules for as long as they exist.
         for module, attr, value in self.places:
             module.__dict__[attr] = value
@@ -1216,90 +1285,125 @@ class ShardedUnit:
             module.__dict__.pop(attr, None)
         self.gathered = False
         self.version = None
+        self.use = None  # what runs next is another forward
 
     @torch.compiler.disable  # the hooks stay eager under a torch.compile'd model, as FSDP2's do
     def _pre_forward(self, module, args, kwargs):
-        if self.index < 0:  # the root: a new forward of the whole model, every unit starts afresh
+        # A recompute inside backward (a checkpoint around the module) needs the weights
+        # only: its backward was set up by the forward it repeats.
+        if torch._C._current_graph_task_id() != -1:
+            self.gather()
+            return args, kwargs
+        if self.index < 0:  # the root: a new forward of the whole model
+            args, kwargs = self.fsdp.cast_inputs(args, kwargs)
             for unit in self.fsdp.all_units:
-                unit.to_run.clear()
-        if self.to_run:  # another of this unit's modules started it
-            return None
-        self.to_run = set(self.modules)
+                unit.use = None
         self.gather()
-        if self.in_backward:  # a checkpoint around the module reruns it in backward
-            return None
         if self.index + 1 < len(self.fsdp.units):
             self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
-        if not torch.is_grad_enabled():
-            return None
-        # The inputs that need a gradient pass through _PostBackward. With none, the unit's
-        # post-backward comes at the end of backward.
+        # A module called again starts another pass through the unit.
+        if self.use is None or module in self.use.ran:
+            self.use = _Use()
+        self.use.ran.add(module)
+        if torch.is_grad_enabled():
+            args, kwargs = self._mark_inputs(self.use, args, kwargs)
+        return args, kwargs
+
+    def _mark_inputs(self, use, args, kwargs):
+        """The inputs that need a gradient, passed through a _PostBackward node of `use`."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
         need = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not need:
-            return None
-        wrapped = _PostBackward.apply(self, *(leaves[i] for i in need))
+            return args, kwargs
+        use.nodes += 1
+        wrapped = _PostBackward.apply(self, use, *(leaves[i] for i in need))
         for i, t in zip(need, wrapped):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)
 
     @torch.compiler.disable
     def _post_forward(self, module, args, output):
-        self.to_run.discard(module)
-        if self.to_run or self.in_backward:  # more of this unit to run; or a recompute
+        if torch._C._current_graph_task_id() != -1:  # a recompute
             return None
+        use = self.use
         if torch.is_grad_enabled():
             for t in pytree.tree_leaves(output):
-                # The first gradient to arrive at an output starts the unit's backward.
+                # The first gradient to arrive at an output starts the use's backward.
                 if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(self._pre_backward)
+                    t.register_hook(functools.partial(self._pre_backward, use))
                     self.needs_backward = True
-        # A no-grad forward has no backward to keep the weights for.
-        if self.reshard_after_forward or not torch.is_grad_enabled():
-            self.free()
+        # Once each module has run, the pass is over: free, unless backward needs the unit at
+        # once. A no-grad forward has no backward to keep the weights for. A module that does
+        # not run keeps the unit gathered until the backward is over.
+        if use.ran.issuperset(self.modules):
+            self.use = None
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self.free()
+        return None
 
-    def _pre_backward(self, grad):
+    def _pre_backward(self, use, grad):
         self.fsdp.queue_end_of_backward()
-        if self.in_backward:
+        self.gather()  # again if another use's backward freed it, or it was freed after forward
+        if use.started:
             return
-        self.in_backward = True
-        self.gather()
+        use.started = True
+        self.started.append(use)
         if self.index > 0:
             previous = self.fsdp.units[self.index - 1]
             if previous.needs_backward:
                 previous.prefetch()  # the unit whose backward comes next
 
+    def node_done(self, use):
+        """A _PostBackward node of `use` has run; if no use is left in backward, nor is the unit."""
+        use.nodes_done += 1
+        if use.started and use.done():
+            self.started.remove(use)
+            if not self.started:
+                self.post_backward()
+
     def post_backward(self):
         """This unit's backward is done: reduce-scatter its gradients, free its weights."""
-        self.in_backward = False
+        for use in self.started:
+            use.started = False  # over for this backward; another may reach it again
+        self.started = []
         self.needs_backward = False
         grads = [slot.full.grad for slot in self.adapters]
-        if any(g is not None for g in grads):
+        got = [g is not None for g in grads]
+        if any(got):
             filled = []
             for slot, g in zip(self.adapters, grads):
                 filled.append(torch.zeros_like(slot.full) if g is None else g)
-            self.fsdp.reduce(self, filled)
+            self.fsdp.reduce(self, filled, got)
             for slot in self.adapters:
                 slot.full.grad = None
         self.free()
 
 
+class _Found(NamedTuple):
+    """A parameter found in the model: its name, the places that hold it, its unit."""
+
+    fqn: str
+    places: list  # [(module, attribute name)]: more than one if tied
+    param: torch.Tensor
+    unit: int  # -1: the root
+
+
 def _collect_params(module, prefix, unit, tops, found):
     """Record module's parameters and its children's, down to (not into) the units of their own.
 
-    found: id(parameter) -> [fqn, [(module, name), ...], parameter, unit index]. A parameter
-    met twice in one unit (tied) gains a place; met in two units it is refused.
+    found: id(parameter) -> _Found. A parameter met twice in one unit (tied) gains a place;
+    met in two units it is refused.
     """
     for attr, p in module._parameters.items():
         if p is None:
             continue
-        entry = found.setdefault(id(p), [prefix + attr, [], p, unit])
-        if entry[3] != unit:
+        entry = found.setdefault(id(p), _Found(prefix + attr, [], p, unit))
+        if entry.unit != unit:
             raise ValueError(
-                f"FSDP: parameter {prefix + attr} (also {entry[0]}) is in two units; "
+                f"FSDP: parameter {prefix + attr} (also {entry.fqn}) is in two units; "
                 f"put the modules that share it in one unit"
             )
-        entry[1].append((module, attr))
+        entry.places.append((module, attr))
     for name, child in module._modules.items():
         if child is not None and child not in tops:
             _collect_params(child, f"{prefix}{name}.", unit, tops, found)
@@ -1308,18 +1412,22 @@ def _collect_params(module, prefix, unit, tops, found):
 class FSDP:
     """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors.
 
-    units: in forward's order, modules or lists of modules gathered together. Parameters in
-    no unit form the root unit; a unit inside a unit is its own; a parameter in two units is
+    units: in forward's order, modules or lists of modules gathered together; a unit's
+    modules may run in any order, some not at all, or alone later. Parameters in no unit
+    form the root unit; a unit inside a unit is its own; a parameter in two units is
     refused. compute_dtype (FSDP2's param_dtype): every plain floating parameter is kept and
-    gathered in it; the masters (one flat fp32 tensor per unit) and the gradient reductions
-    are fp32. device: the current GPU, else the CPU. offload: shards, masters and AdamW on the
-    host. Outside its unit's forward and backward a parameter is off its module (reading it
-    is an AttributeError), and model.parameters() are the masters:
+    gathered in it, and the root's floating inputs are cast to it (cast_forward_inputs); the
+    trainable pieces and the gradient reductions are fp32. device: the current GPU, else the
+    CPU. offload: shards, trainable pieces and AdamW on the host. Outside its unit's forward
+    and backward a full parameter does not exist (reading it is an AttributeError), and
+    model.named_parameters() gives each trainable parameter's piece under its own name: a
+    1-D fp32 view into its unit's flat master (FSDP2 gives a DTensor), with a .grad once a
+    gradient reached it, frozen by requires_grad_(False), in any optimizer parameter group:
 
         model = nn.Sequential(nn.Embedding(1000, 64), *(Block(64) for _ in range(4)),
                               nn.Linear(64, 1000))
         fsdp = FSDP(model, units=list(model), device="cuda", compute_dtype=torch.bfloat16)
-        optimizer = AdamW(model.parameters(), lr=1e-4)  # the masters: make it after FSDP
+        optimizer = AdamW(model.parameters(), lr=1e-4)  # the pieces: make it after FSDP
         for x, y in batches:  # under torchrun: dist.init_process_group() first
             for x_micro, y_micro in zip(x.chunk(2), y.chunk(2)):
                 logits = model(x_micro)
@@ -1334,7 +1442,16 @@ class FSDP:
     of=lambda m: optimizer.state[m]["exp_avg"], full_base(), load_full().
     """
 
-    def __init__(self, model, units, device=None, compute_dtype=None, offload=False, group=None):
+    def __init__(
+        self,
+        model,
+        units,
+        device=None,
+        compute_dtype=None,
+        offload=False,
+        group=None,
+        cast_forward_inputs=True,
+    ):
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
@@ -1344,10 +1461,12 @@ class FSDP:
         self.compute_dtype = compute_dtype
         self.offload = offload
         self.group = group
+        self.cast_forward_inputs = cast_forward_inputs
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.store_device = torch.device("cpu") if offload else device
-        self.waits = []  # (start, end) of each wait for a collective
+        self.time_waits = False  # record each wait for a collective (the loop reads them)
+        self.waits = []  # (start, end) of each wait, while time_waits
         self.pending = None  # the reduce-scatter in flight, a _Reduction
         self.arrived = []  # reduced gradient shards to add at the end of backward, _Arrived
         self.task = None  # the backward pass whose end is queued
@@ -1368,15 +1487,16 @@ class FSDP:
         outside = [type(m).__name__ for m in tops if m not in names]
         if outside:
             raise ValueError(f"FSDP: a unit's {outside[0]} is not a submodule of the model")
-        # The root's parameters first, then each unit's: a unit's parameters leave the root's.
+        # The root's parameters, then each unit's. The walk stops at each unit's modules, so a
+        # unit's parameters are never the root's; one found in two units is refused.
         found = {}
         _collect_params(model, "", -1, tops, found)
         for i, group in enumerate(groups):
             for m in group:
                 _collect_params(m, f"{names[m]}." if names[m] else "", i, tops, found)
         params = {i: [] for i in range(-1, len(groups))}
-        for fqn, places, p, unit in found.values():
-            params[unit].append((fqn, places, p))
+        for entry in found.values():
+            params[entry.unit].append((entry.fqn, entry.places, entry.param))
         self.root = ShardedUnit(self, -1, "root", [model], params[-1], reshard_after_forward=False)
         self.units = []
         for i, group in enumerate(groups):
@@ -1390,7 +1510,23 @@ class FSDP:
         self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
 
     def parameters(self):
-        return [unit.master for unit in self.trained]
+        """The trainable parameters: this rank's pieces, as model.parameters() gives them."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self):
+        """(name, piece) of every trainable parameter, in the order of the units' layouts."""
+        return [(slot.name, slot.local) for unit in self.trained for slot in unit.adapters]
+
+    def cast_inputs(self, args, kwargs):
+        """The root's floating-point inputs in compute_dtype (FSDP2's cast_forward_inputs)."""
+        dtype = self.compute_dtype
+        if dtype is None or not self.cast_forward_inputs:
+            return args, kwargs
+
+        def cast(t):
+            return t.to(dtype) if t.is_floating_point() else t
+
+        return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
     def queue_end_of_backward(self):
         """Queue _end_of_backward on the autograd engine, once per backward pass, from inside it."""
@@ -1409,21 +1545,24 @@ class FSDP:
         self.task = None
         for unit in self.all_units:
             has_grads = any(slot.full.grad is not None for slot in unit.adapters)
-            if unit.in_backward or has_grads:
+            if unit.started or has_grads:
                 unit.post_backward()
         self._finish_reduction()
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
         for arrived in self.arrived:
-            master = arrived.unit.master
-            if master.grad is None:
-                master.grad = arrived.grad
-            else:
-                master.grad.add_(arrived.grad)
+            for slot, got in zip(arrived.unit.adapters, arrived.got):
+                if not got:  # no gradient reached it: its .grad stays as it was (None)
+                    continue
+                grad = arrived.grad[slot.start : slot.start + slot.shard_numel]
+                if slot.local.grad is None:
+                    slot.local.grad = grad  # a view of the reduction's output
+                else:
+                    slot.local.grad.add_(grad)
         self.arrived = []
         self.reshard()
 
-    def reduce(self, unit, grads):
+    def reduce(self, unit, grads, got):
         """Issue unit's reduce-scatter of its gradients, in fp32. One is in flight at a time.
 
         One chunk-cat builds the input, (world, master numel): row r in the layout of rank r's
@@ -1431,13 +1570,13 @@ class FSDP:
         """
         self._finish_reduction()
         with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
-            numel = unit.master.numel()
+            numel = unit.master_numel
             send = torch.empty(self.world, numel, dtype=torch.float32, device=self.device)
             flat_grads = [g.reshape(-1) for g in grads]
             torch._chunk_cat(flat_grads, dim=0, num_chunks=self.world, out=send)
             out = torch.empty(numel, dtype=torch.float32, device=self.device)
             work = _collective(out, send.view(-1), self.group, reduce_scatter=True)
-            self.pending = _Reduction(unit, work, out, send)
+            self.pending = _Reduction(unit, got, work, out, send)
 
     def _finish_reduction(self):
         """Wait for the reduce-scatter in flight; its shard is added at the end of backward."""
@@ -1451,7 +1590,7 @@ class FSDP:
         # With offload, it goes to the host as soon as it is reduced.
         if self.offload and grad.is_cuda:
             grad = _to_host(grad, self.side_stream)
-        self.arrived.append(_Arrived(pending.unit, grad))
+        self.arrived.append(_Arrived(pending.unit, pending.got, grad))
 
     def _now(self):
         """A point in time: a CUDA event on the compute stream, or the host's clock."""
@@ -1468,7 +1607,7 @@ class FSDP:
         timed by events on it. On the CPU the host waits.
         """
         with torch.profiler.record_function(label):
-            start = self._now()
+            start = self._now() if self.time_waits else None
             if work is not None:
                 # NCCL: the compute stream waits for the collective and for what came before it
                 # on its stream (the shard's copy to the GPU, the masters' cast).
@@ -1476,7 +1615,8 @@ class FSDP:
             elif self.side_stream is not None:
                 # No process group: the "collective" was a copy on the side stream.
                 torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-            self.waits.append((start, self._now()))
+            if self.time_waits:
+                self.waits.append((start, self._now()))
 
     def take_comm_wait_s(self):
         """Seconds waited on collectives since the last call (the device has synchronized)."""
@@ -1489,18 +1629,24 @@ class FSDP:
         self.waits = []
         return seconds
 
-    def clip_grad_norm_(self, max_norm):
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
         """torch.nn.utils.clip_grad_norm_ over the whole model, on every rank.
 
-        Each rank's squared norm of its shards (the padding is 0), summed over ranks, gives
-        the global L2 norm, which scales every shard.
+        Each rank's norm of its shards (the padding is 0) combines over ranks into the global
+        norm, which scales every shard: for p-norms the sum of |g|^p, for inf the max.
         """
+        norm_type = float(norm_type)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squared = torch.nn.utils.get_total_norm(grads).square()
-        if dist.is_initialized():
-            squared = squared.to(self.device)
-            dist.all_reduce(squared, group=self.group)
-        norm = squared.sqrt()
+        local = torch.nn.utils.get_total_norm(grads, norm_type).to(self.device)
+        if norm_type == math.inf:
+            if dist.is_initialized():
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            norm = local
+        else:
+            powered = local**norm_type
+            if dist.is_initialized():
+                dist.all_reduce(powered, group=self.group)
+            norm = powered ** (1.0 / norm_type)
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
         return norm
 
@@ -1514,12 +1660,15 @@ class FSDP:
     def full_adapters(self, of=None):
         """{name: full fp32 tensor, on the host} of every trainable tensor.
 
-        Gathered from its unit's master or from of(master), a tensor laid out like it (its
+        Gathered from its parameters, or from of(parameter), a tensor of its shape (its
         gradient, an AdamW moment).
         """
         full = {}
         for unit in self.trained:
-            flat = unit.master if of is None else of(unit.master)
+            if of is None:
+                flat = unit.master
+            else:
+                flat = torch.cat([of(slot.local).reshape(-1) for slot in unit.adapters])
             send = flat.detach().to(self.device, torch.float32)
             out = torch.empty(self.world * flat.numel(), dtype=torch.float32, device=self.device)
             work = _collective(out, send, self.group)
@@ -1535,16 +1684,15 @@ class FSDP:
     def load_full(self, fqn, tensor, of=None):
         """Keep this rank's piece of one full parameter, given in the model's form.
 
-        An NF4 weight comes as an NF4Tensor. A trainable one's piece goes into its master, or
-        into of(master) (an AdamW moment).
+        An NF4 weight comes as an NF4Tensor. A trainable one's piece goes into its parameter,
+        or into of(parameter) (an AdamW moment).
         """
         unit, p = self.param_of[fqn]
         if of is None:
             p.keep(tensor)
             return
         slot = p.slots[0]
-        target = of(unit.master)[slot.start : slot.start + slot.shard_numel]
-        target.copy_(slot.piece(tensor))
+        of(slot.local).copy_(slot.piece(tensor))
 
     def full_base(self):
         """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time.
@@ -1591,11 +1739,11 @@ class _Parked:
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
     """While active, each checkpointed block's input waits in host memory for its recompute.
 
-    The saved tensor that is the input given to `start` (a checkpointed block's input, all
-    that checkpointing keeps of it) is copied to pinned host memory on `stream`. The copy out
-    starts before the block runs (a compiled block saves its input only once its forward is
-    queued), and the copy back of the block before's as this one's backward begins: both
-    overlap compute.
+    Non-reentrant checkpointing saves a block's input once, under the hooks active around
+    the block, and nothing else of it. The input given to `start` is copied to pinned host
+    memory on `stream` before the block runs (a compiled block saves its input only once its
+    forward is queued). When a block's backward unpacks its input, the input of the block
+    before is fetched back too, so that its copy overlaps this block's backward.
     """
 
     def __init__(self, stream=None):
@@ -1615,6 +1763,7 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 
     def _pack(self, t):
         x = self.input
+        # By storage, not identity: FSDP's _PostBackward hands the block an alias of x.
         if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
             return t  # not a block input (RoPE's cos and sin): kept as it is
         self.last = _Parked(t.device, self.host, self.last)
@@ -1714,14 +1863,8 @@ class AdamW(torch.optim.Optimizer):
                     f"AdamW: {key}={value!r} is not implemented here (torch.optim.AdamW has it)"
                 )
 
-    def _chunks(self, params):
-        """Runs of about ADAM_CHUNK_BYTES of params that share their step count.
-
-        A parameter that had no gradient at some step has a smaller count than the others.
-        Each parameter's count moves on by one here.
-        """
-        chunks = []
-        nbytes = math.inf
+    def _advance(self, params):
+        """Each parameter's step count moves on by one; a new one gets its state first."""
         for p in params:
             state = self.state[p]
             if not state:
@@ -1730,6 +1873,16 @@ class AdamW(torch.optim.Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p)
             # int(): torch's state_dict holds the count as a tensor.
             state["step"] = int(state["step"]) + 1
+
+    def _chunks(self, params):
+        """Runs of about ADAM_CHUNK_BYTES of params that share their step count.
+
+        A parameter that had no gradient at some step has a smaller count than the others.
+        """
+        chunks = []
+        nbytes = math.inf
+        for p in params:
+            state = self.state[p]
             chunk_bytes = ADAM_CHUNK_BYTES.get(p.device.type, math.inf)
             if nbytes >= chunk_bytes or state["step"] != chunks[-1].step:
                 chunks.append(_AdamChunk(state["step"], []))
@@ -1755,6 +1908,7 @@ class AdamW(torch.optim.Optimizer):
             beta2 = float(group["betas"][1])
             eps = float(group["eps"])
             weight_decay = float(group["weight_decay"])
+            self._advance(params)
             for chunk in self._chunks(params):
                 self._update(chunk, lr, beta1, beta2, eps, weight_decay)
         return loss
@@ -1899,7 +2053,7 @@ class LlamaAttention(nn.Module):
         # Grouped-query attention: each of the nkv heads serves nh / nkv query heads.
         gqa = self.n_kv != self.n_heads
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(B, T, C)  # (B, T, nh * hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.o_proj(y)
 
 
@@ -1945,8 +2099,8 @@ def _cross_entropy_rows(logits, targets, need_grad: bool):
 
     The loss is fp32. The gradient wrt the logits (if need_grad) is softmax - onehot, zero on
     ignored rows, in logits' dtype. Eager, it is made in place on one fp32 copy of the logits
-    and the one-hot is a bool; compiled, the passes fuse (max, sum of exp, gradient) and
-    neither is made.
+    (fp32 logits themselves are overwritten) and the one-hot is a bool; compiled, the passes
+    fuse (max, sum of exp, gradient) and neither is made.
     """
     keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
     # Ignored rows look up class 0 and count 0.
@@ -2043,7 +2197,7 @@ class LMHead(NF4Linear):
             self.weight,
             targets.reshape(-1),
             reduction=reduction,
-            compile=self.compile,
+            compile=self.compile_kernels,
         )
 
 
@@ -2090,15 +2244,14 @@ class Llama(nn.Module):
         h = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
         # With offload, each checkpointed block input waits in host memory for its backward.
-        offload = None
+        parking = None
         if self.checkpointing and torch.is_grad_enabled():
-            offload = self.offload_activations
+            parking = self.offload_activations
         for layer in self.model.layers:
-            parking = offload.start(h) if offload else contextlib.nullcontext()
-            with parking:
+            with parking.start(h) if parking else contextlib.nullcontext():
                 h = layer(h, cos, sin, self.checkpointing)
-        if offload:
-            offload.start(None)  # so that the hooks don't keep the last block's input alive
+        if parking:
+            parking.start(None)  # so that the hooks don't keep the last block's input alive
         return self.lm_head(self.model.norm(h), targets, reduction)
 
     def units(self):
@@ -2109,13 +2262,13 @@ class Llama(nn.Module):
 # -----------------------------------------------------------------------------
 # 8. Training: batches, one step, the loop over steps
 # -----------------------------------------------------------------------------
-# Needs: import math, os, resource, time, numpy as np, torch, torch.distributed as dist; from typing
-# import NamedTuple, Optional; from above: GiB, seeded, IGNORE_INDEX.
+# Needs: import math, os, random, resource, sys, time, numpy as np, torch, torch.distributed as
+# dist; from typing import NamedTuple, Optional; from above: GiB, IGNORE_INDEX.
 #
 # One code path serves any number of processes, as nanoGPT's does: torchrun sets RANK,
 # WORLD_SIZE and LOCAL_RANK, and a plain `python` run is a world of one. GPUs talk over NCCL,
-# CPUs over gloo. `args` below is any object with the fields the functions read (argparse's
-# Namespace from section 12, or one of your own).
+# CPUs over gloo. `args` below is any object with the fields the functions read (the command
+# line's argparse Namespace, or one of your own).
 
 
 def print0(*args, **kwargs):
@@ -2136,6 +2289,20 @@ def init_distributed(cuda):
     if not dist.is_initialized():
         return device, 1, 0
     return device, dist.get_world_size(), dist.get_rank()
+
+
+def seed_of(*key):
+    """A 63-bit seed of its own for each key, e.g. (seed, "batch", step): a SHA-512 of it."""
+    return random.Random("/".join(map(str, key))).getrandbits(63)
+
+
+def seeded(*key, device="cpu"):
+    """A generator for one use, e.g. seeded(seed, "batch", step).
+
+    Every rank draws the same numbers from it, and each key is a stream of its own. A CUDA
+    generator draws other numbers than the CPU's, about 1000x as fast.
+    """
+    return torch.Generator(device).manual_seed(seed_of(*key))
 
 
 class TokenData(NamedTuple):
@@ -2218,8 +2385,9 @@ def peak_memory_gib(device, reserved=False):
             peak = torch.cuda.max_memory_allocated(device)
     else:
         peak = proc_bytes("/proc/self/status", "VmHWM")
-        if peak is None:  # getrusage's ru_maxrss (KiB on Linux) cannot be reset
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        if peak is None:  # getrusage's ru_maxrss cannot be reset; macOS gives bytes, not KiB
+            unit = 1 if sys.platform == "darwin" else 1024
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
     t = torch.tensor(peak / GiB, device=device)
     if dist.is_initialized():
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -2310,10 +2478,12 @@ def format_step(r, steps):
 def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=None):
     """The training loop: steps start + 1 to `end` (args.steps), a log line every log_every.
 
-    `run` (section 11) hears of each step by run.after_step(record): it evaluates, saves,
-    profiles, and stops the loop early by returning True. Returns the StepRecords.
+    `run`, any object with after_step(record) -> bool, hears of each step: the command line's
+    evaluates, saves and profiles, and any can stop the loop by returning True. Returns the
+    StepRecords.
     """
     end = args.steps if end is None else end
+    fsdp.time_waits = True  # each step's record says how long it waited for collectives
     world = fsdp.world
     rank = fsdp.rank
     vocab_size = model.config.vocab_size
@@ -2326,7 +2496,7 @@ def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=Non
         for group in optimizer.param_groups:
             group["lr"] = lr
         # LoRA dropout draws its masks from (seed, rank, step): a resumed run draws the same.
-        torch.manual_seed(seeded(args.seed, "dropout", rank, step).initial_seed())
+        torch.manual_seed(seed_of(args.seed, "dropout", rank, step))
         # This rank's micro-batches of the step's global batch.
         batches = []
         for micro in range(args.grad_accum):
@@ -2816,9 +2986,10 @@ def check_fits(args, config, world, device):
 # -----------------------------------------------------------------------------
 # 10. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
 # -----------------------------------------------------------------------------
-# Needs: import io, itertools, json, math, os, re, shutil, numpy as np, torch, torch.distributed as
-# dist; from dataclasses import fields; from typing import NamedTuple; from above: linear_shapes,
-# seeded, random_weight, lora_A_init, LlamaConfig, print0, UserError, require, Llama.
+# Needs: import io, itertools, json, math, os, re, shutil, functools, numpy as np, torch,
+# torch.distributed as dist; from dataclasses import fields; from typing import NamedTuple; from
+# above: linear_shapes, random_weight, lora_A_init, LlamaConfig, print0, seeded, UserError, require,
+# Llama.
 #
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]},
@@ -3254,11 +3425,17 @@ def load_adapters(path):
 RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha", "lora_dropout", "seed")
 
 
+def _moment(optimizer, key, p):
+    """AdamW's moment `key` of parameter p; zeros for one that was never stepped."""
+    return optimizer.state[p].get(key, torch.zeros_like(p))
+
+
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     """Collective. Rank 0 writes out_dir/checkpoint-<step>/ and points out_dir/latest at it.
 
-    The checkpoint holds the adapters and training_state.pt: the step, AdamW's count and its
-    moments in full ({"exp_avg": {name: tensor}, ...}), and the flags --resume checks. There
+    The checkpoint holds the adapters and training_state.pt: the step, AdamW's count per
+    parameter and its moments in full ({"exp_avg": {name: tensor}, ...}), and the flags
+    --resume checks. There
     is no RNG state: each step seeds its own dropout. It is written under a temporary name and
     renamed, so that a crash at any moment leaves the previous checkpoint whole and named. The
     adapters also go in out_dir, where PEFT looks.
@@ -3273,9 +3450,11 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     )
     moments = {}
     for key in ("exp_avg", "exp_avg_sq"):
-        moments[key] = fsdp.full_adapters(of=lambda m: optimizer.state[m][key])  # noqa: B023
-    # One count: every master steps together.
-    adam_step = optimizer.state[fsdp.parameters()[0]]["step"]
+        moments[key] = fsdp.full_adapters(of=functools.partial(_moment, optimizer, key))
+    # A parameter that never had a gradient has no state: step 0.
+    adam_steps = {}
+    for name, p in fsdp.named_parameters():
+        adam_steps[name] = int(optimizer.state[p].get("step", 0))
     if fsdp.rank == 0:
         name = f"checkpoint-{step}"
         final = os.path.join(out_dir, name)
@@ -3284,7 +3463,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         save_adapters(tmp, adapters, args)
         state = dict(
             step=step,
-            adam_step=adam_step,
+            adam_steps=adam_steps,
             moments=moments,
             dtype=args.dtype,
             world_size=fsdp.world,
@@ -3341,10 +3520,12 @@ def resume(args, fsdp, optimizer):
     checkpoint_dir, state = _read_training_state(args)
     adapters = load_adapters(checkpoint_dir)
     moments = state.get("moments")
+    steps = state.get("adam_steps")
     shapes = fsdp.adapter_shapes()
     ok = _fits_shapes(adapters, shapes) and isinstance(moments, dict)
     ok = ok and moments.keys() == {"exp_avg", "exp_avg_sq"}
     ok = ok and all(_fits_shapes(m, shapes) for m in moments.values())
+    ok = ok and isinstance(steps, dict) and steps.keys() == shapes.keys()
     require(
         ok,
         f"--resume {checkpoint_dir}: its adapters or AdamW moments are not this "
@@ -3352,16 +3533,15 @@ def resume(args, fsdp, optimizer):
     )
     for name, t in adapters.items():
         fsdp.load_full(name, t)
-    for m in fsdp.parameters():
-        optimizer.state[m] = dict(
-            step=state["adam_step"],
-            exp_avg=torch.zeros_like(m),
-            exp_avg_sq=torch.zeros_like(m),
-        )
+    for name, p in fsdp.named_parameters():
+        if steps[name]:  # a parameter never stepped has no state yet
+            zeros = torch.zeros_like(p)
+            optimizer.state[p] = dict(step=steps[name], exp_avg=zeros, exp_avg_sq=zeros.clone())
     # moments: {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
     for key, full in moments.items():
         for name, t in full.items():
-            fsdp.load_full(name, t, of=lambda m: optimizer.state[m][key])  # noqa: B023
+            if steps[name]:
+                fsdp.load_full(name, t, of=functools.partial(_moment, optimizer, key))
     world = state["world_size"]
     print0(f"resumed from {args.out} at step {state['step']} (saved by world size {world})")
     return state["step"]
@@ -3452,8 +3632,8 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # Needs: import json, math, os, resource, sys, tempfile, time, numpy as np, torch, torch.distributed
 # as dist; from typing import NamedTuple, Optional; from above: GiB, memory_budget, fmt_bytes,
-# format_budget, to_nf4, seeded, NF4Linear, FSDP, OffloadedInputs, AdamW, CONFIGS, IGNORE_INDEX,
-# print0, init_distributed, TokenData, sequences, peak_memory_gib, reset_peak_memory, train,
+# format_budget, to_nf4, NF4Linear, FSDP, OffloadedInputs, AdamW, CONFIGS, IGNORE_INDEX, print0,
+# init_distributed, seeded, TokenData, sequences, peak_memory_gib, reset_peak_memory, train,
 # UserError, require, predicted_memory, FIT_FLAGS, fit_budget, fit, check_fits, read_json,
 # atomic_write, config_from_hf, load_checkpoint, initial_weights, Llama, save_checkpoint, resume,
 # save_merged.

@@ -92,11 +92,23 @@ def bench_adamw(device):
     def tensors(dtensor):
         return [param(s, dtensor) for s in shapes]
 
-    def flat_shards():  # what qlora_fsdp's FSDP hands its optimizer: one flat fp32 shard per block
+    def flat_shards():  # one flat fp32 shard per block, as qlora_fsdp's FSDP handed it before
         per_block = sum(math.prod(s) for s in shapes) // blocks // world
         return [param((per_block,)) for _ in range(blocks)]
 
-    rows = {"ours, a flat shard per block": qf.AdamW(flat_shards(), lr=1e-4),
+    def views():  # what FSDP hands its optimizer now: each parameter's piece, a view of its block's master
+        params, per_block = [], shapes[: len(shapes) // blocks]
+        for _ in range(blocks):
+            sizes = [-(-math.prod(s) // world) for s in per_block]
+            master, grads = torch.randn(sum(sizes), device=device), torch.randn(sum(sizes), device=device)
+            for piece, grad in zip(master.split(sizes), grads.split(sizes)):
+                p = nn.Parameter(piece)
+                p.grad = grad
+                params.append(p)
+        return params
+
+    rows = {"ours, each parameter a view of its block's master": qf.AdamW(views(), lr=1e-4),
+            "ours, a flat shard per block": qf.AdamW(flat_shards(), lr=1e-4),
             f"ours, over the {len(shapes)} tensors": qf.AdamW(tensors(False), lr=1e-4),
             "torch AdamW over DTensor (default)": torch.optim.AdamW(tensors(True), lr=1e-4),
             "torch AdamW over DTensor (foreach)": torch.optim.AdamW(tensors(True), lr=1e-4, foreach=True),
