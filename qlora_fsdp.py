@@ -107,21 +107,34 @@ class ParamCounts(NamedTuple):
     """A Llama config's parameters, by what QLoRA does with each kind."""
 
     linear: int  # the 7 projections of every block: frozen, NF4
-    head: int  # lm_head: frozen, NF4
-    dense: int  # the embeddings and the norms: frozen, in the compute dtype
+    head: int  # lm_head: frozen, dense (or NF4: nf4_head)
+    dense: int  # the embeddings, norms and biases: frozen, in the compute dtype
     lora: int  # LoRA's A and B on every projection: trained, fp32
 
 
 def count_params(config, lora_rank=8):
-    """The parameters of a Llama config, counted from its shapes."""
+    """The parameters of a Llama config, counted from its shapes.
+
+    A tied lm_head counts apart from the embeddings: this file keeps a copy of its own.
+    """
     layers = config.num_hidden_layers
-    shapes = linear_shapes(config).values()
-    linear = layers * sum(out * inp for out, inp in shapes)
-    lora = layers * sum(lora_rank * (inp + out) for out, inp in shapes)
-    embeddings = config.vocab_size * config.hidden_size
-    norms = (2 * layers + 1) * config.hidden_size  # two per block, one final
-    head = config.vocab_size * config.hidden_size
-    return ParamCounts(linear=linear, head=head, dense=embeddings + norms, lora=lora)
+    d = config.hidden_size
+    shapes = linear_shapes(config)
+    linear = layers * sum(out * inp for out, inp in shapes.values())
+    lora = layers * sum(lora_rank * (inp + out) for out, inp in shapes.values())
+    embeddings = config.vocab_size * d
+    norms = (2 * layers + 1) * d  # two per block, one final
+    if config.qk_norm:  # Qwen3: q_norm and k_norm over head_dim in every block
+        norms += 2 * layers * config.head_dim
+    # Biases, by their projection's output size: Qwen2's q, k, v; Llama's options.
+    q_out = shapes["self_attn.q_proj"][0]
+    kv_out = shapes["self_attn.k_proj"][0]
+    ffn = config.intermediate_size
+    per_block = config.qkv_bias * (q_out + 2 * kv_out)
+    per_block += config.attention_bias * d + config.mlp_bias * (2 * ffn + d)
+    head = config.vocab_size * d
+    dense = embeddings + norms + layers * per_block
+    return ParamCounts(linear=linear, head=head, dense=dense, lora=lora)
 
 
 class StateBytes(NamedTuple):
@@ -142,17 +155,18 @@ class MemoryBudget(NamedTuple):
     qlora: StateBytes
 
 
-def memory_budget(config, lora_rank=8):
+def memory_budget(config, lora_rank=8, nf4_head=False):
     """Bytes of weights, gradients and optimizer state: full bf16 fine-tuning vs QLoRA."""
     counts = count_params(config, lora_rank)
     total = counts.linear + counts.head + counts.dense
-    nf4 = (counts.linear + counts.head) * NF4_BITS_PER_PARAM / 8
+    in_nf4 = counts.linear + (counts.head if nf4_head else 0)
+    nf4 = in_nf4 * NF4_BITS_PER_PARAM / 8
     # Everything trains in bf16: weights, gradients, two moments.
     full = StateBytes(params=2 * total, grads=2 * total, optimizer=4 * total)
-    # An NF4 base, bf16 embeddings and norms, and fp32 adapters that alone have gradients
-    # and moments.
+    # An NF4 base, the rest of it in bf16, and fp32 adapters that alone have gradients and
+    # moments.
     qlora = StateBytes(
-        params=nf4 + 2 * counts.dense + 4 * counts.lora,
+        params=nf4 + 2 * (total - in_nf4) + 4 * counts.lora,
         grads=4 * counts.lora,
         optimizer=8 * counts.lora,
     )
@@ -665,12 +679,20 @@ def lora_A_init(shape, generator=None):
 class NF4Linear(nn.Module):
     """A frozen linear layer, y = x W^T (+ bias, optional, frozen), its weight an NF4Tensor.
 
-    The weight is random unless given (a checkpoint's, from_linear's). compile: as in
-    section 2, for this layer's NF4 kernels (None: COMPILE).
+    The weight is random unless one is passed in (a checkpoint's, from_linear's). compile: as
+    in section 2, for this layer's NF4 kernels (None: COMPILE). nf4=False keeps the weight
+    dense in dtype instead: what an lm_head keeps by default (section 7).
     """
 
     def __init__(
-        self, in_features, out_features, bias=False, dtype=torch.bfloat16, compile=None, weight=None
+        self,
+        in_features,
+        out_features,
+        bias=False,
+        dtype=torch.bfloat16,
+        compile=None,
+        weight=None,
+        nf4=True,
     ):
         super().__init__()
         self.in_features = in_features
@@ -679,8 +701,10 @@ class NF4Linear(nn.Module):
         self.compile_kernels = compile
         if weight is None:
             weight = random_weight((out_features, in_features))
-        nf4 = to_nf4(weight.detach().to(dtype), compile=compile)
-        self.weight = nn.Parameter(nf4, requires_grad=False)
+        weight = weight.detach().to(dtype)
+        if nf4:
+            weight = to_nf4(weight, compile=compile)
+        self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None
         if bias:
             zeros = torch.zeros(out_features, dtype=dtype)
@@ -707,7 +731,10 @@ class NF4Linear(nn.Module):
         return module
 
     def forward(self, x):
-        y = linear_nf4(x, self.weight, self.compile_kernels)
+        if isinstance(self.weight, NF4Tensor):
+            y = linear_nf4(x, self.weight, self.compile_kernels)
+        else:
+            y = F.linear(x, self.weight.to(x.dtype))
         return y if self.bias is None else y + self.bias
 
     def _apply(self, fn, recurse=True):
@@ -716,14 +743,13 @@ class NF4Linear(nn.Module):
         nn.Module would hand the weight to fn, whose .to(dtype) dequantizes. Here it moves
         its packed data to fn's device instead and reports fn's dtype, with no dense copy.
         """
-        weight = self._parameters.pop("weight", None)
+        if not isinstance(self._parameters.get("weight"), NF4Tensor):
+            return super()._apply(fn, recurse)  # dense, or sharded (off the module)
+        weight = self._parameters.pop("weight")
         try:
             super()._apply(fn, recurse)
         finally:
-            if weight is not None:
-                self._parameters["weight"] = weight
-        if weight is None or not isinstance(weight, NF4Tensor):
-            return self
+            self._parameters["weight"] = weight
         # What fn makes of an empty tensor of the weight's kind says where it goes.
         probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
         moved = weight.detach().to(probe.device)  # stays packed
@@ -737,7 +763,8 @@ class NF4Linear(nn.Module):
         # A dense (Hugging Face) weight is quantized on the way in. This also serves
         # assign=True, which skips copy_.
         key = prefix + "weight"
-        if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
+        nf4 = isinstance(self._parameters.get("weight"), NF4Tensor)
+        if nf4 and key in state_dict and not isinstance(state_dict[key], NF4Tensor):
             dense = state_dict[key].to(self.weight.dtype)
             state_dict[key] = to_nf4(dense, compile=self.compile_kernels)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
@@ -1943,7 +1970,12 @@ class AdamW(torch.optim.Optimizer):
 
 @dataclass
 class LlamaConfig:
-    """A Llama's shape; the field names are those of Hugging Face's config.json."""
+    """A Llama's shape; the field names are those of Hugging Face's config.json.
+
+    The family people fine-tune is Llama with a few deltas (transformers' modeling files):
+    Mistral sets head_dim and may set sliding_window; Qwen2 gives q, k and v a bias; Qwen3
+    sets head_dim and RMS-normalizes each head of q and k before RoPE.
+    """
 
     vocab_size: int = 32000
     hidden_size: int = 4096
@@ -1956,14 +1988,25 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None  # Llama 3.1: {"rope_type": "llama3", "factor": 8.0, ...}
     tie_word_embeddings: bool = False
+    model_type: str = "llama"  # or "mistral", "qwen2", "qwen3"
+    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads
+    attention_bias: bool = False  # a bias on q, k, v and o (Llama's, Qwen3's option)
+    mlp_bias: bool = False  # a bias on gate, up and down (Llama's option)
+    sliding_window: Optional[int] = None  # Mistral: attend to this many tokens back at most
 
     def __post_init__(self):
         if self.num_key_value_heads is None:
             self.num_key_value_heads = self.num_attention_heads
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
 
     @property
-    def head_dim(self):
-        return self.hidden_size // self.num_attention_heads
+    def qkv_bias(self):
+        return self.attention_bias or self.model_type == "qwen2"  # Qwen2's q, k, v have one
+
+    @property
+    def qk_norm(self):
+        return self.model_type == "qwen3"  # q_norm and k_norm over each head
 
 
 # One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is the
@@ -2037,16 +2080,27 @@ class LlamaAttention(nn.Module):
         self.n_heads = c.num_attention_heads
         self.n_kv = c.num_key_value_heads
         self.head_dim = c.head_dim
-        self.q_proj = LoRALinear(c.hidden_size, self.n_heads * self.head_dim, **lora)
-        self.k_proj = LoRALinear(c.hidden_size, self.n_kv * self.head_dim, **lora)
-        self.v_proj = LoRALinear(c.hidden_size, self.n_kv * self.head_dim, **lora)
-        self.o_proj = LoRALinear(self.n_heads * self.head_dim, c.hidden_size, **lora)
+        q_dim = self.n_heads * self.head_dim
+        kv_dim = self.n_kv * self.head_dim
+        self.q_proj = LoRALinear(c.hidden_size, q_dim, bias=c.qkv_bias, **lora)
+        self.k_proj = LoRALinear(c.hidden_size, kv_dim, bias=c.qkv_bias, **lora)
+        self.v_proj = LoRALinear(c.hidden_size, kv_dim, bias=c.qkv_bias, **lora)
+        self.o_proj = LoRALinear(q_dim, c.hidden_size, bias=c.attention_bias, **lora)
+        self.qk_norm = c.qk_norm
+        if self.qk_norm:  # Qwen3
+            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, lora["dtype"])
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, lora["dtype"])
 
     def forward(self, x, cos, sin):
         B, T, C = x.shape
         q, k, v = LoRALinear.shared_input(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-        k = k.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
+        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
+        k = k.view(B, T, self.n_kv, self.head_dim)  # (B, T, nkv, hd)
+        if self.qk_norm:  # each head normalized over its head_dim, before RoPE
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        q = q.transpose(1, 2)  # (B, nh, T, hd)
+        k = k.transpose(1, 2)  # (B, nkv, T, hd)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
         q = apply_rope(q, cos, sin)
         k = apply_rope(k, cos, sin)
@@ -2060,9 +2114,11 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, c, lora):
         super().__init__()
-        self.gate_proj = LoRALinear(c.hidden_size, c.intermediate_size, **lora)
-        self.up_proj = LoRALinear(c.hidden_size, c.intermediate_size, **lora)
-        self.down_proj = LoRALinear(c.intermediate_size, c.hidden_size, **lora)
+        d = c.hidden_size
+        ffn = c.intermediate_size
+        self.gate_proj = LoRALinear(d, ffn, bias=c.mlp_bias, **lora)
+        self.up_proj = LoRALinear(d, ffn, bias=c.mlp_bias, **lora)
+        self.down_proj = LoRALinear(ffn, d, bias=c.mlp_bias, **lora)
 
     def forward(self, x):
         # SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)).
@@ -2186,7 +2242,12 @@ def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"
 
 
 class LMHead(NF4Linear):
-    """lm_head: the logits, or given targets the chunked cross entropy (never all logits)."""
+    """lm_head, frozen: the logits, or given targets the chunked cross entropy (never all logits).
+
+    Its weight stays dense in the model's dtype unless nf4=True, as bitsandbytes (through
+    transformers), torchtune and Unsloth keep it: it is 2% of a 7B model, its dense copy exists
+    in the loss anyway, and in NF4 it costs measurable accuracy (README).
+    """
 
     def forward(self, h, targets=None, reduction="mean"):
         # h (B, T, C), targets (B, T)
@@ -2202,9 +2263,10 @@ class LMHead(NF4Linear):
 
 
 class Llama(nn.Module):
-    """LlamaForCausalLM with every projection a LoRALinear over NF4, and an NF4 lm_head.
+    """LlamaForCausalLM (and its family's) with every projection a LoRALinear over NF4.
 
-    compile: for the NF4 kernels and the loss (section 2).
+    The lm_head is frozen, dense unless nf4_head. compile: for the NF4 kernels and the loss
+    (section 2).
     """
 
     def __init__(
@@ -2215,6 +2277,7 @@ class Llama(nn.Module):
         lora_alpha=16.0,
         lora_dropout=0.0,
         compile=None,
+        nf4_head=False,
     ):
         super().__init__()
         self.config = config
@@ -2232,7 +2295,9 @@ class Llama(nn.Module):
         layers = [LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers)]
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.lm_head = LMHead(c.hidden_size, c.vocab_size, dtype=dtype, compile=compile)
+        self.lm_head = LMHead(
+            c.hidden_size, c.vocab_size, dtype=dtype, compile=compile, nf4=nf4_head
+        )
 
     def forward(self, tokens, targets=None, reduction="mean"):
         """tokens (B, T) int64 -> logits (B, T, vocab); or, given targets, the cross entropy.
@@ -2241,6 +2306,12 @@ class Llama(nn.Module):
         reduction="sum" their sum.
         """
         T = tokens.shape[1]
+        window = self.config.sliding_window
+        if window is not None and T > window:  # Mistral v0.1: each token sees 4096 back at most
+            raise ValueError(
+                f"sequences of {T} tokens exceed the model's sliding_window of {window}, which "
+                f"this implementation does not follow"
+            )
         h = self.model.embed_tokens(tokens)  # (B, T, C)
         cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
         # With offload, each checkpointed block input waits in host memory for its backward.
@@ -2586,11 +2657,12 @@ def _pinned(n):
     return 2 ** math.ceil(math.log2(n)) if n >= 1 else 0
 
 
-def _state_rows(counts, world, elt):
+def _state_rows(counts, world, elt, nf4_head):
     """The sharded state that lives between steps, per rank."""
+    head_nf4 = counts.head if nf4_head else 0
     return {
-        "NF4 weights (shard)": _nf4_bytes(counts.linear + counts.head) / world,
-        "frozen dense weights (shard)": counts.dense * elt / world,
+        "NF4 weights (shard)": _nf4_bytes(counts.linear + head_nf4) / world,
+        "frozen dense weights (shard)": (counts.dense + counts.head - head_nf4) * elt / world,
         "adapters fp32 + wire copy (shard)": counts.lora * (4 + elt) / world,
         "adapter gradients fp32 (shard)": 4 * counts.lora / world,
         # m and v. AdamW's sqrt(v) lives only during its step, when backward's buffers are gone.
@@ -2658,8 +2730,9 @@ def _activation_rows(config, counts, tokens, elt, lora_rank, world, flags):
     else:
         block = tokens * block_backward + in_flight
         rows["block backward gradients"] = block
-    # The loss: the final norm's saved tensors, lm_head dequantized, one chunk of logits and,
-    # compiled, their gradient (eager, at its peak, the fp32 copy of bf16 logits and the
+    # The loss: the final norm's saved tensors, lm_head dense (an NF4 head dequantized; a
+    # dense one is the last unit's gathered weight), one chunk of logits and, compiled, their
+    # gradient (eager, at its peak, the fp32 copy of bf16 logits and the
     # one-hot, bool and cast to fp32, instead), and the gradient wrt the hidden states.
     if flags.compiled:
         per_logit = 2 * elt
@@ -2694,7 +2767,8 @@ def _host_bytes(config, counts, tokens, elt, world, flags):
         block_unit = _block_unit_bytes(config, counts, elt)
         unit = _pinned(block_unit / world) + 2 * _pinned(4 * counts.lora / layers / world)
         host += _pinned(config.vocab_size * d * elt / world)
-        host += _pinned((_nf4_bytes(counts.head) + d * elt) / world)
+        head = _nf4_bytes(counts.head) if flags.nf4_head else counts.head * elt
+        host += _pinned((head + d * elt) / world)
         host += 8 * counts.lora / world + ADAM_CHUNK_BYTES["cpu"] + layers * unit
     return host
 
@@ -2707,6 +2781,7 @@ class _EstimateFlags(NamedTuple):
     offload_activations: bool
     loss_chunk: int
     compiled: bool
+    nf4_head: bool
 
 
 def estimate_memory(
@@ -2721,6 +2796,7 @@ def estimate_memory(
     loss_chunk=LOSS_CHUNK,
     offload_activations=False,
     compiled=True,
+    nf4_head=False,
 ):
     """Predicted bytes per rank of a QLoRA training step as this file runs it.
 
@@ -2733,11 +2809,12 @@ def estimate_memory(
         offload_activations=offload_activations,
         loss_chunk=loss_chunk,
         compiled=compiled,
+        nf4_head=nf4_head,
     )
     elt = dtype_bytes
     tokens = batch_size * seq_len
     counts = count_params(config, lora_rank)
-    state = _state_rows(counts, world, elt)
+    state = _state_rows(counts, world, elt, nf4_head)
     # All-gathers: two block units at a time, the one being computed and the next one's
     # receive buffer (prefetched after the copy-out, whose receive buffer is gone by then).
     gathers = 2 * _block_unit_bytes(config, counts, elt)
@@ -2794,6 +2871,7 @@ def predicted_memory(args, world, config):
         offload=args.cpu_offload,
         offload_activations=args.offload_activations,
         compiled=args.compile,
+        nf4_head=args.nf4_head,
     )
 
 
@@ -3150,9 +3228,35 @@ def _is_positive(x):
     return type(x) in (int, float) and math.isfinite(x) and x > 0
 
 
+# The families this file follows, by config.json's model_type, and the class transformers
+# builds for each (section 7 has what sets them apart).
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+
+def _family(d, where):
+    """config.json's model_type, or the family its architectures name; another is refused."""
+    model_type = d.get("model_type")
+    if model_type is None:
+        for family, architecture in ARCHITECTURES.items():
+            if architecture in (d.get("architectures") or []):
+                model_type = family
+    families = ", ".join(ARCHITECTURES)
+    require(
+        model_type in ARCHITECTURES,
+        f"{where}: model_type {model_type!r} is not one this file follows ({families})",
+    )
+    return model_type
+
+
 def _config_kwargs(d, where):
     """LlamaConfig's keywords from a config.json dict, in the transformers 4 or 5 layout."""
     kwargs = {f.name: d[f.name] for f in fields(LlamaConfig) if d.get(f.name) is not None}
+    kwargs["model_type"] = _family(d, where)
     # transformers 5 moved the RoPE settings under one key.
     rope = d.get("rope_parameters")
     require(isinstance(rope, (dict, type(None))), f"{where}: rope_parameters must be an object")
@@ -3160,71 +3264,72 @@ def _config_kwargs(d, where):
         kwargs["rope_theta"] = rope.get("rope_theta", kwargs.get("rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
             kwargs["rope_scaling"] = rope
+    # Qwen's sliding window is off unless use_sliding_window says so; then it is refused.
+    if kwargs["model_type"] in ("qwen2", "qwen3"):
+        window = d.get("use_sliding_window")
+        require(
+            window in (None, False),
+            f"{where}: use_sliding_window {window!r}: sliding-window attention is not followed "
+            f"by this file",
+        )
+        kwargs.pop("sliding_window", None)
     return kwargs
 
 
-def _config_checks(c, d):
-    """(ok, what) of every field this file uses, in order: the first that fails is the error."""
+def _check_rope(c, check):
     scaling = c.rope_scaling if isinstance(c.rope_scaling, dict) else {"rope_type": "default"}
     rope_type = scaling.get("rope_type", scaling.get("type"))  # "type": older transformers
-    llama3 = rope_type == "llama3"
+    check(rope_type in ("llama3", "default"), f"rope_scaling type {rope_type!r} is not supported")
+    check(_is_positive(c.rope_theta), "rope_theta must be a positive number")
+    if rope_type != "llama3":
+        return
+    check(_is_positive(scaling.get("factor")), "llama3 rope_scaling needs a positive factor")
     low = scaling.get("low_freq_factor", 1.0)  # Meta's defaults
     high = scaling.get("high_freq_factor", 4.0)
     old_len = scaling.get("original_max_position_embeddings", 8192)
-    kv_dim = 0
-    if _is_count(c.num_key_value_heads):
-        kv_dim = c.num_key_value_heads * c.head_dim
-    weights = (c.hidden_size, kv_dim, c.intermediate_size, c.vocab_size)
-    return [
-        (
-            _is_count(c.max_position_embeddings),
-            "max_position_embeddings must be a positive integer",
-        ),
-        (
-            type(c.tie_word_embeddings) is bool,
-            f"tie_word_embeddings must be true or false, not {c.tie_word_embeddings!r}",
-        ),
-        (
-            c.hidden_size % c.num_attention_heads == 0
-            and d.get("head_dim", c.head_dim) == c.head_dim,
-            "head_dim must be hidden_size / num_attention_heads",
-        ),
-        (isinstance(c.rope_scaling, (dict, type(None))), "rope_scaling must be an object"),
-        (rope_type in ("llama3", "default"), f"rope_scaling type {rope_type!r} is not supported"),
-        (
-            not llama3 or _is_positive(scaling.get("factor")),
-            "llama3 rope_scaling needs a positive factor",
-        ),
-        (
-            not llama3
-            or _is_positive(low)
-            and _is_positive(high)
-            and low < high
-            and _is_count(old_len),
-            "llama3 rope_scaling needs positive low_freq_factor < high_freq_factor and a positive "
-            "integer original_max_position_embeddings",
-        ),
-        (_is_positive(c.rms_norm_eps), "rms_norm_eps must be a positive number"),
-        (_is_positive(c.rope_theta), "rope_theta must be a positive number"),
-        (
-            kv_dim and c.num_attention_heads % c.num_key_value_heads == 0,
-            "num_key_value_heads must divide num_attention_heads",
-        ),
-        (
-            all(c.hidden_size * n % 64 == 0 for n in weights),
-            "every weight's size must be a multiple of 64 (NF4's block)",
-        ),
-    ]
+    ok = _is_positive(low) and _is_positive(high) and low < high and _is_count(old_len)
+    check(
+        ok,
+        "llama3 rope_scaling needs positive low_freq_factor < high_freq_factor and a positive "
+        "integer original_max_position_embeddings",
+    )
+
+
+def _check_config(c, d, where):
+    """Every field this file uses, checked for its type and range, in order."""
+
+    def check(ok, what):
+        require(ok, f"{where}: {what}")
+
+    for key in ("max_position_embeddings", "head_dim"):
+        check(_is_count(getattr(c, key)), f"{key} must be a positive integer")
+    check(c.head_dim % 2 == 0, "head_dim must be even (RoPE rotates its halves)")
+    for key in ("tie_word_embeddings", "attention_bias", "mlp_bias"):
+        value = getattr(c, key)
+        check(type(value) is bool, f"{key} must be true or false, not {value!r}")
+    act = d.get("hidden_act", "silu")
+    check(act == "silu", f"hidden_act {act!r} is not supported (SwiGLU's is silu)")
+    check(isinstance(c.rope_scaling, (dict, type(None))), "rope_scaling must be an object")
+    _check_rope(c, check)
+    check(_is_positive(c.rms_norm_eps), "rms_norm_eps must be a positive number")
+    kv = c.num_key_value_heads
+    kv_ok = _is_count(kv) and c.num_attention_heads % kv == 0
+    check(kv_ok, "num_key_value_heads must divide num_attention_heads")
+    window = c.sliding_window
+    check(window is None or _is_count(window), "sliding_window must be a positive integer")
+    sizes = [out * inp for out, inp in linear_shapes(c).values()]
+    check(
+        all(n % 64 == 0 for n in sizes + [c.vocab_size * c.hidden_size]),
+        "every weight's size must be a multiple of 64 (NF4's block)",
+    )
 
 
 def config_from_hf(d, where="config.json"):
     """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout).
 
-    Every field this file uses is checked for its type and range.
+    Llama, Mistral, Qwen2 and Qwen3 are taken. Every field this file uses is checked for its
+    type and range; a field it does not follow (a sliding window in use) is refused.
     """
-    llama = d.get("model_type") == "llama"
-    llama |= any("Llama" in a for a in d.get("architectures") or [])
-    require(llama, f"{where}: model_type is {d.get('model_type')!r}, not a Llama")
     kwargs = _config_kwargs(d, where)
     for key in (
         "vocab_size",
@@ -3235,27 +3340,33 @@ def config_from_hf(d, where="config.json"):
     ):
         require(_is_count(kwargs.get(key)), f"{where}: {key} is missing or not a positive integer")
     c = LlamaConfig(**kwargs)
-    for ok, what in _config_checks(c, d):
-        require(ok, f"{where}: {what}")
+    _check_config(c, d, where)
     return c
 
 
 def config_to_hf(config, dtype):
+    """config.json for this config's family, as transformers writes it."""
     d = {f.name: getattr(config, f.name) for f in fields(LlamaConfig)}
     d.update(
-        architectures=["LlamaForCausalLM"],
-        model_type="llama",
+        architectures=[ARCHITECTURES[config.model_type]],
         torch_dtype=str(dtype).split(".")[-1],
         hidden_act="silu",
-        attention_bias=False,
-        mlp_bias=False,
-        head_dim=config.head_dim,
     )
+    if config.model_type in ("qwen2", "qwen3"):
+        d["use_sliding_window"] = False
     return {k: v for k, v in d.items() if v is not None}
 
 
+def _has_bias(config, projection):
+    if projection.startswith("mlp."):
+        return config.mlp_bias
+    if projection == "self_attn.o_proj":
+        return config.attention_bias
+    return config.qkv_bias
+
+
 def hf_shapes(config, layer=None):
-    """{name: shape} that config.json implies for a Hugging Face Llama checkpoint.
+    """{name: shape} that config.json implies for a Hugging Face checkpoint of its family.
 
     Block `layer`'s tensors, or with none the others (the embeddings, the final norm, lm_head).
     """
@@ -3267,8 +3378,16 @@ def hf_shapes(config, layer=None):
             "lm_head.weight": (config.vocab_size, d),
         }
     shapes = {"input_layernorm": (d,), "post_attention_layernorm": (d,)}
+    if config.qk_norm:
+        shapes["self_attn.q_norm"] = (config.head_dim,)
+        shapes["self_attn.k_norm"] = (config.head_dim,)
     shapes.update(linear_shapes(config))
-    return {f"model.layers.{layer}.{name}.weight": shape for name, shape in shapes.items()}
+    prefix = f"model.layers.{layer}."
+    names = {f"{prefix}{name}.weight": shape for name, shape in shapes.items()}
+    for projection, (out, _) in linear_shapes(config).items():
+        if _has_bias(config, projection):
+            names[f"{prefix}{projection}.bias"] = (out,)
+    return names
 
 
 def _checkpoint_files(path):
@@ -3319,7 +3438,7 @@ def load_checkpoint(path, config):
         want = hf_shapes(config, layer).get(name)
         where = f"{sf.path}: tensor {name}"
         require(
-            want is not None, f"{sf.path}: unexpected tensor {name} for a Llama of this config.json"
+            want is not None, f"{sf.path}: unexpected tensor {name} for a model of this config.json"
         )
         require(
             tuple(entry.shape) == want,
@@ -3329,7 +3448,7 @@ def load_checkpoint(path, config):
             entry.dtype.is_floating_point,
             f"{where} is {DTYPE_NAMES[entry.dtype]}, not floating point",
         )
-    expected = 3 + 9 * layers
+    expected = len(hf_shapes(config)) + layers * len(hf_shapes(config, 0))
     if len(sources) < expected:
         # Every name left is an expected one: count them, and name one (never list them).
         all_names = itertools.chain.from_iterable(
@@ -3356,6 +3475,8 @@ def initial_weights(shapes, seed, device="cpu"):
             yield name, torch.zeros(shape)
         elif "norm" in name:
             yield name, torch.ones(shape, device=device)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape, device=device)
         elif "embed_tokens" in name:  # N(0, 1)
             generator = seeded(seed, name, device=device)
             yield name, torch.randn(shape, generator=generator, device=device)
@@ -3364,10 +3485,18 @@ def initial_weights(shapes, seed, device="cpu"):
 
 
 def from_pretrained(
-    path, dtype=torch.bfloat16, lora_rank=8, lora_alpha=16.0, lora_dropout=0.0, device=None, seed=0
+    path,
+    dtype=torch.bfloat16,
+    lora_rank=8,
+    lora_alpha=16.0,
+    lora_dropout=0.0,
+    device=None,
+    seed=0,
+    nf4_head=False,
 ):
-    """A Llama, unsharded, from a Hugging Face directory, with fresh adapters.
+    """A Llama (or Mistral, Qwen2, Qwen3), unsharded, from a Hugging Face directory.
 
+    It has fresh adapters, and its lm_head stays dense unless nf4_head.
     The model is built on "meta", and its parameters are replaced one by one as the
     checkpoint is read (assign=True; NF4Linear quantizes): memory stays near the NF4 size,
     never a bf16 model's.
@@ -3377,7 +3506,7 @@ def from_pretrained(
     device = torch.device(device or "cpu")
     checkpoint = load_checkpoint(path, config)  # every header checked
     with torch.device("meta"):
-        model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout)
+        model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout, nf4_head=nf4_head)
     for name, t in checkpoint.tensors:
         model.load_state_dict({name: t.to(device, dtype)}, strict=False, assign=True)
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
@@ -3422,7 +3551,15 @@ def load_adapters(path):
 
 
 # The flags a checkpoint is saved with that --resume must be given again.
-RESUME_MUST_MATCH = ("model", "checkpoint", "lora_rank", "lora_alpha", "lora_dropout", "seed")
+RESUME_MUST_MATCH = (
+    "model",
+    "checkpoint",
+    "lora_rank",
+    "lora_alpha",
+    "lora_dropout",
+    "seed",
+    "nf4_head",
+)
 
 
 def _moment(optimizer, key, p):
@@ -3632,7 +3769,7 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # Needs: import json, math, os, resource, sys, tempfile, time, numpy as np, torch, torch.distributed
 # as dist; from typing import NamedTuple, Optional; from above: GiB, memory_budget, fmt_bytes,
-# format_budget, to_nf4, NF4Linear, FSDP, OffloadedInputs, AdamW, CONFIGS, IGNORE_INDEX, print0,
+# format_budget, to_nf4, FSDP, OffloadedInputs, AdamW, CONFIGS, IGNORE_INDEX, print0,
 # init_distributed, seeded, TokenData, sequences, peak_memory_gib, reset_peak_memory, train,
 # UserError, require, predicted_memory, FIT_FLAGS, fit_budget, fit, check_fits, read_json,
 # atomic_write, config_from_hf, load_checkpoint, initial_weights, Llama, save_checkpoint, resume,
@@ -3904,7 +4041,13 @@ def build(args, config, device, checkpoint=None):
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     with torch.device("meta"):
         model = Llama(
-            config, dtype, args.lora_rank, args.lora_alpha, args.lora_dropout, compile=args.compile
+            config,
+            dtype,
+            args.lora_rank,
+            args.lora_alpha,
+            args.lora_dropout,
+            compile=args.compile,
+            nf4_head=args.nf4_head,
         )
     model.checkpointing = args.checkpointing
     if args.compile:  # each block's forward, its checkpoint included; the sharding hooks stay eager
@@ -3930,8 +4073,7 @@ def build(args, config, device, checkpoint=None):
         require(
             t.isfinite().all(), f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN"
         )
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        if isinstance(module, NF4Linear) and name.endswith(".weight"):
+        if fsdp.param_of[name][1].subclass:  # an NF4 weight (the head's only with --nf4_head)
             t = to_nf4(t, compile=args.compile)
         fsdp.load_full(name, t)
     for name, t in initial_weights(fsdp.adapter_shapes(), args.seed):
@@ -4042,16 +4184,20 @@ class Run:
         self.in_hook = False
         return False
 
+    def evaluate(self, step):
+        """The held-out loss after `step` steps (0: the base, before training), logged."""
+        val_loss, n = evaluate(
+            self.model, self.val, self.args, self.fsdp.world, self.fsdp.rank, self.device
+        )
+        self.val_losses.append(val_loss)
+        print0(f"eval step {step} | val_loss {val_loss:.4f} | {n} sequences of --val_data")
+        self.record(step=step, val_loss=val_loss)
+
     def _evaluate_and_save(self, step):
         args = self.args
         last = step == self.end
         if self.val and (last or args.eval_every and step % args.eval_every == 0):
-            val_loss, n = evaluate(
-                self.model, self.val, args, self.fsdp.world, self.fsdp.rank, self.device
-            )
-            self.val_losses.append(val_loss)
-            print0(f"eval step {step} | val_loss {val_loss:.4f} | {n} sequences of --val_data")
-            self.record(step=step, val_loss=val_loss)
+            self.evaluate(step)
         if args.out and (last or args.save_every and step % args.save_every == 0):
             save_checkpoint(args.out, step, self.fsdp, self.optimizer, args)
 
@@ -4130,6 +4276,7 @@ class Run:
             summary["peak_reserved_gib"] = round(steady[1], 4)
             summary["step1_peak_reserved_gib"] = round(self.first_peaks[1], 4)
         if self.val_losses:
+            summary["first_val_loss"] = self.val_losses[0]
             summary["val_loss"] = self.val_losses[-1]
         if sample is not None:
             summary["sample"] = sample
@@ -4172,6 +4319,12 @@ def set_up(args):
     checkpoint = None
     if args.checkpoint:
         checkpoint = load_checkpoint(args.checkpoint, config)  # every header checked
+    window = config.sliding_window
+    require(
+        window is None or window >= args.seq_len,
+        f"--checkpoint {args.checkpoint}: sliding_window {window} is shorter than --seq_len "
+        f"{args.seq_len}; sliding-window attention is not followed by this file",
+    )
     check_fits(args, config, world, device)
     return Setup(args, device, world, rank, name, config, data, val, prompt, checkpoint)
 
@@ -4180,7 +4333,7 @@ def fine_tune(args):
     """Train as the flags say: set up, the loop, finish. -> (summary dict, losses, fsdp)."""
     s = set_up(args)
     args = s.args
-    print0(format_budget(s.name, memory_budget(s.config, args.lora_rank)))
+    print0(format_budget(s.name, memory_budget(s.config, args.lora_rank, args.nf4_head)))
     model, fsdp = build(args, s.config, s.device, s.checkpoint)
     # The peaks of training, not of loading (--estimate has both): what loading left cached
     # goes back first.
@@ -4211,6 +4364,8 @@ def fine_tune(args):
         print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
     predicted = predicted_memory(args, s.world, s.config).gpu_peak / GiB
     run = Run(args, model, fsdp, optimizer, s.device, s.val, start, end)
+    if s.val and start == 0:  # what the fine-tune starts from (not again after --resume)
+        run.evaluate(0)
     try:
         train(model, fsdp, optimizer, s.data, args, s.device, start, end, run)
     except torch.OutOfMemoryError:
@@ -4248,7 +4403,12 @@ def _add_model_flags(p):
     p.add_argument("--lora_alpha", type=float, default=16.0)
     p.add_argument("--lora_dropout", type=float, default=0.0)
     p.add_argument(
-        "--checkpoint", metavar="DIR", help="a Hugging Face Llama directory; overrides --model"
+        "--checkpoint",
+        metavar="DIR",
+        help="a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory; overrides --model",
+    )
+    p.add_argument(
+        "--nf4_head", action="store_true", help="the lm_head in NF4 too (default: dense, frozen)"
     )
 
 
@@ -4453,7 +4613,7 @@ def estimate(args):
             f"({plan_name(best.plan)}); the model allows {config.max_position_embeddings:,}"
         )
     est = predicted_memory(args, world, config)
-    print0(format_budget(name, memory_budget(config, args.lora_rank)))
+    print0(format_budget(name, memory_budget(config, args.lora_rank, args.nf4_head)))
     print0(format_estimate(name, est, world, args.cpu_offload))
     summary = dict(model=name, world_size=world)
     for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):

@@ -131,23 +131,41 @@ def test_memory_budget_7b():
     assert 6.7e9 < n < 6.8e9  # Llama-2-7B has 6.74 B parameters
     assert b.full_bf16 == (2 * n, 2 * n, 4 * n)  # params, grads, optimizer
     assert 19e6 < b.n_lora < 21e6
-    assert 3.7e9 < b.qlora.params < 3.8e9  # 0.516 B/param of NF4 + bf16 embeddings + fp32 adapters
+    # 0.516 B/param of NF4, bf16 embeddings and lm_head, fp32 adapters; an NF4 head saves 0.2 GB
+    assert 3.9e9 < b.qlora.params < 4.0e9
+    assert 3.7e9 < qf.memory_budget(qf.CONFIGS["llama2-7b"], 8, nf4_head=True).qlora.params < 3.8e9
     assert b.qlora.grads == 4 * b.n_lora and b.qlora.optimizer == 8 * b.n_lora
 
 
-def test_count_params_equals_the_model():
-    """count_params gives the parameter counts of a built model (GQA's smaller k and v included):
-    the NF4 projections, the NF4 lm_head, the frozen dense embeddings and norms, the adapters."""
-    model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
-    linear, head, dense, lora = qf.count_params(qf.CONFIGS["tiny"], lora_rank=8)
+# Tiny configs of each family, with every delta from Llama that it has.
+FAMILIES = {
+    "llama": dict(model_type="llama"),
+    "llama with biases": dict(model_type="llama", attention_bias=True, mlp_bias=True),
+    "mistral": dict(model_type="mistral", head_dim=64, sliding_window=4096),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", head_dim=64),
+}
+
+
+def family_config(family, **changes):
+    return dataclasses.replace(qf.CONFIGS["tiny"], **{**FAMILIES[family], **changes})
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_count_params_equals_the_model(family):
+    """count_params gives the parameter counts of a built model of each family (GQA's smaller k
+    and v, an explicit head_dim, biases, Qwen3's q_norm and k_norm included): the NF4
+    projections, the lm_head, the frozen dense embeddings, norms and biases, the adapters."""
+    config = family_config(family)
+    model = qf.Llama(config, dtype=torch.float32, compile=False)
+    linear, head, dense, lora = qf.count_params(config, lora_rank=8)
     named = list(model.named_parameters())
-    assert linear == sum(
-        p.numel() for n, p in named if isinstance(p, qf.NF4Tensor) and not n.startswith("lm_head")
+    assert linear == sum(p.numel() for _, p in named if isinstance(p, qf.NF4Tensor))
+    assert head == model.lm_head.weight.numel() and not isinstance(
+        model.lm_head.weight, qf.NF4Tensor
     )
-    assert head == model.lm_head.weight.numel()
-    assert dense == sum(
-        p.numel() for _, p in named if not isinstance(p, qf.NF4Tensor) and not p.requires_grad
-    )
+    frozen = [p for n, p in named if not isinstance(p, qf.NF4Tensor) and not p.requires_grad]
+    assert dense == sum(p.numel() for p in frozen) - head
     assert lora == sum(p.numel() for _, p in named if p.requires_grad)
 
 
@@ -641,13 +659,20 @@ def test_lora_linear_saves_no_dense_weight(compile):
 
 def reference_logits(model, tokens):
     """Llama written plainly in fp32 with dense (dequantized) weights, HF's rotate-half RoPE,
-    and key/value heads repeated for GQA. LoRA terms included, so it is the reference either way."""
+    and key/value heads repeated for GQA; the family's deltas as transformers' modeling files
+    write them (biases, Qwen3's per-head q_norm and k_norm before RoPE). LoRA terms included, so
+    it is the reference either way."""
     c = model.config
     B, T = tokens.shape
     nh, nkv, hd = c.num_attention_heads, c.num_key_value_heads, c.head_dim
 
+    def dense(w):
+        return w.dequantize(torch.float32) if isinstance(w, qf.NF4Tensor) else w.float()
+
     def lin(m, x):
-        y = x @ m.weight.dequantize(torch.float32).T
+        y = x @ dense(m.weight).T
+        if m.bias is not None:
+            y = y + m.bias.float()
         if isinstance(m, qf.LoRALinear):
             y = y + m.scaling * (x @ m.lora_A.float().T @ m.lora_B.float().T)
         return y
@@ -667,10 +692,13 @@ def reference_logits(model, tokens):
     for layer in model.model.layers:
         a = layer.self_attn
         x = rms(h, layer.input_layernorm.weight)
-        q = rope(lin(a.q_proj, x).view(B, T, nh, hd).transpose(1, 2))
-        k = rope(lin(a.k_proj, x).view(B, T, nkv, hd).transpose(1, 2)).repeat_interleave(
-            nh // nkv, 1
-        )
+        q = lin(a.q_proj, x).view(B, T, nh, hd)
+        k = lin(a.k_proj, x).view(B, T, nkv, hd)
+        if c.model_type == "qwen3":
+            q = rms(q, a.q_norm.weight)
+            k = rms(k, a.k_norm.weight)
+        q = rope(q.transpose(1, 2))
+        k = rope(k.transpose(1, 2)).repeat_interleave(nh // nkv, 1)
         v = lin(a.v_proj, x).view(B, T, nkv, hd).transpose(1, 2).repeat_interleave(nh // nkv, 1)
         att = (
             (q @ k.transpose(-1, -2) / math.sqrt(hd)).masked_fill(~mask, float("-inf")).softmax(-1)
@@ -679,7 +707,7 @@ def reference_logits(model, tokens):
         x = rms(h, layer.post_attention_layernorm.weight)
         m = layer.mlp
         h = h + lin(m.down_proj, F.silu(lin(m.gate_proj, x)) * lin(m.up_proj, x))
-    return rms(h, model.model.norm.weight) @ model.lm_head.weight.dequantize(torch.float32).T
+    return rms(h, model.model.norm.weight) @ dense(model.lm_head.weight).T
 
 
 def make_model(name="tiny", dtype=torch.float32, seed=0, **kw):
@@ -1801,15 +1829,27 @@ def test_initial_model_equals_base_model():
     torch.testing.assert_close(logits, base, rtol=1e-4, atol=1e-4)
 
 
-def test_llama_equals_reference_with_adapters():
-    """With non-zero adapters the model still equals the plain fp32 reference (GQA, RoPE, SwiGLU,
-    RMSNorm with an eps of 0.5, large enough to show), logits and adapter gradients (q, k, v and
-    gate, up share one x A^T matmul; the reference not)."""
+def randomize_dense(model, seed=0):
+    """Nonzero adapters, biases and norm weights (all ones or zeros at construction)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if isinstance(p, qf.NF4Tensor) or "embed" in name or "lm_head" in name:
+                continue
+            noise = torch.randn(p.shape, generator=g).to(p.dtype)
+            p.add_(noise * 0.1)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_equals_reference_with_adapters(family):
+    """For each family, with non-zero adapters, biases and norms, the model equals the plain
+    fp32 reference (GQA, RoPE, SwiGLU, RMSNorm with an eps of 0.5, large enough to show; the
+    family's biases and q/k norms), logits and adapter gradients (q, k, v and gate, up share one
+    x A^T matmul; the reference not)."""
     torch.manual_seed(0)
-    model = qf.Llama(dataclasses.replace(qf.CONFIGS["tiny"], rms_norm_eps=0.5), dtype=torch.float32)
-    for m in model.modules():
-        if isinstance(m, qf.LoRALinear):
-            torch.nn.init.normal_(m.lora_B, std=0.1)
+    config = family_config(family, rms_norm_eps=0.5)
+    model = qf.Llama(config, dtype=torch.float32, compile=False)
+    randomize_dense(model)
     tokens = torch.randint(256, (2, 24))
     adapters = [p for p in model.parameters() if p.requires_grad]
     logits, ref = model(tokens), reference_logits(model, tokens)
@@ -1841,7 +1881,10 @@ def test_only_adapters_require_grad():
         "model.layers.3.mlp.up_proj.lora_B",
     ):
         assert key in sd, key
-    assert isinstance(sd["lm_head.weight"], qf.NF4Tensor)
+    # The lm_head stays dense by default (nf4_head=True: NF4).
+    assert sd["lm_head.weight"].dtype == torch.bfloat16
+    assert not isinstance(sd["lm_head.weight"], qf.NF4Tensor)
+    assert isinstance(qf.Llama(model.config, nf4_head=True).lm_head.weight, qf.NF4Tensor)
     assert isinstance(sd["model.layers.0.self_attn.q_proj.weight"], qf.NF4Tensor)
     assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16
     assert sd["model.layers.0.self_attn.q_proj.lora_A"].dtype == torch.float32
@@ -2234,6 +2277,26 @@ def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
     assert abs(weights - run["local_bytes"]) < 0.05 * run["local_bytes"]
 
 
+@pytest.mark.parametrize("nf4_head", [False, True], ids=["dense head", "nf4 head"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_estimate_counts_each_familys_weights(family, nf4_head, monkeypatch):
+    """The estimate's NF4 and dense weight rows are the bytes a built, sharded model of each
+    family keeps (biases, q/k norms, a head_dim of its own, a tied head kept apart), with the
+    lm_head dense (the default) or NF4 (--nf4_head): NF4 within 1% (the scale groups' padding),
+    the dense weights exactly."""
+    monkeypatch.setitem(qf.CONFIGS, "fam", family_config(family))
+    args = qf.parse_args(BASE + ["--model", "fam"] + ["--nf4_head"] * nf4_head)
+    _, fsdp = qf.build(args, qf.CONFIGS["fam"], torch.device("cpu"))
+    kept = {"nf4": 0, "dense": 0}
+    for unit in fsdp.all_units:
+        for p in unit.params:
+            if not p.trainable:
+                kept["nf4" if p.subclass else "dense"] += sum(s.nbytes for s in p.slots)
+    est = qf.predicted_memory(args, 1, qf.CONFIGS["fam"]).state
+    assert est["NF4 weights (shard)"] == pytest.approx(kept["nf4"], rel=0.01)
+    assert est["frozen dense weights (shard)"] == kept["dense"]
+
+
 def fit_json(argv, world, capsys, monkeypatch):
     """--estimate's JSON line for argv at this world size."""
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -2426,8 +2489,8 @@ def test_from_pretrained_equals_quantized_originals(shards, tmp_path, hf_dir):
 
 def test_tied_embeddings_and_rope_constants_load(tmp_path):
     """A checkpoint with tie_word_embeddings and no lm_head.weight loads its embedding as the head
-    (quantized like any NF4 weight), and the RoPE constants old checkpoints store
-    (rotary_emb.inv_freq) are skipped, not refused."""
+    (dense, as the embedding; with nf4_head quantized like any NF4 weight), and the RoPE
+    constants old checkpoints store (rotary_emb.inv_freq) are skipped, not refused."""
     config = dataclasses.replace(qf.CONFIGS["tiny"], tie_word_embeddings=True)
     sd = hf_state_dict(config)
     del sd["lm_head.weight"]
@@ -2437,8 +2500,10 @@ def test_tied_embeddings_and_rope_constants_load(tmp_path):
     model = qf.Llama.from_pretrained(path, dtype=torch.float32)
     embed = sd["model.embed_tokens.weight"].float()
     assert torch.equal(model.model.embed_tokens.weight, embed)
+    assert torch.equal(model.lm_head.weight, embed)
+    nf4 = qf.Llama.from_pretrained(path, dtype=torch.float32, nf4_head=True)
     assert torch.equal(
-        model.lm_head.weight.dequantize(torch.float32), qf.to_nf4(embed).dequantize(torch.float32)
+        nf4.lm_head.weight.dequantize(torch.float32), qf.to_nf4(embed).dequantize(torch.float32)
     )
 
 
@@ -2687,11 +2752,8 @@ def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
     assert sf.entries.keys() == sd.keys()
     for name, w in sd.items():
         module = name[: -len(".weight")]
-        expected = (
-            qf.to_nf4(w.float()).dequantize(torch.float32)
-            if w.dim() == 2 and "embed" not in name
-            else w.float()
-        )
+        nf4 = w.dim() == 2 and "embed" not in name and "lm_head" not in name
+        expected = qf.to_nf4(w.float()).dequantize(torch.float32) if nf4 else w.float()
         if module + ".lora_A" in adapters:
             # trained: the merge changes the weight
             assert adapters[module + ".lora_B"].abs().max() > 0
@@ -2700,7 +2762,7 @@ def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
             )
         torch.testing.assert_close(sf.get(name), expected, rtol=1e-6, atol=1e-6, msg=name)
     reloaded = qf.Llama.from_pretrained(merged, dtype=torch.float32)
-    assert isinstance(reloaded.lm_head.weight, qf.NF4Tensor)
+    assert isinstance(reloaded.model.layers[0].mlp.up_proj.weight, qf.NF4Tensor)
     with open(os.path.join(merged, "config.json")) as f:
         merged_cfg = json.load(f)
     assert merged_cfg["bos_token_id"] == 1 and merged_cfg["eos_token_id"] == [2, 3]
@@ -2785,10 +2847,19 @@ def _bad(tmp_path, hf_dir, case):
         return ckpt(
             cfg={**cfg, "rope_scaling": {"rope_type": "llama3"}}
         ), "llama3 rope_scaling needs a positive factor"
-    if case == "head dim":
-        return ckpt(
-            cfg={**cfg, "head_dim": 64}
-        ), "head_dim must be hidden_size / num_attention_heads"
+    if case == "head dim":  # an explicit head_dim (Mistral, Qwen3) makes q_proj another shape
+        return ckpt(cfg={**cfg, "head_dim": 64}), "q_proj.weight has shape [128, 128], config.json"
+    if case == "odd head dim":
+        return ckpt(cfg={**cfg, "head_dim": 33}), "head_dim must be even"
+    if case == "qwen sliding window":
+        qwen = {**cfg, "model_type": "qwen2", "use_sliding_window": True, "sliding_window": 64}
+        return ckpt(cfg=qwen), "use_sliding_window True: sliding-window attention is not followed"
+    if case == "mistral window shorter":
+        return ckpt(cfg={**cfg, "model_type": "mistral", "sliding_window": 16}), (
+            "sliding_window 16 is shorter than --seq_len 32"
+        )
+    if case == "gelu":
+        return ckpt(cfg={**cfg, "hidden_act": "gelu"}), "hidden_act 'gelu' is not supported"
     if case == "rope yarn":
         return ckpt(
             cfg={**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}
@@ -2884,7 +2955,7 @@ def _bad(tmp_path, hf_dir, case):
     if case == "not a llama":
         return ckpt(
             cfg={**cfg, "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}
-        ), "not a Llama"
+        ), "model_type 'gpt2' is not one this file follows (llama, mistral, qwen2, qwen3)"
     if case == "wrong shape":
         return ckpt(
             sd={**sd, "model.norm.weight": torch.ones(64)}
@@ -3076,6 +3147,10 @@ BAD_CHECKPOINT_CASES = [  # section 9: checkpoints, their config.json, resuming,
     "negative offsets",
     "non-finite weight",
     "head dim",
+    "odd head dim",
+    "qwen sliding window",
+    "mistral window shorter",
+    "gelu",
     "rope yarn",
     "llama3 rope without factor",
     "infinite theta",
@@ -3460,12 +3535,13 @@ def test_metrics_file_has_every_step_once_across_a_resume(tmp_path, monkeypatch)
     with pytest.raises(RuntimeError, match="killed"):
         train_run(argv)
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    assert [r["step"] for r in records] == [1, 2, 2, 3]
+    assert [r["step"] for r in records] == [0, 1, 2, 2, 3]  # step 0: the base's val_loss
     monkeypatch.setattr(qf, "train_step", real)
     resumed = train_run(argv + ["--resume"])
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps = [r["step"] for r in records if "loss" in r]
-    assert steps == [1, 2, 3, 4] and [r["step"] for r in records if "val_loss" in r] == [2, 4]
+    # Step 0's evaluation is not repeated after --resume.
+    assert steps == [1, 2, 3, 4] and [r["step"] for r in records if "val_loss" in r] == [0, 2, 4]
     assert all(
         r.keys() == {"step", "loss", "lr", "ms", "tokens_per_s", "mem_gib"}
         for r in records
@@ -4167,3 +4243,98 @@ def test_equals_transformers_and_peft_loads_our_adapters(tmp_path):
         assert torch.equal(fresh[0](tokens), fresh[1](tokens))
         # the adapters compared above moved it
         assert (ours(tokens) - fresh[0](tokens)).abs().max() > 1e-2
+
+
+# transformers' class and config for each family, tiny, with each family's deltas.
+HF_FAMILIES = {
+    "llama, tied": ("Llama", dict(tie_word_embeddings=True, attention_bias=True)),
+    "mistral": ("Mistral", dict(head_dim=64, sliding_window=None)),
+    "qwen2, tied": ("Qwen2", dict(tie_word_embeddings=True, use_sliding_window=False)),
+    "qwen3": ("Qwen3", dict(head_dim=64, tie_word_embeddings=False)),
+}
+
+
+def hf_family_checkpoint(transformers, family, path):
+    """A random tiny checkpoint of the family saved by transformers, its biases and norms
+    nonzero; -> (the class, the model)."""
+    name, extra = HF_FAMILIES[family]
+    config_cls = getattr(transformers, f"{name}Config")
+    model_cls = getattr(transformers, f"{name}ForCausalLM")
+    cfg = config_cls(
+        vocab_size=256,
+        hidden_size=128,
+        intermediate_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        **extra,
+    )
+    torch.manual_seed(0)
+    model = model_cls(cfg).float()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith("bias") or "norm" in n:
+                p.add_(torch.randn(p.shape, generator=g) * 0.1)
+    model.save_pretrained(path)
+    return model_cls, model
+
+
+def hf_val_loss(model, ids, T, n):
+    """The mean cross entropy of the first n sequences [i T, i T + T + 1) of ids, in one batch."""
+    rows = torch.stack(
+        [torch.as_tensor(ids[i * T : i * T + T + 1], dtype=torch.long) for i in range(n)]
+    )
+    logits = model(rows[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1).float(), rows[:, 1:].flatten()).item()
+
+
+@pytest.mark.parametrize("family", list(HF_FAMILIES))
+def test_each_family_equals_transformers_and_round_trips(family, tmp_path):
+    """For Llama (tied, with attention_bias), Mistral (explicit head_dim), Qwen2 (q, k, v biases,
+    tied: no lm_head.weight in the file) and Qwen3 (q_norm, k_norm, explicit head_dim), with
+    nonzero biases and norms: from_pretrained's logits equal transformers' <Family>ForCausalLM's
+    on the same dequantized weights (1e-4 relative, fp32); PEFT loads the adapters a run trains
+    onto that model, every target module matched, to our logits; --merge_to writes a checkpoint
+    that transformers loads as the same class, whose loss on --val_data is the run's final
+    val_loss."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    base, out, merged = str(tmp_path / "base"), str(tmp_path / "out"), str(tmp_path / "merged")
+    model_cls, hf = hf_family_checkpoint(transformers, family, base)
+    ids = random_ids(600, seed=3)
+    np.save(tmp_path / "val.npy", ids)
+    run = train_run(
+        BASE
+        + ["--checkpoint", base, "--steps", "3", "--batch_size", "2", "--lora_rank", "4"]
+        + ["--out", out, "--merge_to", merged, "--val_data", str(tmp_path / "val.npy")]
+        + ["--eval_seqs", "8"]
+    )
+    ours = qf.Llama.from_pretrained(base, dtype=torch.float32, lora_rank=4).eval()
+    dense = {
+        n: p.dequantize(torch.float32) if isinstance(p, qf.NF4Tensor) else p.detach()
+        for n, p in ours.named_parameters()
+        if not n.endswith(("lora_A", "lora_B"))
+    }
+    hf.eval()
+    missing, unexpected = hf.load_state_dict(dense, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied: the embedding's
+    tokens = torch.randint(256, (2, 24))
+
+    def assert_logits_close(got, want):  # 1e-4 of the logits' scale: fp32 sums in another order
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+    with torch.no_grad():
+        assert_logits_close(ours(tokens), hf(tokens).logits)
+        ours.load_state_dict(qf.load_adapters(out), strict=False)
+        tuned = peft.PeftModel.from_pretrained(hf, out).eval()
+        lora_modules = [n for n, m in tuned.named_modules() if hasattr(m, "lora_A")]
+        assert len(lora_modules) == 7 * 2  # every projection of both blocks
+        assert_logits_close(ours(tokens), tuned(tokens).logits)
+        back = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
+        assert type(back) is model_cls
+        loss = hf_val_loss(back.eval(), ids, 32, 8)
+    assert loss == pytest.approx(run["summary"]["val_loss"], rel=1e-4)
+    with open(os.path.join(merged, "config.json")) as f:
+        assert json.load(f)["model_type"] == model_cls.config_class.model_type
