@@ -39,6 +39,7 @@ Run it:
 import argparse
 import contextlib
 import functools
+import hashlib
 import io
 import itertools
 import json
@@ -428,7 +429,7 @@ def dequantize_nf4(
 # -----------------------------------------------------------------------------
 # 3. NF4Tensor: a tensor subclass so 4-bit weights behave like ordinary tensors
 # -----------------------------------------------------------------------------
-# Needs: import torch, torch.nn.functional as F; from typing import Optional; from above:
+# Needs: import hashlib, torch, torch.nn.functional as F; from typing import Optional; from above:
 # quantize_nf4, dequantize_nf4.
 #
 # A "wrapper" subclass has no storage of its own. It reports the original shape and float
@@ -498,6 +499,13 @@ class NF4Tensor(torch.Tensor):
         shape, dtype, block_size, scaler_block_size = meta
         tensors = [inner[name] for name in NF4Tensor.INNER]
         return NF4Tensor(*tensors, shape, dtype, block_size, scaler_block_size)
+
+    def _stable_hash_for_caching(self):
+        """The key torch.compile's cache files this tensor under: its layout, not its data."""
+        inner = [(tuple(t.shape), str(t.dtype), t.device.type) for t in self.inner()]
+        blocks = (self.block_size, self.scaler_block_size)
+        key = (tuple(self.shape), str(self.dtype), blocks, self.requires_grad, inner)
+        return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     def __repr__(self):
         return (
@@ -1752,78 +1760,6 @@ class FSDP:
         return total
 
 
-class _Parked:
-    """A block input parked in host memory, its copy back, and the input parked before it."""
-
-    def __init__(self, device, host, before):
-        self.device = device
-        self.host = host
-        self.before = before
-        self.back = None  # its copy back on the device, once issued
-        self.done = None  # on CUDA, the event that the copy back records
-
-
-class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
-    """While active, each checkpointed block's input waits in host memory for its recompute.
-
-    Non-reentrant checkpointing saves a block's input once, under the hooks active around
-    the block, and nothing else of it. The input given to `start` is copied to pinned host
-    memory on `stream` before the block runs (a compiled block saves its input only once its
-    forward is queued). When a block's backward unpacks its input, the input of the block
-    before is fetched back too, so that its copy overlaps this block's backward.
-    """
-
-    def __init__(self, stream=None):
-        self.stream = stream
-        self.input = None  # the block input being parked
-        self.host = None  # its host copy, on the way
-        self.last = None  # the last _Parked: the chain runs back through .before
-        super().__init__(self._pack, self._unpack)
-
-    def start(self, x):
-        """x: the next block's input, copied to the host now (None: no more blocks)."""
-        self.input = x
-        self.host = None if x is None else _to_host(x, self.stream)
-        if x is None:
-            self.last = None  # the chain of parked inputs ends
-        return self
-
-    def _pack(self, t):
-        x = self.input
-        # By storage, not identity: FSDP's _PostBackward hands the block an alias of x.
-        if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
-            return t  # not a block input (RoPE's cos and sin): kept as it is
-        self.last = _Parked(t.device, self.host, self.last)
-        return self.last
-
-    def _fetch(self, parked):
-        """Issue the copy back of a parked input, once, into the compute stream's memory."""
-        if parked is None or parked.back is not None:
-            return
-        host = parked.host
-        parked.back = torch.empty(host.shape, dtype=host.dtype, device=parked.device)
-        with _side(self.stream):
-            parked.back.copy_(host, non_blocking=True)
-            if self.stream is not None:
-                # What the compute stream waits for: this copy, not the next one's.
-                parked.done = torch.cuda.Event()
-                parked.done.record()
-
-    def _unpack(self, parked):
-        if isinstance(parked, torch.Tensor):
-            return parked
-        self._fetch(parked)
-        self._fetch(parked.before)  # the block before's, for its backward, which comes next
-        t = parked.back
-        done = parked.done
-        parked.back = None
-        parked.done = None
-        parked.before = None
-        if done is not None:
-            torch.cuda.current_stream(t.device).wait_event(done)
-        return t
-
-
 # -----------------------------------------------------------------------------
 # 6. AdamW on torch._foreach_* ops
 # -----------------------------------------------------------------------------
@@ -2283,7 +2219,9 @@ class Llama(nn.Module):
         self.config = config
         self.dtype = dtype
         self.checkpointing = True  # activation checkpointing per block
-        self.offload_activations = None  # an OffloadedInputs: each block's saved input on the host
+        # Saved-tensors hooks with start(x), such as --offload_activations' OffloadedInputs
+        # (section 9): each checkpointed block's input then waits on the host.
+        self.offload_activations = None
         lora = dict(
             rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, compile=compile
         )
@@ -2606,11 +2544,11 @@ def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=Non
 # =============================================================================
 
 # -----------------------------------------------------------------------------
-# 9. Predicting the peak: every buffer of a training step, counted from the pieces above
+# 9. Fitting in memory: parked activations, the predicted peak, --fit
 # -----------------------------------------------------------------------------
 # Needs: import argparse, math, os, torch, torch.distributed as dist; from dataclasses import
 # dataclass; from typing import NamedTuple; from above: GiB, NF4_BITS_PER_PARAM, linear_shapes,
-# count_params, ADAM_CHUNK_BYTES, LOSS_CHUNK, print0, proc_bytes.
+# count_params, _side, _to_host, ADAM_CHUNK_BYTES, LOSS_CHUNK, print0, proc_bytes.
 #
 
 
@@ -2621,6 +2559,84 @@ class UserError(Exception):
 def require(ok, message):
     if not ok:
         raise UserError(message)
+
+
+# Activations that wait on the host: --offload_activations, the tier --fit tries after
+# checkpointing. Checkpointing keeps only each block's input; on a long context even those add
+# up (32 blocks x 16.8 MB per sequence of 2048 at Llama-2-7B's width), and they can wait in
+# host memory until their block's backward needs them.
+
+
+class _Parked:
+    """A block input parked in host memory, its copy back, and the input parked before it."""
+
+    def __init__(self, device, host, before):
+        self.device = device
+        self.host = host
+        self.before = before
+        self.back = None  # its copy back on the device, once issued
+        self.done = None  # on CUDA, the event that the copy back records
+
+
+class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
+    """While active, each checkpointed block's input waits in host memory for its recompute.
+
+    Non-reentrant checkpointing saves a block's input once, under the hooks active around
+    the block, and nothing else of it. The input given to `start` is copied to pinned host
+    memory on `stream` before the block runs (a compiled block saves its input only once its
+    forward is queued). When a block's backward unpacks its input, the input of the block
+    before is fetched back too, so that its copy overlaps this block's backward.
+    """
+
+    def __init__(self, stream=None):
+        self.stream = stream
+        self.input = None  # the block input being parked
+        self.host = None  # its host copy, on the way
+        self.last = None  # the last _Parked: the chain runs back through .before
+        super().__init__(self._pack, self._unpack)
+
+    def start(self, x):
+        """x: the next block's input, copied to the host now (None: no more blocks)."""
+        self.input = x
+        self.host = None if x is None else _to_host(x, self.stream)
+        if x is None:
+            self.last = None  # the chain of parked inputs ends
+        return self
+
+    def _pack(self, t):
+        x = self.input
+        # By storage, not identity: FSDP's _PostBackward hands the block an alias of x.
+        if x is None or t.shape != x.shape or t.data_ptr() != x.data_ptr():
+            return t  # not a block input (RoPE's cos and sin): kept as it is
+        self.last = _Parked(t.device, self.host, self.last)
+        return self.last
+
+    def _fetch(self, parked):
+        """Issue the copy back of a parked input, once, into the compute stream's memory."""
+        if parked is None or parked.back is not None:
+            return
+        host = parked.host
+        parked.back = torch.empty(host.shape, dtype=host.dtype, device=parked.device)
+        with _side(self.stream):
+            parked.back.copy_(host, non_blocking=True)
+            if self.stream is not None:
+                # What the compute stream waits for: this copy, not the next one's.
+                parked.done = torch.cuda.Event()
+                parked.done.record()
+
+    def _unpack(self, parked):
+        if isinstance(parked, torch.Tensor):
+            return parked
+        self._fetch(parked)
+        self._fetch(parked.before)  # the block before's, for its backward, which comes next
+        t = parked.back
+        done = parked.done
+        parked.back = None
+        parked.done = None
+        parked.before = None
+        if done is not None:
+            torch.cuda.current_stream(t.device).wait_event(done)
+        return t
 
 
 # Section 1 counted the state that lives between steps. A step adds the all-gather buffers of
@@ -3769,9 +3785,9 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # Needs: import json, math, os, resource, sys, tempfile, time, numpy as np, torch, torch.distributed
 # as dist; from typing import NamedTuple, Optional; from above: GiB, memory_budget, fmt_bytes,
-# format_budget, to_nf4, FSDP, OffloadedInputs, AdamW, CONFIGS, IGNORE_INDEX, print0,
-# init_distributed, seeded, TokenData, sequences, peak_memory_gib, reset_peak_memory, train,
-# UserError, require, predicted_memory, FIT_FLAGS, fit_budget, fit, check_fits, read_json,
+# format_budget, to_nf4, FSDP, AdamW, CONFIGS, IGNORE_INDEX, print0, init_distributed, seeded,
+# TokenData, sequences, peak_memory_gib, reset_peak_memory, train, UserError, require,
+# OffloadedInputs, predicted_memory, FIT_FLAGS, fit_budget, fit, check_fits, read_json,
 # atomic_write, config_from_hf, load_checkpoint, initial_weights, Llama, save_checkpoint, resume,
 # save_merged.
 
