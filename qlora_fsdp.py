@@ -37,6 +37,7 @@ Run it:
 """
 
 import argparse
+import bisect
 import contextlib
 import functools
 import hashlib
@@ -61,6 +62,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 import torch.utils._pytree as pytree
+from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 GiB = 1024**3
@@ -848,8 +850,9 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, math, time, functools, torch, torch.distributed as dist, torch.nn as nn,
-# torch.nn.functional as F, torch.utils._pytree as pytree; from typing import NamedTuple, Optional.
+# Needs: import contextlib, itertools, math, time, functools, torch, torch.distributed as dist,
+# torch.nn as nn, torch.nn.functional as F, torch.utils._pytree as pytree; from typing import
+# NamedTuple, Optional.
 #
 # The model is cut into *units*, as FSDP2's fully_shard cuts it. For Llama they are the
 # embeddings, each block, and the final norm with lm_head; parameters in no unit form the root
@@ -986,16 +989,6 @@ def _layout_order(slot):
        width): their masters are cast in one run.
     """
     return (slot.trainable, -slot.dtype.itemsize, str(slot.dtype))
-
-
-class _CastRun(NamedTuple):
-    """The trainable slots of one dtype: contiguous in the shard bytes and in the master."""
-
-    dtype: torch.dtype
-    byte_start: int
-    byte_end: int
-    master_start: int
-    master_end: int
 
 
 class _AllGather(NamedTuple):
@@ -1180,20 +1173,6 @@ class ShardedUnit:
                 start += slot.shard_numel
         self.unit_bytes = offset
         self.master_numel = start
-        # Each dtype's trainable slots are one run (_layout_order), cast from the master at once.
-        self.cast_runs = []
-        for dtype in dict.fromkeys(slot.dtype for slot in self.adapters):
-            run = [slot for slot in self.adapters if slot.dtype == dtype]
-            first = run[0]
-            last = run[-1]
-            cast = _CastRun(
-                dtype=dtype,
-                byte_start=first.offset,
-                byte_end=last.offset + last.nbytes,
-                master_start=first.start,
-                master_end=last.start + last.shard_numel,
-            )
-            self.cast_runs.append(cast)
 
     def _allocate(self):
         """This rank's shard bytes and fp32 master, and the full tensors as views of one storage."""
@@ -1271,10 +1250,15 @@ class ShardedUnit:
         # (with offload) and the all-gather, overlapping the previous unit.
         with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
             send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # a copy only if offloaded
-            master = self.master.detach() if self.master is not None else None
-            for run in self.cast_runs:  # the fp32 masters, cast into the dtype they travel in
-                wire = send[run.byte_start : run.byte_end].view(run.dtype)
-                wire.copy_(master[run.master_start : run.master_end], non_blocking=True)
+            # The fp32 masters, cast into the dtype they travel in: the trainable slots of one
+            # dtype lie side by side in both layouts (_layout_order), so one copy casts them.
+            for dtype, run in itertools.groupby(self.adapters, key=lambda slot: slot.dtype):
+                run = list(run)
+                first = run[0]
+                last = run[-1]
+                wire = send[first.offset : last.offset + last.nbytes].view(dtype)
+                master = self.master[first.start : last.start + last.shard_numel]
+                wire.copy_(master, non_blocking=True)
             work = _collective(out, send, fsdp.group)
             self.inflight = _AllGather(work, out)
         self.version = self._version()
@@ -1900,7 +1884,8 @@ class AdamW(torch.optim.Optimizer):
 # 7. Llama, module for module as Hugging Face's LlamaForCausalLM
 # -----------------------------------------------------------------------------
 # Needs: import contextlib, math, torch, torch.nn as nn, torch.nn.functional as F; from dataclasses
-# import dataclass; from typing import Optional; from torch.utils.checkpoint import checkpoint; from
+# import dataclass; from typing import NamedTuple, Optional; from torch.nn.attention.flex_attention
+# import create_block_mask, flex_attention; from torch.utils.checkpoint import checkpoint; from
 # above: use_compiled, NF4Tensor, NF4Linear, LoRALinear.
 
 
@@ -2010,6 +1995,34 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+class DocumentMask(NamedTuple):
+    """Rows packed with whole documents: each token attends only to earlier tokens of its own."""
+
+    positions: torch.Tensor  # (B, T): each token's position in its document, for RoPE
+    dense: Optional[torch.Tensor]  # (B, 1, T, T) bool for SDPA, on the CPU
+    block_mask: object  # on CUDA, flex_attention's BlockMask: O((T / 128)^2), never T x T
+
+
+def document_mask(documents):
+    """documents (B, T): an id per token, equal within a document, documents contiguous."""
+    B, T = documents.shape
+    index = torch.arange(T, device=documents.device)
+    # A document starts where the id changes; a token's position counts from there.
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
+    if documents.is_cuda:  # a fused kernel that skips the blocks no document reaches
+
+        def same_document_causal(b, h, q, kv):
+            return (documents[b, q] == documents[b, kv]) & (q >= kv)
+
+        block_mask = create_block_mask(same_document_causal, B, None, T, T, device=index.device)
+        return DocumentMask(positions, None, block_mask)
+    same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
+    causal = index[:, None] >= index[None, :]
+    return DocumentMask(positions, (same & causal)[:, None], None)
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, c, lora):
         super().__init__()
@@ -2027,7 +2040,8 @@ class LlamaAttention(nn.Module):
             self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, lora["dtype"])
             self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, lora["dtype"])
 
-    def forward(self, x, cos, sin):
+    def forward(self, x, cos, sin, mask=None):
+        """x (B, T, C); mask: a DocumentMask for packed rows, or None (causal)."""
         B, T, C = x.shape
         q, k, v = LoRALinear.shared_input(x, self.q_proj, self.k_proj, self.v_proj)
         q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
@@ -2042,7 +2056,12 @@ class LlamaAttention(nn.Module):
         k = apply_rope(k, cos, sin)
         # Grouped-query attention: each of the nkv heads serves nh / nkv query heads.
         gqa = self.n_kv != self.n_heads
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if mask is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        elif mask.block_mask is not None:
+            y = flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
         return self.o_proj(y)
 
@@ -2070,16 +2089,16 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
         self.mlp = LlamaMLP(c, lora)
 
-    def forward(self, x, cos, sin, checkpointing=False):
+    def forward(self, x, cos, sin, checkpointing=False, mask=None):
         if checkpointing and torch.is_grad_enabled():
             # Keep only the block's input (B, T, C) and recompute the rest in backward. This
             # sits inside forward, so that, compiled, the recompute fuses into backward's
             # kernels.
-            return checkpoint(self.block, x, cos, sin, use_reentrant=False)
-        return self.block(x, cos, sin)
+            return checkpoint(self.block, x, cos, sin, mask, use_reentrant=False)
+        return self.block(x, cos, sin, mask)
 
-    def block(self, x, cos, sin):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def block(self, x, cos, sin, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -2237,11 +2256,12 @@ class Llama(nn.Module):
             c.hidden_size, c.vocab_size, dtype=dtype, compile=compile, nf4=nf4_head
         )
 
-    def forward(self, tokens, targets=None, reduction="mean"):
+    def forward(self, tokens, targets=None, reduction="mean", documents=None):
         """tokens (B, T) int64 -> logits (B, T, vocab); or, given targets, the cross entropy.
 
         The loss is over the targets that count (!= IGNORE_INDEX): their mean, or with
-        reduction="sum" their sum.
+        reduction="sum" their sum. documents (B, T): rows packed with documents, an id per
+        token (see document_mask); each document is then as if it ran alone, from position 0.
         """
         T = tokens.shape[1]
         window = self.config.sliding_window
@@ -2251,14 +2271,19 @@ class Llama(nn.Module):
                 f"this implementation does not follow"
             )
         h = self.model.embed_tokens(tokens)  # (B, T, C)
-        cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)
+        cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)  # (T, hd)
+        mask = None
+        if documents is not None:
+            mask = document_mask(documents)
+            cos = cos[mask.positions][:, None]  # (B, 1, T, hd): each token at its position
+            sin = sin[mask.positions][:, None]
         # With offload, each checkpointed block input waits in host memory for its backward.
         parking = None
         if self.checkpointing and torch.is_grad_enabled():
             parking = self.offload_activations
         for layer in self.model.layers:
             with parking.start(h) if parking else contextlib.nullcontext():
-                h = layer(h, cos, sin, self.checkpointing)
+                h = layer(h, cos, sin, self.checkpointing, mask)
         if parking:
             parking.start(None)  # so that the hooks don't keep the last block's input alive
         return self.lm_head(self.model.norm(h), targets, reduction)
@@ -2341,13 +2366,25 @@ def sequences(data, starts, T):
     return inputs, targets
 
 
+class Batch(NamedTuple):
+    """This rank's rows of one micro-batch, each (batch_size, seq_len)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor  # IGNORE_INDEX where a prediction does not count
+    documents: Optional[torch.Tensor] = None  # packed rows: a document id per token
+
+
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """This rank's rows (inputs, targets), each (batch_size, seq_len), of micro-batch `micro`.
+    """This rank's Batch of micro-batch `micro`.
 
     The step's global batch depends only on (seed, step) and batch_size x grad_accum x world:
     rank r of micro-batch m takes its rows in the order (micro, rank, row), so any split of
-    the same global batch sees the same rows. data None: random tokens.
+    the same global batch sees the same rows. data: TokenData (windows at random places),
+    None (random tokens), or any object whose batch(step, micro, args, world, rank) makes
+    the Batch (packed documents, section 11).
     """
+    if data is not None and not isinstance(data, TokenData):
+        return data.batch(step, micro, args, world, rank)
     generator = seeded(args.seed, "batch", step)
     n = args.batch_size * args.grad_accum * world  # rows in the global batch
     T = args.seq_len
@@ -2355,9 +2392,9 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
     rows = slice(first, first + args.batch_size)
     if data is None:
         tokens = torch.randint(vocab_size, (n, T + 1), generator=generator)[rows]
-        return tokens[:, :-1], tokens[:, 1:]
+        return Batch(tokens[:, :-1], tokens[:, 1:])
     starts = torch.randint(len(data.ids) - T, (n,), generator=generator)[rows]
-    return sequences(data, starts.tolist(), T)
+    return Batch(*sequences(data, starts.tolist(), T))
 
 
 def learning_rate(step, args):
@@ -2420,20 +2457,24 @@ class StepResult(NamedTuple):
 
 
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
-    """One AdamW step over this rank's micro-batches [(inputs, targets)].
+    """One AdamW step over this rank's micro-batches [Batch, or (inputs, targets)].
 
     The loss is the mean over the global batch's counted targets, whatever the split into
     ranks and micro-batches. A non-finite loss skips the update.
     """
+    batches = [Batch(*b) for b in batches]
     # The targets that count, over all ranks: the mean's denominator.
-    count = sum((y != IGNORE_INDEX).sum() for _, y in batches).to(device)
+    count = sum((b.targets != IGNORE_INDEX).sum() for b in batches).to(device)
     if dist.is_initialized():
         dist.all_reduce(count)
     count = max(1, count.item())  # a batch that counts nothing: loss 0 and zero gradients
     loss_sum = torch.zeros((), device=device)
-    for x, y in batches:
+    for b in batches:
+        documents = None if b.documents is None else b.documents.to(device)
         with torch.profiler.record_function("forward"):
-            loss = model(x.to(device), y.to(device), reduction="sum")
+            loss = model(
+                b.inputs.to(device), b.targets.to(device), reduction="sum", documents=documents
+            )
         with torch.profiler.record_function("backward"):
             # Each unit's gradients are reduce-scattered as its backward ends. The
             # reduce-scatter averages over ranks, so x world gives the masters d(global sum);
@@ -2758,6 +2799,14 @@ def _activation_rows(config, counts, tokens, elt, lora_rank, world, flags):
     norm = tokens * (4 * d + elt * d)
     loss = norm + vocab * d * elt + chunk_rows * vocab * per_logit + tokens * d * elt
     rows["loss: norm, lm_head dense, logits chunk, grad_h"] = loss
+    if flags.pack:
+        # Each token's document and position (int64), RoPE's cos and sin at each token's
+        # position, and on the CPU SDPA's (B, 1, T, T) bool mask, which its kernel turns into
+        # an additive fp32 one (flex_attention's block mask on CUDA is (T / 128)^2 per row).
+        mask = tokens * flags.seq_len * (1 + 4) + 16 * tokens
+        mask += 2 * tokens * config.head_dim * elt
+        rows["document mask, positions, RoPE per token (--pack)"] = mask
+        kept += mask
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient
     # (tokens x d) joins.
     peak = kept + max(block + tokens * d * elt, loss)
@@ -2798,6 +2847,8 @@ class _EstimateFlags(NamedTuple):
     loss_chunk: int
     compiled: bool
     nf4_head: bool
+    pack: bool
+    seq_len: int
 
 
 def estimate_memory(
@@ -2813,6 +2864,7 @@ def estimate_memory(
     offload_activations=False,
     compiled=True,
     nf4_head=False,
+    pack=False,
 ):
     """Predicted bytes per rank of a QLoRA training step as this file runs it.
 
@@ -2826,6 +2878,8 @@ def estimate_memory(
         loss_chunk=loss_chunk,
         compiled=compiled,
         nf4_head=nf4_head,
+        pack=pack,
+        seq_len=seq_len,
     )
     elt = dtype_bytes
     tokens = batch_size * seq_len
@@ -2888,6 +2942,7 @@ def predicted_memory(args, world, config):
         offload_activations=args.offload_activations,
         compiled=args.compile,
         nf4_head=args.nf4_head,
+        pack=args.pack,
     )
 
 
@@ -3575,6 +3630,7 @@ RESUME_MUST_MATCH = (
     "lora_dropout",
     "seed",
     "nf4_head",
+    "pack",
 )
 
 
@@ -3783,13 +3839,30 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # 11. A run: data files, evaluation, metrics, progress, set-up and summary
 # -----------------------------------------------------------------------------
-# Needs: import json, math, os, resource, sys, tempfile, time, numpy as np, torch, torch.distributed
-# as dist; from typing import NamedTuple, Optional; from above: GiB, memory_budget, fmt_bytes,
-# format_budget, to_nf4, FSDP, AdamW, CONFIGS, IGNORE_INDEX, print0, init_distributed, seeded,
-# TokenData, sequences, peak_memory_gib, reset_peak_memory, train, UserError, require,
-# OffloadedInputs, predicted_memory, FIT_FLAGS, fit_budget, fit, check_fits, read_json,
-# atomic_write, config_from_hf, load_checkpoint, initial_weights, Llama, save_checkpoint, resume,
-# save_merged.
+# Needs: import json, math, os, resource, sys, tempfile, time, bisect, numpy as np, torch,
+# torch.distributed as dist; from typing import NamedTuple, Optional; from above: GiB,
+# memory_budget, fmt_bytes, format_budget, to_nf4, FSDP, AdamW, CONFIGS, IGNORE_INDEX, print0,
+# init_distributed, seeded, TokenData, sequences, Batch, peak_memory_gib, reset_peak_memory, train,
+# UserError, require, OffloadedInputs, predicted_memory, FIT_FLAGS, fit_budget, fit, check_fits,
+# read_json, atomic_write, config_from_hf, load_checkpoint, initial_weights, Llama, save_checkpoint,
+# resume, save_merged.
+
+
+def eos_id(args):
+    """--pack's end of a document: --eos_id, else --checkpoint's config.json's eos_token_id."""
+    if args.eos_id is not None:
+        return args.eos_id
+    eos = None
+    if args.checkpoint:
+        eos = read_json(os.path.join(args.checkpoint, "config.json")).get("eos_token_id")
+    if isinstance(eos, list) and eos:  # several: the first ends a document
+        eos = eos[0]
+    require(
+        type(eos) is int,
+        "--pack: documents end with an EOS token; give its id with --eos_id (config.json has "
+        "no eos_token_id)",
+    )
+    return eos
 
 
 def model_config(args):
@@ -3865,6 +3938,94 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
         )
         mask = mask.astype(bool)  # token 0 is never a target: mask[0] is not used
     return TokenData(tokens, mask)
+
+
+def document_spans(data, eos_id, seq_len):
+    """(starts, lengths) of the documents in a token stream, in order.
+
+    A document ends with its EOS (or the end of the stream); one longer than seq_len is cut
+    into pieces of seq_len, each a document of its own. No other document is ever split.
+    """
+    ends = np.flatnonzero(np.asarray(data.ids) == eos_id) + 1
+    bounds = np.unique(np.concatenate([[0], ends, [len(data.ids)]]))
+    starts = []
+    lengths = []
+    for begin, end in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        for start in range(begin, end, seq_len):
+            starts.append(start)
+            lengths.append(min(seq_len, end - start))
+    return np.array(starts), np.array(lengths)
+
+
+class PackedDocuments:
+    """--pack: a token stream's documents packed into rows of seq_len tokens.
+
+    Each epoch takes the documents in an order drawn from (seed, epoch), or in the file's
+    order, and fills each row with whole documents until the next would not fit; the rest of
+    the row is padding, which counts in no loss and is attended by nothing real. A document
+    of n tokens gives n - 1 targets (never one across a border), each counted where the
+    loss_mask says. Row i of the endless run of epochs depends only on the seed, so a step's
+    rows are get_batch's: the same at any split, the same after --resume.
+    """
+
+    def __init__(self, data, eos_id, seq_len, seed, shuffle=True):
+        self.data = data
+        self.seq_len = seq_len
+        self.seed = seed
+        self.shuffle = shuffle
+        self.starts, self.lengths = document_spans(data, eos_id, seq_len)
+        self.epochs = []  # the rows of each epoch packed so far: lists of document indices
+        self.first_row = [0]  # the index of each epoch's first row, and of the next epoch's
+
+    def _pack(self, epoch):
+        order = np.arange(len(self.lengths))
+        if self.shuffle:
+            order = torch.randperm(len(order), generator=seeded(self.seed, "pack", epoch)).numpy()
+        rows = [[]]
+        used = 0
+        for i in order.tolist():
+            if used + self.lengths[i] > self.seq_len:
+                rows.append([])
+                used = 0
+            rows[-1].append(i)
+            used += self.lengths[i]
+        return rows
+
+    def row(self, index):
+        """Row `index` (a list of document indices), packing epochs as they are reached."""
+        while index >= self.first_row[-1]:
+            rows = self._pack(len(self.epochs))
+            self.epochs.append(rows)
+            self.first_row.append(self.first_row[-1] + len(rows))
+        epoch = bisect.bisect_right(self.first_row, index) - 1
+        return self.epochs[epoch][index - self.first_row[epoch]]
+
+    def tensors(self, rows):
+        """The Batch of these rows: inputs, targets and a document id per token (padding: -1)."""
+        shape = (len(rows), self.seq_len)
+        inputs = np.zeros(shape, dtype=np.int64)
+        targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+        documents = np.full(shape, -1, dtype=np.int64)
+        mask = self.data.loss_mask
+        for r, row in enumerate(rows):
+            at = 0
+            for j, i in enumerate(row):
+                start = self.starts[i]
+                n = self.lengths[i]
+                inputs[r, at : at + n] = self.data.ids[start : start + n]
+                following = self.data.ids[start + 1 : start + n].astype(np.int64)  # n - 1 next
+                if mask is not None:
+                    following = np.where(mask[start + 1 : start + n], following, IGNORE_INDEX)
+                targets[r, at : at + n - 1] = following
+                documents[r, at : at + n] = j
+                at += n
+        return Batch(*(torch.from_numpy(a) for a in (inputs, targets, documents)))
+
+    def batch(self, step, micro, args, world, rank):
+        """This rank's Batch of micro-batch `micro` of `step`, in get_batch's order."""
+        n = args.batch_size * args.grad_accum * world
+        first = step * n + (micro * world + rank) * args.batch_size
+        return self.tensors([self.row(i) for i in range(first, first + args.batch_size)])
 
 
 def encode_prompt(text, vocab_size):
@@ -3972,14 +4133,20 @@ def open_metrics(out, start):
 
 @torch.no_grad()
 def evaluate(model, val, args, world, rank, device):
-    """(the mean loss over the counted targets, sequences) of --val_data's first --eval_seqs.
+    """(the mean loss over the counted targets, rows) of --val_data's first --eval_seqs rows.
 
-    Sequence i is tokens [i T, i T + T + 1). They go in micro-batches of --batch_size per
-    rank; every rank runs each one (empty rows count nothing).
+    Row i is tokens [i T, i T + T + 1), or with --pack the i-th packed row in the file's
+    order (more rows asked than there are: each document once). They go in micro-batches of
+    --batch_size per rank; every rank runs each one (empty rows count nothing).
     """
     T = args.seq_len
     B = args.batch_size
-    n = min(args.eval_seqs, (len(val.ids) - 1) // T)
+    packed = isinstance(val, PackedDocuments)
+    if packed:
+        val.row(0)  # packs the first epoch: the file's order
+        n = min(args.eval_seqs, val.first_row[1])
+    else:
+        n = min(args.eval_seqs, (len(val.ids) - 1) // T)
     # The loss's sum, and the count of its targets.
     total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
@@ -3988,11 +4155,18 @@ def evaluate(model, val, args, world, rank, device):
         rows = range(first, min(first + B, n))
         x = torch.zeros(B, T, dtype=torch.long)
         y = torch.full((B, T), IGNORE_INDEX)
+        docs = torch.full((B, T), -1)
+        if rows and packed:
+            batch = val.tensors([val.row(i) for i in rows])
+            docs[: len(rows)] = batch.documents
+        elif rows:
+            batch = Batch(*sequences(val, (i * T for i in rows), T))
         if rows:
-            inputs, targets = sequences(val, (i * T for i in rows), T)
-            x[: len(rows)] = inputs
-            y[: len(rows)] = targets
-        loss_sum = model(x.to(device), y.to(device), reduction="sum").double()
+            x[: len(rows)] = batch.inputs
+            y[: len(rows)] = batch.targets
+        documents = docs.to(device) if packed else None
+        loss_sum = model(x.to(device), y.to(device), reduction="sum", documents=documents)
+        loss_sum = loss_sum.double()
         counted = (y != IGNORE_INDEX).sum().to(device, torch.float64)
         total += torch.stack([loss_sum, counted])
     model.train()
@@ -4206,7 +4380,8 @@ class Run:
             self.model, self.val, self.args, self.fsdp.world, self.fsdp.rank, self.device
         )
         self.val_losses.append(val_loss)
-        print0(f"eval step {step} | val_loss {val_loss:.4f} | {n} sequences of --val_data")
+        what = "packed rows" if self.args.pack else "sequences"
+        print0(f"eval step {step} | val_loss {val_loss:.4f} | {n} {what} of --val_data")
         self.record(step=step, val_loss=val_loss)
 
     def _evaluate_and_save(self, step):
@@ -4325,12 +4500,21 @@ def set_up(args):
     if args.fit is not None:  # before anything reads the flags it sets
         args = fit(args, world, config, fit_budget(args, device))
     check_writable(args, rank)
+    require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
+    # Packed, a file needs two tokens (a document with a target), not a whole window.
+    least = 1 if args.pack else args.seq_len
     data = None
     if args.data != "dummy":
-        data = load_tokens(args.data or __file__, config.vocab_size, args.seq_len)
+        data = load_tokens(args.data or __file__, config.vocab_size, least)
     val = None
     if args.val_data:
-        val = load_tokens(args.val_data, config.vocab_size, args.seq_len, "--val_data")
+        val = load_tokens(args.val_data, config.vocab_size, least, "--val_data")
+    if args.pack:
+        eos = eos_id(args)
+        require(0 <= eos < config.vocab_size, f"--eos_id {eos}: not a token of this model")
+        data = PackedDocuments(data, eos, args.seq_len, args.seed)
+        if val is not None:
+            val = PackedDocuments(val, eos, args.seq_len, args.seed, shuffle=False)
     prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
     checkpoint = None
     if args.checkpoint:
@@ -4451,8 +4635,12 @@ def _add_data_flags(p):
         "--eval_seqs",
         type=int,
         default=64,
-        help="the first K sequences of --val_data are evaluated",
+        help="the first K sequences (--pack: rows) of --val_data are evaluated",
     )
+    p.add_argument(
+        "--pack", action="store_true", help="rows of whole documents, each attending to itself"
+    )
+    p.add_argument("--eos_id", type=int, help="--pack: the token that ends a document")
 
 
 def _add_optimization_flags(p):

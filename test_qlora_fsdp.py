@@ -4,6 +4,7 @@ unsharded single-process run. Run: python -m pytest -q test_qlora_fsdp.py"""
 
 import contextlib
 import dataclasses
+import functools
 import io
 import json
 import math
@@ -847,9 +848,9 @@ class CheckpointAround(torch.nn.Module):
         super().__init__()
         self.layer = layer
 
-    def forward(self, x, cos, sin, _):
+    def forward(self, x, cos, sin, _, mask=None):
         return torch.utils.checkpoint.checkpoint(
-            self.layer, x, cos, sin, False, use_reentrant=False
+            self.layer, x, cos, sin, False, mask, use_reentrant=False
         )
 
 
@@ -2147,7 +2148,7 @@ def _saved_for_backward(args):
             *a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()), **k
         )
     try:
-        x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
+        x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), t)[1], lambda t: t):
             model(x, y).backward()
     finally:
@@ -2158,7 +2159,7 @@ def _saved_for_backward(args):
 def _step_memory(args):
     """(bytes the allocator peaks at in a step after a first one, bytes the estimate predicts)."""
     model, fsdp = qf.build(args, MEM, torch.device("cpu"))
-    x, y = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
+    x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
     model(x, y).backward()
     loss, forward_peak, forward_end = _allocated_peak(lambda: model(x, y))
     _, backward_peak, _ = _allocated_peak(loss.backward)
@@ -3491,7 +3492,7 @@ def test_evaluation_stays_inside_the_training_step_peak(tmp_path):
     args = qf.parse_args(BASE + ["--batch_size", "8", "--eval_seqs", "8", "--no-checkpointing"])
     model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
     val, cpu = qf.load_tokens(path, 256, 32, "--val_data"), torch.device("cpu")
-    x, y = qf.get_batch(None, 0, 0, args, 1, 0, 256)
+    x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, 256)
     # the first backward's one-time allocations (the masters' gradients) made
     model(x, y).backward()
     _, forward_peak, _ = _allocated_peak(lambda: model(x, y))
@@ -3705,7 +3706,7 @@ def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
     model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the untrained model
     bare = qf.TokenData(np.load(tmp_path / "bare.npy"), None)
     x, y = map(
-        torch.cat, zip(*[qf.get_batch(bare, 0, micro, args, 1, 0, 256) for micro in range(2)])
+        torch.cat, zip(*[qf.get_batch(bare, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
     )
     # (6, 32): rows 0-2 the first micro-batch, 3-5 the second; one row per rank
     counted = y % 3 == 0
@@ -3750,7 +3751,7 @@ def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(compile, tmp_pat
     model.load_state_dict({**base, **fsdp.full_adapters()})
     data = qf.load_tokens(str(tmp_path / "masked.npz"), 256, args.seq_len)
     x, y = map(
-        torch.cat, zip(*[qf.get_batch(data, 0, micro, args, 1, 0, 256) for micro in range(2)])
+        torch.cat, zip(*[qf.get_batch(data, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
     )
     counted = y != qf.IGNORE_INDEX  # (4, 32): rows 0-1 the first micro-batch, 2-3 the second
     assert counted[:2].sum() != counted[2:].sum()
@@ -3800,7 +3801,7 @@ def test_step_gradient_is_the_summed_loss_gradient_over_the_count_in_fp32():
     by a plain backward of the summed loss through the same sharded model."""
     args = qf.parse_args(["bf16" if a == "fp32" else a for a in BASE] + ["--batch_size", "2"])
     model, fsdp = qf.build(args, qf.CONFIGS[args.model], torch.device("cpu"))
-    x, y = qf.get_batch(None, 0, 0, args, 1, 0, qf.CONFIGS[args.model].vocab_size)
+    x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, qf.CONFIGS[args.model].vocab_size)
     y = y.clone()  # a view of the tokens x holds too
     y[0, 0] = qf.IGNORE_INDEX
     model(x, y, reduction="sum").backward()
@@ -4007,6 +4008,269 @@ def test_two_nodes_equal_one_process(single_run_tiny):
     s = last_json(outs[0][0])
     assert s["world_size"] == 2 and s["steps"] == len(single_run_tiny["losses"])
     assert s["final_loss"] == pytest.approx(single_run_tiny["losses"][-1], abs=1e-5)
+
+
+# ---- packing: rows of whole documents (--pack) -------------------------------------------------
+
+EOS = 255
+
+
+def packed_file(tmp_path, n_docs=14, seed=0, name="docs.npy", mask=False):
+    """Documents of 2 to 24 tokens (ids below EOS) each ending with EOS, one of 70 (more than a row
+    of 32: cut into pieces); as .npz with a loss mask counting every other document when mask."""
+    rng = np.random.default_rng(seed)
+    lengths = [int(n) for n in rng.integers(2, 25, n_docs)]
+    lengths[3] = 70
+    ids, counted = [], []
+    for i, n in enumerate(lengths):
+        ids += [int(t) for t in rng.integers(0, EOS, n - 1)] + [EOS]
+        counted += [i % 2] * n
+    path = str(tmp_path / name)
+    if mask:
+        np.savez(path, tokens=np.array(ids, dtype=np.uint8), loss_mask=np.array(counted, np.uint8))
+    else:
+        np.save(path, np.array(ids, dtype=np.uint8))
+    return path
+
+
+PACK = ["--pack", "--eos_id", str(EOS)]
+
+
+def packed_loss_and_grads(model, fsdp, batch):
+    """(summed loss, {name: gradient}) of one packed Batch, then the gradients cleared."""
+    loss = model(batch.inputs, batch.targets, reduction="sum", documents=batch.documents)
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in fsdp.named_parameters()}
+    for p in fsdp.parameters():
+        p.grad = None
+    return loss.item(), grads
+
+
+def alone_loss_and_grads(model, fsdp, data, batch_rows):
+    """The same documents each run alone, from position 0, with no padding: summed."""
+    total = 0.0
+    for row in batch_rows:
+        for i in row:
+            n = int(data.lengths[i])
+            doc = data.tensors([[i]])
+            inputs = doc.inputs[:, : n - 1]
+            targets = doc.targets[:, : n - 1]
+            loss = model(inputs, targets, reduction="sum")
+            loss.backward()
+            total += loss.item()
+    grads = {n: p.grad.clone() for n, p in fsdp.named_parameters()}
+    for p in fsdp.parameters():
+        p.grad = None
+    return total, grads
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--no-compile", "--checkpointing"], ["--no-compile", "--no-checkpointing"], ["--compile"]],
+    ids=["eager, checkpointed", "eager", "compiled, checkpointed"],
+)
+def test_packed_batch_equals_its_documents_run_alone(flags, tmp_path, monkeypatch):
+    """In fp32 the loss and the adapter gradients of a packed batch (two rows of whole documents,
+    one cut into pieces, padding at the end) equal the sum over its documents run alone, from
+    position 0, with no padding (1e-5 relative): no token attends across a border, positions
+    start at 0 in each document, and padding counts nothing. Eager with and without
+    checkpointing, and compiled (the reference eager)."""
+    path = packed_file(tmp_path)
+    argv = [a for a in BASE if a != "--no-compile"] + flags + PACK + ["--data", path]
+    args = qf.parse_args(argv + ["--batch_size", "2"])
+    monkeypatch.setattr(qf, "COMPILE", args.compile)
+    model, fsdp = qf.build(args, MICRO, torch.device("cpu"))
+    with torch.no_grad():  # adapters that move the logits, so that their gradients are general
+        for name, p in fsdp.named_parameters():
+            if name.endswith("lora_B"):
+                p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    data = qf.PackedDocuments(qf.load_tokens(path, 256, 1), EOS, 32, args.seed)
+    batch = data.batch(0, 0, args, 1, 0)
+    rows = [data.row(i) for i in range(2)]
+    assert sum(len(r) for r in rows) >= 3 and (batch.documents == -1).any()  # padding
+    loss, grads = packed_loss_and_grads(model, fsdp, batch)
+    if args.compile:  # the reference: the same weights, eager blocks
+        eager_args = qf.parse_args([a for a in argv if a != "--compile"] + ["--no-compile"])
+        model, fsdp = qf.build(eager_args, MICRO, torch.device("cpu"))
+        with torch.no_grad():
+            for name, p in fsdp.named_parameters():
+                if name.endswith("lora_B"):
+                    p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
+    want_loss, want_grads = alone_loss_and_grads(model, fsdp, data, rows)
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    for name, g in want_grads.items():  # 1e-5 of each gradient's scale: sums in another order
+        scale = g.abs().max().item()
+        torch.testing.assert_close(grads[name], g, rtol=1e-5, atol=1e-5 * scale, msg=name)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_packed_training_sharded_equals_one_process(world, tmp_path):
+    """--pack at worlds 2 and 3 (the global batch split into ranks' rows) trains as one process
+    does on the same global batch: losses and adapters."""
+    argv = BASE + PACK + ["--data", packed_file(tmp_path), "--model", "micro"]
+    single = run_single(argv + ["--batch_size", "6"])
+    for result in run_sharded(world, argv + ["--batch_size", str(6 // world)], tmp_path):
+        assert_same_run(result, single)
+
+
+def test_packing_keeps_documents_whole_and_draws_them_per_epoch(tmp_path):
+    """Every document is in each epoch exactly once; one longer than a row is cut into pieces of
+    seq_len, and no other is split; rows hold at most seq_len tokens, in an order drawn per epoch
+    from the seed (another seed, another order); a global batch is the same rows at any split (1
+    rank x 4 rows, 2 ranks x 2, 2 micro-batches x 2)."""
+    data = qf.load_tokens(packed_file(tmp_path), 256, 1)
+    packed = qf.PackedDocuments(data, EOS, 32, seed=1)
+    ends = np.flatnonzero(np.asarray(data.ids) == EOS) + 1
+    spans = list(zip(packed.starts.tolist(), (packed.starts + packed.lengths).tolist()))
+    assert spans[3:6] == [(int(ends[2]), int(ends[2]) + 32), (int(ends[2]) + 32, int(ends[2]) + 64),
+                          (int(ends[2]) + 64, int(ends[3]))]  # fmt: skip
+    assert len(spans) == len(ends) + 2 and all(0 < n <= 32 for n in packed.lengths)
+    packed.row(0)
+    for epoch in range(3):
+        packed.row(packed.first_row[epoch])
+        rows = packed.epochs[epoch]
+        assert sorted(i for row in rows for i in row) == list(range(len(spans)))
+        assert all(sum(packed.lengths[i] for i in row) <= 32 for row in rows)
+    assert packed.epochs[0] != packed.epochs[1]
+    assert qf.PackedDocuments(data, EOS, 32, seed=2).row(0) != packed.row(0) or (
+        qf.PackedDocuments(data, EOS, 32, seed=2).row(1) != packed.row(1)
+    )
+    base = BASE + PACK
+    one = packed.batch(5, 0, qf.parse_args(base + ["--batch_size", "4"]), 1, 0)
+    two = [packed.batch(5, 0, qf.parse_args(base + ["--batch_size", "2"]), 2, r) for r in range(2)]
+    args = qf.parse_args(base + ["--batch_size", "1", "--grad_accum", "2"])
+    four = [packed.batch(5, m, args, 2, r) for m in range(2) for r in range(2)]
+    for split in (two, four):
+        for field in ("inputs", "targets", "documents"):
+            assert torch.equal(getattr(one, field), torch.cat([getattr(b, field) for b in split]))
+
+
+def test_packed_loss_mask_counts_only_responses(tmp_path):
+    """.npz's loss_mask applies to packed rows: a target counts where the mask at the token it
+    predicts is 1 (here every other document), never across a border, never on padding."""
+    path = packed_file(tmp_path, name="sft.npz", mask=True)
+    data = qf.load_tokens(path, 256, 1)
+    packed = qf.PackedDocuments(data, EOS, 32, seed=0, shuffle=False)
+    batch = packed.tensors([packed.row(i) for i in range(3)])
+    for r in range(3):
+        at = 0
+        for j, i in enumerate(packed.row(r)):
+            start, n = int(packed.starts[i]), int(packed.lengths[i])
+            want = torch.from_numpy(np.asarray(data.ids[start + 1 : start + n]).astype(np.int64))
+            want[~torch.from_numpy(data.loss_mask[start + 1 : start + n])] = qf.IGNORE_INDEX
+            assert torch.equal(batch.targets[r, at : at + n - 1], want)
+            assert batch.targets[r, at + n - 1] == qf.IGNORE_INDEX  # no target across a border
+            assert (batch.documents[r, at : at + n] == j).all()
+            at += n
+        assert (batch.targets[r, at:] == qf.IGNORE_INDEX).all()
+        assert (batch.documents[r, at:] == -1).all()
+
+
+def test_packed_val_loss_counts_every_document_once(tmp_path):
+    """--val_data with --pack is packed in the file's order; asking for more rows than there are
+    evaluates each document once: the val_loss is the mean loss over all documents' targets, as
+    if each ran alone."""
+    path = packed_file(tmp_path)
+    argv = BASE + PACK + ["--val_data", path, "--eval_seqs", "1000", "--lr", "0", "--steps", "1"]
+    args = qf.parse_args(argv + ["--data", path, "--batch_size", "3"])
+    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
+    val = qf.PackedDocuments(qf.load_tokens(path, 256, 1), EOS, 32, args.seed, shuffle=False)
+    got, rows = qf.evaluate(model, val, args, 1, 0, torch.device("cpu"))
+    assert rows == val.first_row[1] < 1000
+    loss_sum, count = 0.0, 0
+    with torch.no_grad():
+        for i in range(len(val.lengths)):
+            n = int(val.lengths[i])
+            doc = val.tensors([[i]])
+            loss_sum += model(doc.inputs[:, : n - 1], doc.targets[:, : n - 1], "sum").item()
+            count += n - 1
+    assert got == pytest.approx(loss_sum / count, rel=1e-5)
+
+
+def test_packed_resume_equals_uninterrupted(tmp_path):
+    """With --pack, stopping after step 2 and --resume gives steps 3-4 of the uninterrupted run,
+    bit for bit: the rows of each step depend only on the seed."""
+    argv = BASE + PACK + ["--data", packed_file(tmp_path), "--batch_size", "2"]
+    full = train_run(argv + ["--out", str(tmp_path / "a")])
+    first = train_run(argv + ["--out", str(tmp_path / "b"), "--stop_at", "2"])
+    rest = train_run(argv + ["--out", str(tmp_path / "b"), "--resume"])
+    assert first["losses"] + rest["losses"] == full["losses"]
+    for k, v in full["adapters"].items():
+        assert torch.equal(rest["adapters"][k], v), k
+
+
+def test_packed_step_stays_inside_its_estimate(tmp_path, monkeypatch):
+    """A packed step (eager, fp32, the MEM model at 4 x 512) allocates within 10% of what
+    --estimate predicts for it, the document mask, positions and per-token RoPE included; and
+    packing adds what the estimate says it adds (within 25%)."""
+    monkeypatch.setattr(qf, "COMPILE", False)
+    monkeypatch.setitem(qf.CONFIGS, "mem", MEM)
+    rng = np.random.default_rng(0)
+    ids = []
+    while len(ids) < 20000:
+        ids += rng.integers(0, 8000, int(rng.integers(20, 300))).tolist() + [8191]
+    path = str(tmp_path / "docs.npy")
+    np.save(path, np.array(ids, dtype=np.uint16))
+    measured = {}
+    for pack in (False, True):
+        argv = MEM_ARGV[:-2] + ["--data", path, "--dtype", "fp32", "--no-compile"]
+        args = qf.parse_args(argv + (PACK[:1] + ["--eos_id", "8191"] if pack else []))
+        model, _ = qf.build(args, MEM, torch.device("cpu"))
+        data = qf.load_tokens(path, MEM.vocab_size, 1 if pack else args.seq_len)
+        if pack:
+            data = qf.PackedDocuments(data, 8191, args.seq_len, 0)
+        b = qf.get_batch(data, 0, 0, args, 1, 0, MEM.vocab_size)
+        model(b.inputs, b.targets, documents=b.documents).backward()  # first-time allocations
+        step = functools.partial(model, b.inputs, b.targets, documents=b.documents)
+        loss, forward_peak, forward_end = _allocated_peak(step)
+        _, backward_peak, _ = _allocated_peak(loss.backward)
+        est = qf.predicted_memory(args, 1, MEM)
+        measured[pack] = (max(forward_peak, forward_end + backward_peak), est)
+    peak, est = measured[True]
+    assert peak == pytest.approx(est.activation_peak + est.gathers, rel=0.1)
+    added = peak - measured[False][0]
+    assert added == pytest.approx(
+        est.activation_peak - measured[False][1].activation_peak, rel=0.25
+    )
+
+
+def test_flex_attention_mask_equals_the_dense_one():
+    """The CUDA path's flex_attention block mask (documents on one side of a row, a GQA block)
+    gives the CPU path's dense-mask attention (forward: flex has no CPU backward)."""
+    torch.manual_seed(0)
+    attention = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32, compile=False).model.layers[0]
+    attention = attention.self_attn
+    documents = torch.tensor([[0] * 50 + [1] * 60 + [-1] * 18, [0] * 128])
+    mask = qf.document_mask(documents)
+
+    def same_document_causal(b, h, q, kv):
+        return (documents[b, q] == documents[b, kv]) & (q >= kv)
+
+    block_mask = qf.create_block_mask(same_document_causal, 2, None, 128, 128, device="cpu")
+    flex = qf.DocumentMask(mask.positions, None, block_mask)
+    cos, sin = qf.rope_cos_sin(qf.CONFIGS["tiny"], 128, "cpu", torch.float32)
+    cos, sin = cos[mask.positions][:, None], sin[mask.positions][:, None]
+    x = torch.randn(2, 128, 128)
+    with torch.no_grad():
+        torch.testing.assert_close(attention(x, cos, sin, flex), attention(x, cos, sin, mask))
+    assert mask.positions[0, 50].item() == 0 and mask.positions[0, 109].item() == 59
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--pack"], "--pack: documents end with an EOS token; give its id with --eos_id"),
+        (["--pack", "--eos_id", "300"], "--eos_id 300: not a token of this model"),
+        (["--pack", "--eos_id", "1", "--data", "dummy"], "--pack needs documents"),
+    ],
+)
+def test_pack_needs_an_end_of_document(argv, words, capsys):
+    """--pack without an EOS id (no --eos_id, no checkpoint config), with one outside the
+    vocabulary, or on random tokens is one error line."""
+    with pytest.raises(SystemExit) as exc:
+        qf.main(BASE + argv)
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and words in err and len(err.strip().splitlines()) == 1
 
 
 # ---- CUDA: the same code with only the device changed (skipped without a GPU) -------------------

@@ -46,6 +46,21 @@ SHAPES = {
 RANKS = 2
 
 
+def documents_file(shape, folder):
+    """Documents of lengths drawn like an instruction set's (median a quarter of the context, a long
+    tail), random ids, each ending with the vocabulary's last id as its EOS: a .npy in folder."""
+    config, _, seq = SHAPES[shape]
+    vocab = (qf.CONFIGS[config] if isinstance(config, str) else config).vocab_size
+    rng = np.random.default_rng(0)
+    ids = []
+    while len(ids) < 200_000:
+        n = int(min(4 * seq, max(2, rng.lognormal(np.log(seq / 4), 0.9))))
+        ids += rng.integers(0, vocab - 1, n - 1).tolist() + [vocab - 1]
+    path = os.path.join(folder, "docs.npy")
+    np.save(path, np.array(ids, dtype=np.uint16 if vocab <= 65536 else np.uint32))
+    return path
+
+
 def config_name(shape):
     config = SHAPES[shape][0]
     return config if isinstance(config, str) else f"bench-{shape}"
@@ -119,8 +134,10 @@ def worker(args):
     name = config_name(args.worker)
     if not isinstance(config, str):
         qf.CONFIGS[name] = config
+    data = ["--data", args.docs, "--pack", "--eos_id", str(qf.CONFIGS[name].vocab_size - 1)] if args.docs else \
+        ["--data", "dummy"]
     train_argv = ["--model", name, "--batch_size", str(batch), "--seq_len", str(seq), "--steps", str(args.steps),
-                  "--lora_rank", str(args.lora_rank), "--dtype", "bf16", "--data", "dummy", "--device", "cpu",
+                  "--lora_rank", str(args.lora_rank), "--dtype", "bf16", *data, "--device", "cpu",
                   "--log_every", "1000", "--profile", args.profile,
                   "--checkpointing" if args.checkpointing else "--no-checkpointing",
                   "--compile" if args.compile else "--no-compile"]
@@ -141,7 +158,7 @@ def worker(args):
     floor = float(np.median([total for total, _ in reps]))
     parts = {cat: round(float(np.median([per[cat] for _, per in reps])), 2) for cat in reps[0][1]}
     matmul_flops = sum(calls * flops for cat, calls, _, flops in ops if cat == "matmul")
-    print(json.dumps(dict(shape=args.worker, model=name, world_size=summary["world_size"], batch_size=batch,
+    print(json.dumps(dict(shape=args.worker, model=name, packed=bool(args.docs), world_size=summary["world_size"], batch_size=batch,
                           seq_len=seq, checkpointing=train_args.checkpointing, step_ms=summary["step_ms"],
                           floor_ms=round(floor, 2), floor_parts_ms=parts,
                           floor_matmul_gflops=round(matmul_flops / parts["matmul"] / 1e6, 1),
@@ -187,8 +204,11 @@ def main():
     p.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--timeout", type=float, default=900, help="seconds per shape")
+    p.add_argument("--pack", nargs="*", default=["512-wide"], choices=list(SHAPES),
+                   help="shapes also run on packed documents (--pack), against the same shape unpacked")
     p.add_argument("--worker", choices=list(SHAPES), help=argparse.SUPPRESS)  # one shape, under torchrun
     p.add_argument("--profile", help=argparse.SUPPRESS)
+    p.add_argument("--docs", help=argparse.SUPPRESS)  # a documents file: the worker runs --pack
     args = p.parse_args()
     if args.worker:
         return worker(args)
@@ -201,19 +221,28 @@ def main():
     results, failed = [], 0
     for shape in args.shapes:
         print("  " + describe(shape), flush=True)
-    for shape in args.shapes:
+    runs = [(shape, False) for shape in args.shapes] + [(shape, True) for shape in args.pack if shape in args.shapes]
+    for shape, packed in runs:
         with tempfile.TemporaryDirectory() as prof:
             flags = ["--worker", shape, "--profile", prof, "--steps", args.steps, "--reps", args.reps,
                      "--lora_rank", args.lora_rank, "--checkpointing" if args.checkpointing else "--no-checkpointing",
                      "--compile" if args.compile else "--no-compile"]
+            if packed:
+                flags += ["--docs", documents_file(shape, prof)]
             run = torchrun(BENCH / "bench_step.py", flags,
                            RANKS, env={"OMP_NUM_THREADS": "1"}, timeout=args.timeout)
         if run.ok and "floor_ms" in run.json:
             results.append(run.json)
-            print(line(run.json), flush=True)
+            print(("(packed) " if packed else "") + line(run.json), flush=True)
         else:
             failed += 1
             print(f"{shape:<12} FAILED, {run.error() or 'no floor in its output'}", flush=True)
+    for r in results:
+        plain = next((u for u in results if u["shape"] == r["shape"] and not u["packed"]), None)
+        if r["packed"] and plain:
+            ratio = r["summary"]["tokens_per_s"] / plain["summary"]["tokens_per_s"]
+            print(f"  {r['shape']}: --pack {r['summary']['tokens_per_s']:,.0f} tok/s (rows of whole documents, "
+                  f"each attending to itself) vs unpacked {plain['summary']['tokens_per_s']:,.0f}: {ratio:.2f}x")
     for r in results:
         if not r["has_shapes"]:
             print(f"  ({r['shape']}: the trace has no operand shapes, so LoRA's matmuls count as matmul)")

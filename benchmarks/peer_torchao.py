@@ -86,7 +86,7 @@ def main(argv=None):
     for step in range(args.steps):
         sync()
         t0 = time.perf_counter()
-        x, y = qf.get_batch(data, step, 0, args, world, rank, config.vocab_size)
+        x, y, _ = qf.get_batch(data, step, 0, args, world, rank, config.vocab_size)
         loss = model(x.to(device), y.to(device))
         loss.backward()
         if args.grad_clip > 0:
