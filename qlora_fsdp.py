@@ -49,9 +49,12 @@ import os
 import random
 import re
 import resource
+import shlex
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, fields
 from typing import NamedTuple, Optional
@@ -2518,10 +2521,11 @@ class StepRecord(NamedTuple):
         return self.tokens / self.seconds
 
 
-def format_step(r, steps):
+def format_step(r, steps, memory="mem"):
+    """The step's log line; memory names its figure: "mem" on a GPU, "rss" on the CPU."""
     return (
         f"step {r.step}/{steps} | loss {r.loss:.4f} | lr {r.lr:.1e} | "
-        f"{r.seconds * 1000:.0f} ms | {r.tokens_per_s:,.0f} tok/s | mem {r.mem_gib:.2f} GiB"
+        f"{r.seconds * 1000:.0f} ms | {r.tokens_per_s:,.0f} tok/s | {memory} {r.mem_gib:.2f} GiB"
     )
 
 
@@ -2573,7 +2577,7 @@ def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=Non
         )
         records.append(record)
         if logs:
-            print0(format_step(record, args.steps))
+            print0(format_step(record, args.steps, "mem" if device.type == "cuda" else "rss"))
         # Evaluate, save, profile: what a real run does between steps (Part II).
         if run is not None and run.after_step(record):
             break
@@ -3839,13 +3843,13 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # 11. A run: data files, evaluation, metrics, progress, set-up and summary
 # -----------------------------------------------------------------------------
-# Needs: import json, math, os, resource, sys, tempfile, time, bisect, numpy as np, torch,
-# torch.distributed as dist; from typing import NamedTuple, Optional; from above: GiB,
-# memory_budget, fmt_bytes, format_budget, to_nf4, FSDP, AdamW, CONFIGS, IGNORE_INDEX, print0,
-# init_distributed, seeded, TokenData, sequences, Batch, peak_memory_gib, reset_peak_memory, train,
-# UserError, require, OffloadedInputs, predicted_memory, FIT_FLAGS, fit_budget, fit, check_fits,
-# read_json, atomic_write, config_from_hf, load_checkpoint, initial_weights, Llama, save_checkpoint,
-# resume, save_merged.
+# Needs: import contextlib, json, math, os, resource, signal, sys, tempfile, time, bisect, numpy as
+# np, shlex, threading, torch, torch.distributed as dist; from typing import NamedTuple, Optional;
+# from above: GiB, memory_budget, fmt_bytes, format_budget, to_nf4, FSDP, AdamW, CONFIGS,
+# IGNORE_INDEX, print0, init_distributed, seeded, TokenData, sequences, Batch, peak_memory_gib,
+# reset_peak_memory, train, UserError, require, OffloadedInputs, predicted_memory, FIT_FLAGS,
+# fit_budget, fit, check_fits, read_json, atomic_write, config_from_hf, load_checkpoint,
+# initial_weights, Llama, save_checkpoint, resume, save_merged.
 
 
 def eos_id(args):
@@ -3899,14 +3903,10 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
     where = f"{flag} {path}"
     require(os.path.isfile(path), f"{where}: no such file")
     # The default data is this file's own bytes.
+    # Anything but .npy, .npz and .bin is raw bytes, one token each (a .txt, this README).
     ext = os.path.splitext(path)[1].lower()
-    if os.path.samefile(path, __file__):
+    if ext not in (".npy", ".npz", ".bin"):
         ext = ".txt"
-    formats = ".npy, .npz, .bin, .txt" + (" or dummy" if flag == "--data" else "")
-    require(
-        ext in (".npy", ".npz", ".bin", ".txt"),
-        f"{where}: unknown format {ext or '(no extension)'}; use {formats}",
-    )
     require(
         ext != ".bin" or vocab_size <= 65536,
         f"{where}: a .bin holds uint16 ids, too few for this model's {vocab_size:,}-token "
@@ -4098,10 +4098,12 @@ def check_writable(args, rank):
         if any(os.path.exists(os.path.join(args.merge_to, n)) for n in model_files):
             problem = f"--merge_to {args.merge_to}: holds a model already; choose a new directory"
     outputs = (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile))
+    created = []
     for flag, path in outputs:
         if not path or problem is not None or (rank != 0 and flag != "--profile"):
             continue
         try:
+            created += _missing_dirs(path)
             os.makedirs(path, exist_ok=True)
             tempfile.TemporaryFile(dir=path).close()
         except OSError as e:
@@ -4112,10 +4114,28 @@ def check_writable(args, rank):
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p), None)
     require(problem is None, problem)
+    return created
+
+
+def _missing_dirs(path):
+    """The directories os.makedirs(path) would create, the deepest last."""
+    missing = []
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        missing.insert(0, path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_created(paths):
+    """Remove the output directories this run created, if they are still empty (it was refused)."""
+    for path in reversed(paths):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
 
 
 def open_metrics(out, start):
-    """--out's metrics.jsonl, open to append, with its records after step `start` dropped.
+    """(--out's metrics.jsonl open to append, the records kept): those after `start` dropped.
 
     A fresh run drops every one; so is a line that a crash cut short (it does not end in "}").
     """
@@ -4128,7 +4148,7 @@ def open_metrics(out, start):
                 if line.endswith("}") and json.loads(line)["step"] <= start:
                     kept.append(line + "\n")
     atomic_write(path, lambda f: f.writelines(kept), "w")
-    return open(path, "a")
+    return open(path, "a"), [json.loads(line) for line in kept]
 
 
 @torch.no_grad()
@@ -4175,6 +4195,17 @@ def evaluate(model, val, args, world, rank, device):
     return (total[0] / total[1].clamp(min=1)).item(), n
 
 
+def printable(text):
+    """text with each character that would not print (but newlines and tabs) as repr escapes."""
+    out = []
+    for ch in text:
+        if ch.isprintable() or ch in "\n\t":
+            out.append(ch if ch != "\ufffd" else "\\ufffd")
+        else:
+            out.append(repr(ch)[1:-1])
+    return "".join(out)
+
+
 def sparkline(values, width=40):
     """values as one line of bars, low to high, averaged down to `width` characters.
 
@@ -4195,25 +4226,31 @@ PROGRESS_S = 10.0  # seconds between progress lines
 def progress(items, what, total, nbytes):
     """(name, tensor) items as they come, with a line on rank 0 at least every PROGRESS_S.
 
-    Each line has the tensors done, the bytes read, bytes/s and the time left; one more comes
-    at the end.
+    Each line has the tensors done and the bytes read; from the second tensor on, the rate and
+    the time left too, measured from the end of the first, whose fixed cost (the first compile
+    of the quantize kernel, the first read) says nothing about the rest. One more comes at the
+    end.
     """
     start = time.perf_counter()
     last = start
+    first = None  # (time, bytes) when the first tensor was done
     n = 0
     done = 0
     for n, (name, t) in enumerate(items, 1):
         done += t.nbytes  # the bytes read (in a checkpoint's dtype) or drawn
         yield name, t
         now = time.perf_counter()
-        if now - last >= PROGRESS_S:
-            last = now
-            rate = done / (now - start)
-            left = max(0, nbytes - done) / rate
-            print0(
-                f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}, "
-                f"{fmt_bytes(rate)}/s, {left:.0f} s left"
-            )
+        if first is None:
+            first = (now, done)
+        if now - last < PROGRESS_S:
+            continue
+        last = now
+        line = f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}"
+        if n > 1 and now > first[0]:
+            rate = (done - first[1]) / (now - first[0])
+            left = max(0, nbytes - done) / max(rate, 1e-9)
+            line += f", {fmt_bytes(rate)}/s, {left:.0f} s left"
+        print0(line)
     seconds = max(time.perf_counter() - start, 1e-9)
     print0(
         f"{what}: {n:,} tensors, {fmt_bytes(done)} in {seconds:.1f} s "
@@ -4304,9 +4341,13 @@ class Run:
         self.val_losses = []
         self.first_peaks = None  # step 1's peaks: compiling, autotuning, first allocations
         self.metrics = None
+        self.history = []  # after --resume, the records of the steps before, from metrics.jsonl
         if args.out and fsdp.rank == 0:
-            self.metrics = open_metrics(args.out, start)
+            self.metrics, self.history = open_metrics(args.out, start)
         self.profiler = self._start_profiler() if args.profile else None
+        self.signal = None  # SIGINT or SIGTERM, once received (Signals sets it)
+        self.interrupted = None  # the signal all ranks stopped for
+        self.heartbeat = None  # the "still compiling" lines while step 1 runs
 
     def peaks(self):
         """(allocated, reserved or None) peaks since the last reset, in GiB."""
@@ -4368,11 +4409,32 @@ class Run:
                 mem_gib=round(r.mem_gib, 4),
             )
         if r.step == self.start + 1:
+            if self.heartbeat is not None:
+                self.heartbeat.stop()
             self.first_peaks = self.peaks()
             reset_peak_memory(self.device)
-        self._evaluate_and_save(r.step)
+        saved = self._evaluate_and_save(r.step)
+        stop = self._stop_requested()
+        if stop and self.args.out and not saved:  # the step is done: nothing is lost
+            self._save(r.step)
         self.in_hook = False
-        return False
+        return stop
+
+    def _stop_requested(self):
+        """Whether any rank received SIGINT or SIGTERM: all stop at the same step."""
+        signum = torch.tensor(float(self.signal or 0), device=self.device)
+        if dist.is_initialized():
+            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
+        if signum.item():
+            self.interrupted = int(signum.item())
+        return self.interrupted is not None
+
+    def _save(self, step):
+        start = time.perf_counter()
+        save_checkpoint(self.args.out, step, self.fsdp, self.optimizer, self.args)
+        seconds = time.perf_counter() - start
+        path = os.path.join(self.args.out, f"checkpoint-{step}")
+        print0(f"saved {path} (step {step}) in {seconds:.1f} s")
 
     def evaluate(self, step):
         """The held-out loss after `step` steps (0: the base, before training), logged."""
@@ -4385,12 +4447,16 @@ class Run:
         self.record(step=step, val_loss=val_loss)
 
     def _evaluate_and_save(self, step):
+        """At the end (--stop_at's too: a checkpoint, not an evaluation) and when due."""
         args = self.args
-        last = step == self.end
-        if self.val and (last or args.eval_every and step % args.eval_every == 0):
+        final = step == args.steps
+        if self.val and (final or args.eval_every and step % args.eval_every == 0):
             self.evaluate(step)
-        if args.out and (last or args.save_every and step % args.save_every == 0):
-            save_checkpoint(args.out, step, self.fsdp, self.optimizer, args)
+        last = step == self.end
+        due = args.out and (last or args.save_every and step % args.save_every == 0)
+        if due:
+            self._save(step)
+        return due
 
     def finish(self, name, config, prompt, predicted):
         """After the loop: merge, sample, print the loss curve; returns the summary dict."""
@@ -4407,14 +4473,26 @@ class Run:
         sample = None
         if args.sample:  # after the saves: what was trained is on disk whatever happens here
             sample = self._sample(config, prompt)
-        losses = [r.loss for r in self.records]
-        curve = f"loss {sparkline(losses)} {losses[0]:.3f} -> {losses[-1]:.3f}"
-        if self.val_losses:
-            first = self.val_losses[0]
-            last = self.val_losses[-1]
-            curve += f" | val_loss {sparkline(self.val_losses)} {first:.3f} -> {last:.3f}"
-        print0(curve)
+        self._print_curves()
         return self._summary(name, predicted, steady, sample)
+
+    def curves(self):
+        """(losses, val losses) of the whole run: after --resume, the earlier steps' records."""
+        losses = [r["loss"] for r in self.history if "loss" in r]
+        losses += [r.loss for r in self.records]
+        val_losses = [r["val_loss"] for r in self.history if "val_loss" in r]
+        return losses, val_losses + self.val_losses
+
+    def _print_curves(self):
+        losses, val_losses = self.curves()
+        curve = f"loss {sparkline(losses)} {losses[0]:.3f} -> {losses[-1]:.3f}"
+        if val_losses:
+            first = val_losses[0]
+            last = val_losses[-1]
+            curve += f" | val_loss {sparkline(val_losses)} {first:.3f} -> {last:.3f}"
+        if self.history:
+            curve += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
+        print0(curve)
 
     def _sample(self, config, prompt):
         args = self.args
@@ -4426,9 +4504,10 @@ class Run:
         if config.vocab_size != 256:
             print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n{ids}")
             return ids
-        # A byte-level model: text (invalid UTF-8 as U+FFFD).
+        # A byte-level model: text (invalid UTF-8 as U+FFFD), shown with escapes where a byte
+        # would not print (a control byte, invalid UTF-8), as repr() writes them.
         text = bytes(ids).decode("utf-8", errors="replace")
-        shown = bytes(prompt).decode("utf-8", errors="replace") + text
+        shown = printable(bytes(prompt).decode("utf-8", errors="replace") + text)
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n{shown}")
         return text
 
@@ -4441,12 +4520,13 @@ class Run:
         wait_ms = float(np.median([r.comm_wait_seconds for r in timed])) * 1000
         optim_ms = float(np.median([r.optimizer_seconds for r in timed])) * 1000
         tokens = records[-1].tokens
+        losses, val_losses = self.curves()
         summary = dict(
             model=name,
             world_size=self.fsdp.world,
             steps=self.step,
-            final_loss=records[-1].loss,
-            first_loss=records[0].loss,
+            final_loss=losses[-1],
+            first_loss=losses[0],
             step_ms=round(step_ms, 2),
             tokens_per_s=round(tokens / (step_ms / 1000), 1),
             peak_mem_gib=round(steady[0], 4),
@@ -4466,9 +4546,12 @@ class Run:
         if self.device.type == "cuda":
             summary["peak_reserved_gib"] = round(steady[1], 4)
             summary["step1_peak_reserved_gib"] = round(self.first_peaks[1], 4)
-        if self.val_losses:
-            summary["first_val_loss"] = self.val_losses[0]
-            summary["val_loss"] = self.val_losses[-1]
+        else:  # the process's resident set, not a device's memory; the prediction is a GPU's
+            summary["peak_rss_gib"] = summary["peak_mem_gib"]
+            summary["predicted_gpu_peak_gib"] = summary["predicted_peak_gib"]
+        if val_losses:
+            summary["first_val_loss"] = val_losses[0]
+            summary["val_loss"] = val_losses[-1]
         if sample is not None:
             summary["sample"] = sample
         return summary
@@ -4499,7 +4582,16 @@ def set_up(args):
     name, config = model_config(args)
     if args.fit is not None:  # before anything reads the flags it sets
         args = fit(args, world, config, fit_budget(args, device))
-    check_writable(args, rank)
+    args.created = check_writable(args, rank)
+    try:
+        return _read_inputs(args, device, world, rank, name, config)
+    except (UserError, KeyboardInterrupt):  # refused: no output directory left behind
+        remove_created(args.created)
+        raise
+
+
+def _read_inputs(args, device, world, rank, name, config):
+    """set_up's second half: the data, the prompt, the checkpoint's headers, the fit."""
     require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
     # Packed, a file needs two tokens (a document with a target), not a whole window.
     least = 1 if args.pack else args.seq_len
@@ -4529,45 +4621,110 @@ def set_up(args):
     return Setup(args, device, world, rank, name, config, data, val, prompt, checkpoint)
 
 
-def fine_tune(args):
-    """Train as the flags say: set up, the loop, finish. -> (summary dict, losses, fsdp)."""
+class Interrupted(Exception):
+    """A SIGINT or SIGTERM that stopped the run; main() says where, in one line."""
+
+    def __init__(self, signum, where):
+        super().__init__(where)
+        self.signum = signum
+
+
+class Signals:
+    """SIGINT and SIGTERM (a scheduler's), in the main thread, for as long as `with` lasts.
+
+    Before training and after it, a signal interrupts at once. During it, the loop stops after
+    the step in progress, every rank at the same step (Run.after_step), having saved a
+    checkpoint first when there is --out: the step is whole, so nothing is lost.
+    """
+
+    def __init__(self):
+        self.run = None  # the Run to tell, while it trains
+        self.saved = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.saved[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        if self.run is None:
+            raise Interrupted(signum, "before training: nothing to save")
+        if self.run.signal is None:
+            self.run.signal = signum
+
+
+class Heartbeat:
+    """A line every PROGRESS_S while something runs long (step 1's compile), from a thread."""
+
+    def __init__(self, what):
+        self.what = what
+        self.start = time.perf_counter()
+        self.done = threading.Event()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _beat(self):
+        while not self.done.wait(PROGRESS_S):
+            print0(f"{self.what}: {time.perf_counter() - self.start:.0f} s so far")
+
+    def stop(self):
+        self.done.set()
+
+
+def continue_command(args):
+    """The command that continues this run from its checkpoint: the same, with --resume."""
+    argv = list(args.argv)
+    if "--resume" not in argv:
+        argv.append("--resume")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
+    return " ".join([launcher, shlex.quote(os.path.relpath(__file__)), *map(shlex.quote, argv)])
+
+
+def prepare(args):
+    """Everything up to the first step: (Setup, model, fsdp, optimizer, start, end).
+
+    A run refused here (bad input) leaves no output directory it created.
+    """
     s = set_up(args)
     args = s.args
-    print0(format_budget(s.name, memory_budget(s.config, args.lora_rank, args.nf4_head)))
-    model, fsdp = build(args, s.config, s.device, s.checkpoint)
-    # The peaks of training, not of loading (--estimate has both): what loading left cached
-    # goes back first.
-    if s.device.type == "cuda":
-        torch.cuda.empty_cache()
-    reset_peak_memory(s.device)
-    optimizer = AdamW(
-        fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
-    )
-    start = resume(args, fsdp, optimizer) if args.resume else 0
-    end = min(args.steps, args.stop_at or args.steps)
-    require(
-        start < end,
-        f"nothing to do: --resume is at step {start}, the run ends at step {end} "
-        f"(--steps {args.steps}, --stop_at {args.stop_at})",
-    )
-    require(
-        not args.profile or end - start >= 3,
-        f"--profile traces steps 3-5: this run has {end - start}",
-    )
-    mib = fsdp.local_bytes() / 2**20
-    print0(
-        f"model {s.name}: {mib:.1f} MiB of weights on this rank, world {s.world}, {s.device}, "
-        f"{args.dtype}, compile {args.compile}, checkpointing {args.checkpointing}, "
-        f"offload {args.cpu_offload}"
-    )
-    if args.compile:
-        print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
-    predicted = predicted_memory(args, s.world, s.config).gpu_peak / GiB
-    run = Run(args, model, fsdp, optimizer, s.device, s.val, start, end)
-    if s.val and start == 0:  # what the fine-tune starts from (not again after --resume)
-        run.evaluate(0)
     try:
-        train(model, fsdp, optimizer, s.data, args, s.device, start, end, run)
+        print0(format_budget(s.name, memory_budget(s.config, args.lora_rank, args.nf4_head)))
+        model, fsdp = build(args, s.config, s.device, s.checkpoint)
+        # The peaks of training, not of loading (--estimate has both): what loading left
+        # cached goes back first.
+        if s.device.type == "cuda":
+            torch.cuda.empty_cache()
+        reset_peak_memory(s.device)
+        optimizer = AdamW(
+            fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
+        )
+        start = resume(args, fsdp, optimizer) if args.resume else 0
+        end = min(args.steps, args.stop_at or args.steps)
+        require(
+            start < end,
+            f"nothing to do: --resume is at step {start}, the run ends at step {end} "
+            f"(--steps {args.steps}, --stop_at {args.stop_at})",
+        )
+        require(
+            not args.profile or end - start >= 3,
+            f"--profile traces steps 3-5: this run has {end - start}",
+        )
+    except (UserError, Interrupted):
+        remove_created(args.created)
+        raise
+    return s, model, fsdp, optimizer, start, end
+
+
+def run_loop(s, model, fsdp, optimizer, run, predicted):
+    """The training loop, its out-of-memory and non-finite losses one line each."""
+    args = s.args
+    try:
+        train(model, fsdp, optimizer, s.data, args, s.device, run.start, run.end, run)
     except torch.OutOfMemoryError:
         if run.in_hook:  # in an evaluation or a save: main's one line says so
             raise
@@ -4584,16 +4741,52 @@ def fine_tune(args):
     except FloatingPointError as e:  # a non-finite loss: no save since
         intact = f"; the last checkpoint in {args.out} is intact" if args.out else ""
         raise UserError(f"{e}{intact}") from None
-    summary = run.finish(s.name, s.config, s.prompt, predicted)
+
+
+def fine_tune(args):
+    """Train as the flags say: set up, the loop, finish. -> (summary dict, losses, fsdp)."""
+    with Signals() as signals:
+        s, model, fsdp, optimizer, start, end = prepare(args)
+        args = s.args
+        mib = fsdp.local_bytes() / 2**20
+        print0(
+            f"model {s.name}: {mib:.1f} MiB of weights on this rank, world {s.world}, "
+            f"{s.device}, {args.dtype}, compile {args.compile}, checkpointing "
+            f"{args.checkpointing}, offload {args.cpu_offload}"
+        )
+        predicted = predicted_memory(args, s.world, s.config).gpu_peak / GiB
+        run = Run(args, model, fsdp, optimizer, s.device, s.val, start, end)
+        if s.val and start == 0:  # what the fine-tune starts from (not again after --resume)
+            run.evaluate(0)
+        if args.compile:
+            print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
+            run.heartbeat = Heartbeat("still compiling the first step")
+        signals.run = run
+        try:
+            run_loop(s, model, fsdp, optimizer, run, predicted)
+        finally:
+            signals.run = None
+            if run.heartbeat is not None:
+                run.heartbeat.stop()
+        if run.interrupted:
+            where = f"after step {run.step} of {args.steps}"
+            if args.out:
+                path = os.path.join(args.out, f"checkpoint-{run.step}")
+                where += f"; {path} is saved; continue it with: {continue_command(args)}"
+            else:
+                where += "; nothing is saved without --out"
+            raise Interrupted(run.interrupted, where)
+        summary = run.finish(s.name, s.config, s.prompt, predicted)
     return summary, [r.loss for r in run.records], fsdp
 
 
 # -----------------------------------------------------------------------------
 # 12. The command line
 # -----------------------------------------------------------------------------
-# Needs: import argparse, json, math, os, sys, torch, torch.distributed as dist; from above: GiB,
-# memory_budget, format_budget, CONFIGS, print0, UserError, format_estimate, predicted_memory,
-# FIT_MARGIN, FIT_FLAGS, plan_name, fit_budget, fit, longest_context, model_config, fine_tune.
+# Needs: import argparse, json, math, os, signal, sys, time, torch, torch.distributed as dist; from
+# above: GiB, memory_budget, format_budget, CONFIGS, print0, UserError, format_estimate,
+# predicted_memory, FIT_MARGIN, FIT_FLAGS, plan_name, fit_budget, fit, longest_context,
+# model_config, Interrupted, fine_tune.
 
 
 def _add_model_flags(p):
@@ -4602,44 +4795,20 @@ def _add_model_flags(p):
     p.add_argument("--lora_rank", type=int, default=8)
     p.add_argument("--lora_alpha", type=float, default=16.0)
     p.add_argument("--lora_dropout", type=float, default=0.0)
-    p.add_argument(
-        "--checkpoint",
-        metavar="DIR",
-        help="a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory; overrides --model",
-    )
-    p.add_argument(
-        "--nf4_head", action="store_true", help="the lm_head in NF4 too (default: dense, frozen)"
-    )
+    families = "a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory"
+    p.add_argument("--checkpoint", metavar="DIR", help=f"{families}; overrides --model")
+    p.add_argument("--nf4_head", action="store_true", help="the lm_head in NF4 (default: dense)")
 
 
 def _add_data_flags(p):
-    p.add_argument(
-        "--data",
-        metavar="PATH",
-        help=".npy, .npz (+ loss_mask), .bin, .txt or dummy; default: this file",
-    )
+    formats = ".npy, .npz (+ loss_mask), .bin, dummy, other: bytes; default: this file"
+    p.add_argument("--data", metavar="PATH", help=formats)
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
-    p.add_argument(
-        "--val_data",
-        metavar="PATH",
-        help="held-out tokens (any --data format): their loss, val_loss",
-    )
-    p.add_argument(
-        "--eval_every",
-        type=int,
-        default=0,
-        help="evaluate --val_data every N steps (0: at the end)",
-    )
-    p.add_argument(
-        "--eval_seqs",
-        type=int,
-        default=64,
-        help="the first K sequences (--pack: rows) of --val_data are evaluated",
-    )
-    p.add_argument(
-        "--pack", action="store_true", help="rows of whole documents, each attending to itself"
-    )
+    p.add_argument("--val_data", metavar="PATH", help="held-out tokens, as --data: val_loss")
+    p.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: at end)")
+    p.add_argument("--eval_seqs", type=int, default=64, help="evaluate the first K sequences")
+    p.add_argument("--pack", action="store_true", help="rows of whole documents, as if alone")
     p.add_argument("--eos_id", type=int, help="--pack: the token that ends a document")
 
 
@@ -4656,24 +4825,12 @@ def _add_optimization_flags(p):
 
 def _add_checkpoint_flags(p):
     p.add_argument("--out", metavar="DIR", help="write PEFT adapters and resumable state here")
-    p.add_argument(
-        "--save_every", type=int, default=0, help="save to --out every N steps (0: at the end)"
-    )
-    p.add_argument(
-        "--resume", action="store_true", help="continue from the latest checkpoint in --out"
-    )
+    p.add_argument("--save_every", type=int, default=0, help="save every N steps (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue --out's latest checkpoint")
     p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
+    p.add_argument("--merge_to", metavar="DIR", help="write the merged model (Hugging Face's)")
     p.add_argument(
-        "--merge_to",
-        metavar="DIR",
-        help="at the end, write the merged model as a Hugging Face checkpoint",
-    )
-    p.add_argument(
-        "--max_shard_size",
-        type=float,
-        default=5.0,
-        metavar="GB",
-        help="--merge_to: files up to GB each",
+        "--max_shard_size", type=float, default=5.0, metavar="GB", help="its files' size"
     )
 
 
@@ -4686,49 +4843,26 @@ def _add_memory_flags(p):
     on_off = argparse.BooleanOptionalAction
     p.add_argument("--compile", action=on_off, default=True, help="NF4 kernels and blocks")
     p.add_argument("--checkpointing", action=on_off, default=True, help="per block")
-    p.add_argument(
-        "--device", default="auto", choices=["auto", "cpu", "cuda"], help="auto: cuda if available"
-    )
-    p.add_argument(
-        "--cpu_offload", action="store_true", help="shards, gradients and AdamW on the host"
-    )
-    p.add_argument(
-        "--offload_activations", action="store_true", help="checkpointed block inputs on the host"
-    )
-    p.add_argument(
-        "--estimate", action="store_true", help="print the memory per rank (of WORLD_SIZE) and exit"
-    )
+    devices = ["auto", "cpu", "cuda"]
+    p.add_argument("--device", default="auto", choices=devices, help="auto: cuda if available")
+    p.add_argument("--cpu_offload", action="store_true", help="shards and AdamW on the host")
+    p.add_argument("--offload_activations", action="store_true", help="block inputs on the host")
+    p.add_argument("--estimate", action="store_true", help="print the memory per rank and exit")
     margin = FIT_MARGIN * 100
-    p.add_argument(
-        "--fit",
-        nargs="?",
-        const="auto",
-        type=_fit_value,
-        metavar="GIB",
-        help="choose the micro-batch, checkpointing and offloads that fit GIB per GPU, keeping "
-        f"the batch (no GIB, on CUDA: the free memory less {margin:.0f}%% of the GPU's); the flags "
-        "for them are then ignored",
+    fit = (
+        "choose the micro-batch, checkpointing and offloads that fit GIB per GPU, keeping the "
+        f"batch (no GIB, on CUDA: the free memory less {margin:.0f}%% of the GPU's); the flags "
+        "for them are then ignored"
     )
-    p.add_argument(
-        "--profile", metavar="DIR", help="trace steps 3-5 (on CUDA with a memory snapshot) to DIR"
-    )
+    p.add_argument("--fit", nargs="?", const="auto", type=_fit_value, metavar="GIB", help=fit)
+    p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (and CUDA's memory) to DIR")
     p.add_argument("--log_every", type=int, default=1)
 
 
 def _add_sampling_flags(p):
-    p.add_argument(
-        "--sample",
-        type=int,
-        default=0,
-        metavar="N",
-        help="after training, continue --prompt by N tokens",
-    )
-    p.add_argument(
-        "--prompt", help="text for byte-level models (default a newline), else token ids: 1,791"
-    )
-    p.add_argument(
-        "--temperature", type=float, default=0.0, help="0: greedy; > 0: sampled (seeded by --seed)"
-    )
+    p.add_argument("--sample", type=int, default=0, metavar="N", help="then continue --prompt")
+    p.add_argument("--prompt", help="text for byte-level models, else token ids: 1,791")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
 
 
 # The least value of each integer flag.
@@ -4784,8 +4918,18 @@ def _check_args(p, args):
         )
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, whose errors are one line (under torchrun, rank 0's alone)."""
+
+    def error(self, message):
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
+        raise SystemExit(2)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    argv = sys.argv[1:] if argv is None else list(argv)
+    p = _Parser(description=__doc__.split("\n\n")[0])
     _add_model_flags(p)
     _add_data_flags(p)
     _add_optimization_flags(p)
@@ -4793,6 +4937,7 @@ def parse_args(argv=None):
     _add_memory_flags(p)
     _add_sampling_flags(p)
     args = p.parse_args(argv)
+    args.argv = argv  # what continue_command repeats
     _check_args(p, args)
     if args.checkpoint:
         # Absolute: as --resume saves and compares it.
@@ -4828,23 +4973,51 @@ def estimate(args):
     return summary
 
 
+def first_to_say(rank):
+    """Whether this rank is the lowest that is saying the same thing (under torchrun).
+
+    Every rank that meets an error marks it in torchrun's store; after half a second for the
+    others to do the same, a rank speaks only if no lower one did.
+    """
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(f"qlora_fsdp/said/{rank}", "1")
+        time.sleep(0.5)
+        return not any(store.check([f"qlora_fsdp/said/{r}"]) for r in range(rank))
+    except Exception:  # noqa: BLE001 -- the store is gone with its host: say it
+        return True
+
+
+def exit_with(message, code):
+    """One line on stderr, said once (the lowest rank that has it), then exit with `code`."""
+    grouped = dist.is_initialized() and dist.get_world_size() > 1
+    if grouped:
+        says = first_to_say(dist.get_rank())
+    else:  # before the process group exists, every rank meets the same input
+        says = os.environ.get("RANK", "0") == "0"
+    if says:
+        print(message, file=sys.stderr, flush=True)
+    if grouped:
+        # A peer may wait in a collective, and tearing gloo's threads down under it aborts
+        # this process: leave at once, and torchrun ends the peer.
+        sys.stdout.flush()
+        os._exit(code)
+    raise SystemExit(code)
+
+
 def main(argv=None):
     args = parse_args(argv)
     try:
         summary = estimate(args) if args.estimate else fine_tune(args)[0]
-    except (UserError, torch.OutOfMemoryError) as e:
-        # Bad input, or memory (outside a step too): one line, exit 2.
-        why = e
-        if isinstance(e, torch.OutOfMemoryError):
-            first_line = str(e).splitlines()[0]
-            why = f"out of memory ({first_line}); --fit chooses settings"
-        print(f"error: {why}", file=sys.stderr, flush=True)
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            # A peer may wait in a collective, and tearing gloo's threads down under it aborts
-            # this process: leave at once, and torchrun ends the peer.
-            sys.stdout.flush()
-            os._exit(2)
-        raise SystemExit(2) from None
+    except UserError as e:  # bad input: one line, exit 2
+        exit_with(f"error: {e}", 2)
+    except torch.OutOfMemoryError as e:  # outside a step too
+        first_line = str(e).splitlines()[0]
+        exit_with(f"error: out of memory ({first_line}); --fit chooses settings", 2)
+    except Interrupted as e:  # 130 for SIGINT, 143 for SIGTERM, as a shell reports them
+        exit_with(f"interrupted ({signal.Signals(e.signum).name}) {e}", 128 + e.signum)
+    except KeyboardInterrupt:  # after training (a merge, a sample): what was saved is whole
+        exit_with("interrupted (SIGINT)", 128 + signal.SIGINT)
     print0(json.dumps(summary))
     if dist.is_initialized():
         # gloo's threads free each collective's tensors after it completes: let them, before

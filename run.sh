@@ -45,4 +45,20 @@ args=(--model "$MODEL" --batch_size "$BATCH" --seq_len "$SEQ" --steps "$STEPS")
 [ -n "$DATA" ] && args+=(--data "$DATA")
 [ "$STEPS" -gt 50 ] && args+=(--log_every 10)
 [ "$gpus" -eq 0 ] && [ "$MODEL" = tiny ] && args+=(--sample 160 --prompt "def " --temperature 0.8)  # what it learned
-exec "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$NPROC" qlora_fsdp.py "${args[@]}" ${EXTRA:-}
+# torchrun, with its report of a failed rank cut to one line (the rank has said what went wrong,
+# in one line of its own) and Ctrl-C's exit code passed on (the ranks say where they stopped)
+launch='import logging, sys
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.run import main
+logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # the line below says it
+try:
+    main(sys.argv[1:])
+except ChildFailedError as e:
+    rank, failure = e.get_first_failure()
+    code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+    print(f"torchrun: rank {rank} exited with code {code}", file=sys.stderr)
+    sys.exit(code)
+except SignalException as e:
+    sys.exit(128 + e.sigval)'
+exec "$PYTHON" -c "$launch" --standalone --nproc_per_node "$NPROC" qlora_fsdp.py "${args[@]}" ${EXTRA:-}

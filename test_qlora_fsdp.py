@@ -11,6 +11,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -2823,10 +2824,43 @@ def test_loading_and_drawing_report_progress(tmp_path, hf_dir, monkeypatch, caps
         assert len(lines) == 40 and re.fullmatch(
             rf"{re.escape(what)}: 39 tensors, [\d.]+ [kM]B in [\d.]+ s \(.+/s\)", lines[-1]
         ), lines[-1]
+        # The first line has no rate yet; the second does.
         assert re.fullmatch(
-            rf"{re.escape(what)}: 1/39 tensors, [\d.]+ [kM]?B of [\d.]+ MB, .+/s, \d+ s left",
-            lines[0],
+            rf"{re.escape(what)}: 1/39 tensors, [\d.]+ [kM]?B of [\d.]+ MB", lines[0]
         )
+        assert re.fullmatch(
+            rf"{re.escape(what)}: 2/39 tensors, [\d.]+ [kM]?B of [\d.]+ MB, .+/s, \d+ s left",
+            lines[1],
+        )
+
+
+def test_time_left_is_honest_after_a_slow_first_tensor(monkeypatch, capsys):
+    """Progress after a slow first tensor (1 s, as a first compile is) and 20 fast ones (0.05 s
+    each) predicts the time left within 2x of what it turns out to be: the rate leaves the first
+    tensor out (taking it in said 10x too much)."""
+    import time
+
+    monkeypatch.setattr(qf, "PROGRESS_S", 0.2)
+
+    def slow_first():
+        for i in range(21):
+            time.sleep(1.0 if i == 0 else 0.05)
+            yield f"w{i}", torch.zeros(1000)
+
+    seen = []
+    for _ in qf.progress(slow_first(), "loading", 21, 21 * 4000):
+        seen.append(time.perf_counter())
+    end = seen[-1]
+    lines = capsys.readouterr().out.splitlines()
+    said = [
+        (int(m[1]), float(m[2]))
+        for m in map(re.compile(r".* (\d+)/21 .* (\d+) s left").match, lines)
+        if m
+    ]
+    assert said
+    for n, left in said:
+        real = end - seen[n - 1]
+        assert real / 2 - 0.5 <= left <= 2 * real + 0.5, (n, left, real)
 
 
 def _bad(tmp_path, hf_dir, case):
@@ -3008,10 +3042,10 @@ def _bad(tmp_path, hf_dir, case):
         f = tmp_path / "tokens.bin"
         f.write_bytes(b"\0" * 1000)
         return ["--data", str(f), "--model", "llama3-8b"], "save the tokens as .npy (uint32)"
-    if case == "unknown format":
+    if case == "other extension, as bytes":  # a .csv is bytes too: 5 of them
         f = tmp_path / "tokens.csv"
         f.write_text("1,2,3")
-        return ["--data", str(f)], "unknown format .csv; use .npy, .npz, .bin, .txt or dummy"
+        return ["--data", str(f)], "tokens.csv: 5 tokens, fewer than --seq_len + 1 = 33"
     if case == "negative token id":
         np.save(tmp_path / "tokens.npy", np.full(500, -1, np.int32))
         return ["--data", str(tmp_path / "tokens.npy")], "negative token id -1"
@@ -3246,7 +3280,7 @@ BAD_CLI_CASES = [
     "token id",
     "negative token id",
     "bin for a big vocabulary",
-    "unknown format",
+    "other extension, as bytes",
     "float tokens",
     "not an array",
     "mask counts nothing",
@@ -3554,6 +3588,114 @@ def test_metrics_file_has_every_step_once_across_a_resume(tmp_path, monkeypatch)
     )
 
 
+def test_a_refused_run_leaves_no_directory_behind(tmp_path, capsys):
+    """A run refused before training (here a --val_data that does not exist, found after --out and
+    --merge_to were created and test-written) leaves no directory it created, parents included."""
+    out, merged = tmp_path / "new" / "out", tmp_path / "merged"
+    with pytest.raises(SystemExit):
+        qf.main(BASE + ["--out", str(out), "--merge_to", str(merged), "--val_data", "nowhere.npy"])
+    assert "--val_data nowhere.npy: no such file" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists() and not merged.exists()
+
+
+def test_one_error_line_under_torchrun(tmp_path):
+    """Under torchrun a user error that every rank meets is printed once, on a line of its own,
+    and run.sh's launcher adds one line of its own (torchrun's block of a failed child cut)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "2"}
+    env["EXTRA"] = f"--val_data {tmp_path}/missing.npy --out {tmp_path}/out --no-compile"
+    run_sh = ["bash", os.path.join(HERE, "run.sh")]
+    p = subprocess.run(run_sh, capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 2, p.stderr
+    assert lines[0] == f"error: --val_data {tmp_path}/missing.npy: no such file"
+    assert re.fullmatch(r"torchrun: rank \d exited with code 2", lines[1])
+    assert not (tmp_path / "out").exists()
+
+
+def test_sigint_stops_at_a_step_saves_and_resumes_exactly(tmp_path):
+    """SIGINT in the middle of a run stops it after the step in progress, saves that step's
+    checkpoint (with a line: path, step, seconds), prints one line (the step, the checkpoint, the
+    command that continues it; no traceback) and exits 130; that command, run, ends where the
+    uninterrupted run does, bit for bit."""
+    argv = BASE + ["--batch_size", "2", "--steps", "40", "--out", str(tmp_path / "cut")]
+    argv += ["--log_every", "1"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    p = subprocess.Popen([sys.executable, qf.__file__, *argv], **pipes)
+    for line in p.stdout:
+        if line.startswith("step 2/40"):
+            p.send_signal(signal.SIGINT)
+            break
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err
+    step = int(re.search(r"after step (\d+) of 40", err)[1])
+    assert 2 <= step < 40 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert f"saved {tmp_path / 'cut'}/checkpoint-{step} (step {step}) in " in out
+    assert err.rstrip().endswith(" --resume") and "continue it with: python " in err
+    resumed = train_run(argv + ["--resume"])
+    full = train_run(
+        BASE + ["--batch_size", "2", "--steps", "40", "--out", str(tmp_path / "whole")]
+    )
+    for name, t in full["adapters"].items():
+        assert torch.equal(resumed["adapters"][name], t), name
+
+
+def test_a_resumed_summary_covers_the_whole_run(tmp_path, capsys):
+    """After --resume the summary's curves, first_loss and first val_loss cover the whole run,
+    read back from metrics.jsonl (and the line says so): they equal the one-shot run's."""
+    path, _ = val_file(tmp_path)
+    argv = BASE + ["--batch_size", "2", "--steps", "5", "--val_data", path, "--eval_every", "2"]
+    argv += ["--log_every", "1"]  # metrics.jsonl then has every step
+    whole = train_run(argv + ["--out", str(tmp_path / "a")])["summary"]
+    one_shot = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loss ")]
+    train_run(argv + ["--out", str(tmp_path / "b"), "--stop_at", "3"])
+    resumed = train_run(argv + ["--out", str(tmp_path / "b"), "--resume"])["summary"]
+    curves = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loss ")]
+    assert curves[-1] == one_shot[0] + " (steps 1-5; 1-3 read back from metrics.jsonl)"
+    for key in ("first_loss", "final_loss", "first_val_loss", "val_loss"):
+        assert resumed[key] == whole[key], key
+
+
+def test_step_one_compiling_says_it_is_still_going(monkeypatch, capsys):
+    """While step 1 runs with --compile, a line says it is still compiling at least every
+    PROGRESS_S (here 0.2 s), as loading does; they stop once step 1 is done."""
+    import time
+
+    monkeypatch.setattr(qf, "PROGRESS_S", 0.2)
+    real = qf.train_step
+
+    def slow_first(*args, **kwargs):
+        if not getattr(slow_first, "done", False):
+            time.sleep(1.0)
+            slow_first.done = True
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qf, "train_step", slow_first)
+    argv = [a for a in BASE if a != "--no-compile"] + ["--compile", "--batch_size", "2"]
+    monkeypatch.setattr(qf, "COMPILE", False)  # the heartbeat, not a compile, is under test
+    with monkeypatch.context() as m:
+        m.setattr(qf.torch, "compile", lambda fn, **kw: fn)
+        train_run(argv + ["--steps", "3"])
+    out = capsys.readouterr().out
+    beats = [line for line in out.splitlines() if line.startswith("still compiling the first step")]
+    assert len(beats) >= 3 and out.index(beats[-1]) < out.index("step 1/3"), out
+
+
+def test_samples_print_escaped():
+    """A sample is printed with repr's escapes for what would not print (control bytes, invalid
+    UTF-8's U+FFFD), newlines and tabs kept; the JSON keeps the text itself."""
+    assert qf.printable("ab\x00\r\x0bc\n\td\ufffd") == "ab\\x00\\r\\x0bc\n\td\\ufffd"
+
+
+def test_cpu_memory_is_named_rss(capsys):
+    """On the CPU the step line's memory figure is `rss` (the process's resident set) and the JSON
+    names both figures for what they are: peak_rss_gib and predicted_gpu_peak_gib."""
+    summary = train_run(BASE + ["--batch_size", "2", "--steps", "1"])["summary"]
+    assert " | rss " in capsys.readouterr().out
+    assert summary["peak_rss_gib"] == summary["peak_mem_gib"]
+    assert summary["predicted_gpu_peak_gib"] == summary["predicted_peak_gib"]
+
+
 def test_sparkline_draws_low_to_high(monkeypatch):
     """sparkline puts values on eight bars from the lowest to the highest, averaged down to its
     width, in block characters, or ASCII where the terminal cannot show them."""
@@ -3603,7 +3745,7 @@ def test_cli_loss_falls_on_default_data(capsys):
         ]
     )
     out = capsys.readouterr().out
-    assert "step 80/80 | loss" in out and " tok/s | mem " in out
+    assert "step 80/80 | loss" in out and " tok/s | rss " in out
     s = last_json(out)
     for key in (
         "model",
@@ -3624,9 +3766,9 @@ def random_ids(n=4000, seed=0):
 
 
 def test_data_formats_read_the_same_ids(tmp_path):
-    """The same ids come back from .npy (any integer dtype), .npz, .bin (uint16) and .txt (raw
-    bytes); a uint32 .npy of Llama 3 ids up to 128,255 loads memory-mapped for its 128,256
-    vocabulary."""
+    """The same ids come back from .npy (any integer dtype), .npz, .bin (uint16), and .txt or any
+    other extension (raw bytes: a README.md too); a uint32 .npy of Llama 3 ids up to 128,255
+    loads memory-mapped for its 128,256 vocabulary."""
     ids = random_ids(1000)
     writers = {
         "a.npy": lambda f: np.save(f, ids.astype(np.int64)),
@@ -3636,6 +3778,8 @@ def test_data_formats_read_the_same_ids(tmp_path):
         ),
         "d.bin": lambda f: ids.astype(np.uint16).tofile(f),
         "e.txt": lambda f: ids.astype(np.uint8).tofile(f),
+        "f.md": lambda f: ids.astype(np.uint8).tofile(f),
+        "no_extension": lambda f: ids.astype(np.uint8).tofile(f),
     }
     for name, write in writers.items():
         write(str(tmp_path / name))
