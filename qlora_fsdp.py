@@ -2303,9 +2303,8 @@ class Llama(nn.Module):
 # dist; from typing import NamedTuple, Optional; from above: GiB, IGNORE_INDEX.
 #
 # One code path serves any number of processes, as nanoGPT's does: torchrun sets RANK,
-# WORLD_SIZE and LOCAL_RANK, and a plain `python` run is a world of one. GPUs talk over NCCL,
-# CPUs over gloo. `args` below is any object with the fields the functions read (the command
-# line's argparse Namespace, or one of your own).
+# WORLD_SIZE and LOCAL_RANK; a plain `python` run is a world of one. GPUs talk over NCCL, CPUs
+# over gloo. `args` is any object with the fields read (the command line's, or your own).
 
 
 def print0(*args, **kwargs):
@@ -2381,10 +2380,9 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
     """This rank's Batch of micro-batch `micro`.
 
     The step's global batch depends only on (seed, step) and batch_size x grad_accum x world:
-    rank r of micro-batch m takes its rows in the order (micro, rank, row), so any split of
-    the same global batch sees the same rows. data: TokenData (windows at random places),
-    None (random tokens), or any object whose batch(step, micro, args, world, rank) makes
-    the Batch (packed documents, section 11).
+    rows go in the order (micro, rank, row), so any split of the batch sees the same rows.
+    data: TokenData (windows at random places), None (random tokens), or any object whose
+    batch(step, micro, args, world, rank) makes the Batch (packed documents, section 11).
     """
     if data is not None and not isinstance(data, TokenData):
         return data.batch(step, micro, args, world, rank)
@@ -2473,11 +2471,9 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
     count = max(1, count.item())  # a batch that counts nothing: loss 0 and zero gradients
     loss_sum = torch.zeros((), device=device)
     for b in batches:
-        documents = None if b.documents is None else b.documents.to(device)
+        b = Batch(*(None if t is None else t.to(device) for t in b))  # on the device
         with torch.profiler.record_function("forward"):
-            loss = model(
-                b.inputs.to(device), b.targets.to(device), reduction="sum", documents=documents
-            )
+            loss = model(b.inputs, b.targets, reduction="sum", documents=b.documents)
         with torch.profiler.record_function("backward"):
             # Each unit's gradients are reduce-scattered as its backward ends. The
             # reduce-scatter averages over ranks, so x world gives the masters d(global sum);
@@ -2521,8 +2517,7 @@ class StepRecord(NamedTuple):
         return self.tokens / self.seconds
 
 
-def format_step(r, steps, memory="mem"):
-    """The step's log line; memory names its figure: "mem" on a GPU, "rss" on the CPU."""
+def format_step(r, steps, memory="mem"):  # memory: "mem" on a GPU, "rss" on the CPU
     return (
         f"step {r.step}/{steps} | loss {r.loss:.4f} | lr {r.lr:.1e} | "
         f"{r.seconds * 1000:.0f} ms | {r.tokens_per_s:,.0f} tok/s | {memory} {r.mem_gib:.2f} GiB"
@@ -2757,7 +2752,7 @@ def _block_saved_per_token(config, elt, lora_rank):
     return norms + attention + mlp + 7 * elt * lora_rank
 
 
-def _activation_rows(config, counts, tokens, elt, lora_rank, world, flags):
+def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, flags):
     """(rows, peak) of the activations of one rank's batch_size x seq_len tokens."""
     d = config.hidden_size
     ffn = config.intermediate_size
@@ -2807,7 +2802,7 @@ def _activation_rows(config, counts, tokens, elt, lora_rank, world, flags):
         # Each token's document and position (int64), RoPE's cos and sin at each token's
         # position, and on the CPU SDPA's (B, 1, T, T) bool mask, which its kernel turns into
         # an additive fp32 one (flex_attention's block mask on CUDA is (T / 128)^2 per row).
-        mask = tokens * flags.seq_len * (1 + 4) + 16 * tokens
+        mask = tokens * seq_len * (1 + 4) + 16 * tokens
         mask += 2 * tokens * config.head_dim * elt
         rows["document mask, positions, RoPE per token (--pack)"] = mask
         kept += mask
@@ -2842,58 +2837,35 @@ def _host_bytes(config, counts, tokens, elt, world, flags):
     return host
 
 
-class _EstimateFlags(NamedTuple):
-    """The keywords of estimate_memory that decide which rows exist, for its helpers."""
+class StepFlags(NamedTuple):
+    """How a step runs, as far as its memory goes: estimate_memory's keywords."""
 
-    checkpointing: bool
-    offload: bool
-    offload_activations: bool
-    loss_chunk: int
-    compiled: bool
-    nf4_head: bool
-    pack: bool
-    seq_len: int
+    checkpointing: bool = True
+    offload: bool = False  # --cpu_offload
+    offload_activations: bool = False
+    loss_chunk: int = LOSS_CHUNK
+    compiled: bool = True  # --compile
+    nf4_head: bool = False
+    pack: bool = False
 
 
-def estimate_memory(
-    config,
-    world=1,
-    batch_size=8,
-    seq_len=2048,
-    dtype_bytes=2,
-    lora_rank=8,
-    checkpointing=True,
-    offload=False,
-    loss_chunk=LOSS_CHUNK,
-    offload_activations=False,
-    compiled=True,
-    nf4_head=False,
-    pack=False,
-):
+def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8, **kw):
     """Predicted bytes per rank of a QLoRA training step as this file runs it.
 
-    compiled: with --compile. Sharded state is 1/world of the whole; the activations are
-    those of one rank's batch_size x seq_len tokens, op by op.
+    kw: StepFlags' fields. Sharded state is 1/world of the whole; the activations are those of
+    one rank's batch_size x seq_len tokens, op by op.
     """
-    flags = _EstimateFlags(
-        checkpointing=checkpointing,
-        offload=offload,
-        offload_activations=offload_activations,
-        loss_chunk=loss_chunk,
-        compiled=compiled,
-        nf4_head=nf4_head,
-        pack=pack,
-        seq_len=seq_len,
-    )
+    flags = StepFlags(**kw)
+    offload = flags.offload
     elt = dtype_bytes
     tokens = batch_size * seq_len
     counts = count_params(config, lora_rank)
-    state = _state_rows(counts, world, elt, nf4_head)
+    state = _state_rows(counts, world, elt, flags.nf4_head)
     # All-gathers: two block units at a time, the one being computed and the next one's
     # receive buffer (prefetched after the copy-out, whose receive buffer is gone by then).
     gathers = 2 * _block_unit_bytes(config, counts, elt)
     activations, activation_peak = _activation_rows(
-        config, counts, tokens, elt, lora_rank, world, flags
+        config, counts, tokens, seq_len, elt, lora_rank, world, flags
     )
     gpu_state = 0 if offload else sum(state.values())
     # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
@@ -2987,9 +2959,7 @@ def fit_plans(args, rows=None):
                 plan = argparse.Namespace(**vars(args))
                 plan.batch_size = micro
                 plan.grad_accum = rows // micro
-                plan.checkpointing = tier.checkpointing
-                plan.offload_activations = tier.offload_activations
-                plan.cpu_offload = tier.cpu_offload
+                vars(plan).update(tier._asdict())  # checkpointing and the two offloads
                 plans.append(plan)
     return plans
 
@@ -4865,36 +4835,16 @@ def _add_sampling_flags(p):
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
 
 
-# The least value of each integer flag.
-LEAST = dict(
-    batch_size=1,
-    seq_len=1,
-    steps=1,
-    grad_accum=1,
-    lora_rank=1,
-    log_every=1,
-    warmup_steps=0,
-    save_every=0,
-    stop_at=0,
-    sample=0,
-    temperature=0,
-    eval_every=0,
-    eval_seqs=1,
-)
-FINITE = (
-    "lr",
-    "weight_decay",
-    "adam_eps",
-    "grad_clip",
-    "lora_alpha",
-    "lora_dropout",
-    "temperature",
-)
+# Integer flags that must be at least 1, and those that must be at least 0.
+POSITIVE = "batch_size seq_len steps grad_accum lora_rank log_every eval_seqs".split()
+NON_NEGATIVE = "warmup_steps save_every stop_at sample temperature eval_every".split()
+FINITE = "lr weight_decay adam_eps grad_clip lora_alpha lora_dropout temperature".split()
 
 
 def _check_args(p, args):
     """Refuse, through the parser (a usage line and exit 2), flags that cannot work together."""
-    for flag, least in LEAST.items():
+    for flag in POSITIVE + NON_NEGATIVE:
+        least = 1 if flag in POSITIVE else 0
         if getattr(args, flag) < least:
             p.error(f"--{flag} must be >= {least}, got {getattr(args, flag)}")
     for flag in FINITE:
