@@ -1049,10 +1049,15 @@ def _collective(out, inp, group, reduce_scatter=False):
     # The *_single names are torch 2.13's; the old ones warn there.
     if reduce_scatter:
         reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        # SUM, because AVG is not in older gloo.
-        return reduce_scatter_single(out, inp, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        op = dist.ReduceOp.AVG if _averages(group) else dist.ReduceOp.SUM
+        return reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
     all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
     return all_gather_single(out, inp, group=group, async_op=True)
+
+
+def _averages(group):
+    """Whether the reduce-scatter averages over ranks itself: NCCL's AVG (gloo has only SUM)."""
+    return not dist.is_initialized() or dist.get_backend(group) == "nccl"
 
 
 @contextlib.contextmanager
@@ -1261,7 +1266,9 @@ class ShardedUnit:
                 last = run[-1]
                 wire = send[first.offset : last.offset + last.nbytes].view(dtype)
                 master = self.master[first.start : last.start + last.shard_numel]
-                wire.copy_(master, non_blocking=True)
+                # Offloaded, the pinned fp32 run is copied as it is, then cast on the GPU: a
+                # copy_ that changed both would cast on the host, into pageable memory.
+                wire.copy_(master.to(fsdp.device, non_blocking=True), non_blocking=True)
             work = _collective(out, send, fsdp.group)
             self.inflight = _AllGather(work, out)
         self.version = self._version()
@@ -1588,7 +1595,7 @@ class FSDP:
         """Issue unit's reduce-scatter of its gradients, in fp32. One is in flight at a time.
 
         One chunk-cat builds the input, (world, master numel): row r in the layout of rank r's
-        master. The ranks' rows are summed, then divided by world: the mean.
+        master. The ranks' rows are averaged (NCCL) or summed, then divided by world (gloo).
         """
         self._finish_reduction()
         with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
@@ -1608,7 +1615,8 @@ class FSDP:
         self.pending = None
         self.wait(pending.work, "fsdp::wait_reduce_scatter")
         grad = pending.output
-        grad.div_(self.world)  # the sum over ranks becomes their mean, as FSDP2's gradients
+        if not _averages(self.group):
+            grad.div_(self.world)  # the sum over ranks becomes their mean, as FSDP2's gradients
         # With offload, it goes to the host as soon as it is reduced.
         if self.offload and grad.is_cuda:
             grad = _to_host(grad, self.side_stream)
@@ -1739,12 +1747,8 @@ class FSDP:
 
     def local_bytes(self):
         """Bytes this rank keeps between steps: its shard bytes and fp32 masters."""
-        total = 0
-        for unit in self.all_units:
-            total += unit.shard_bytes.nbytes
-            if unit.master is not None:
-                total += unit.master.nbytes
-        return total
+        masters = sum(unit.master.nbytes for unit in self.trained)
+        return masters + sum(unit.shard_bytes.nbytes for unit in self.all_units)
 
 
 # -----------------------------------------------------------------------------
@@ -2540,7 +2544,6 @@ def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=Non
     records = []
     for step in range(start, end):
         t0 = time.perf_counter()
-        # Set the learning rate: a linear warmup, then a cosine decay.
         lr = learning_rate(step, args)
         for group in optimizer.param_groups:
             group["lr"] = lr
@@ -2586,9 +2589,9 @@ def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=Non
 # -----------------------------------------------------------------------------
 # 9. Fitting in memory: parked activations, the predicted peak, --fit
 # -----------------------------------------------------------------------------
-# Needs: import argparse, math, os, torch, torch.distributed as dist; from dataclasses import
-# dataclass; from typing import NamedTuple; from above: GiB, NF4_BITS_PER_PARAM, linear_shapes,
-# count_params, _side, _to_host, ADAM_CHUNK_BYTES, LOSS_CHUNK, print0, proc_bytes.
+# Needs: import argparse, math, os, re, torch, torch.distributed as dist; from dataclasses import
+# dataclass; from typing import NamedTuple, Optional; from above: GiB, NF4_BITS_PER_PARAM,
+# linear_shapes, count_params, _side, _to_host, ADAM_CHUNK_BYTES, LOSS_CHUNK, print0, proc_bytes.
 #
 
 
@@ -2684,20 +2687,38 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # in the first block that backward runs: every checkpointed block input is alive then, plus
 # the loss's buffers or that block's.
 
-# cuBLAS's workspace (its Lt shares it), taken through the caching allocator: 32 MiB on Hopper
-# (4096 KiB x 8; less on older GPUs), one for each thread that runs matmuls: forward's and
-# autograd's backward thread.
-CUDA_WORKSPACES = 2 * 32 * 2**20
+
+def cublas_workspaces(capability=None):
+    """(bytes, what they follow): cuBLAS's workspaces on a GPU of this compute capability.
+
+    One for each thread that runs matmuls (forward's and autograd's backward thread), taken
+    through the caching allocator: CUBLAS_WORKSPACE_CONFIG's ":KiB:count" pairs when set, else
+    torch's default, 32 MiB on Hopper (sm90) and ":4096:2:16:8" (8.125 MiB) on others.
+    cuBLASLt's own 1 MiB is left out. capability None: no GPU to ask, Hopper's assumed.
+    """
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    if pairs:
+        kib = sum(int(size) * int(count) for size, count in pairs)
+        return 2 * kib * 1024, f"CUBLAS_WORKSPACE_CONFIG={config}"
+    major, minor = capability or (9, 0)
+    kib = 4096 * 8 if (major, minor) == (9, 0) else 4096 * 2 + 16 * 8
+    said = f"torch's default for sm{major}{minor}"
+    if capability is None:
+        said += " (Hopper's, assumed: no GPU here)"
+    return 2 * kib * 1024, said
 
 
 @dataclass
 class Estimate:
     """Predicted bytes per rank of a training step; each dict is rows of a table."""
 
+    flags: "StepFlags"
     state: dict  # sharded, resident between steps (on the host with offload)
     gathers: float  # all-gather buffers
     activations: dict
     activation_peak: float
+    workspaces: tuple  # cublas_workspaces'
     gpu_state: float  # the state's bytes on the GPU (0 with offload)
     host_state: float  # host memory for offloaded tensors
     gpu_peak: float
@@ -2790,7 +2811,7 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
     # dense one is the last unit's gathered weight), one chunk of logits and, compiled, their
     # gradient (eager, at its peak, the fp32 copy of bf16 logits and the
     # one-hot, bool and cast to fp32, instead), and the gradient wrt the hidden states.
-    if flags.compiled:
+    if flags.compile:
         per_logit = 2 * elt
     else:
         per_logit = elt + 4 * (elt != 4) + 1 + 4
@@ -2799,12 +2820,20 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
     loss = norm + vocab * d * elt + chunk_rows * vocab * per_logit + tokens * d * elt
     rows["loss: norm, lm_head dense, logits chunk, grad_h"] = loss
     if flags.pack:
-        # Each token's document and position (int64), RoPE's cos and sin at each token's
-        # position, and on the CPU SDPA's (B, 1, T, T) bool mask, which its kernel turns into
-        # an additive fp32 one (flex_attention's block mask on CUDA is (T / 128)^2 per row).
-        mask = tokens * seq_len * (1 + 4) + 16 * tokens
-        mask += 2 * tokens * config.head_dim * elt
-        rows["document mask, positions, RoPE per token (--pack)"] = mask
+        # Kept for the whole step: each token's document and position (int64), RoPE's cos and
+        # sin at each token's position, and on the CPU SDPA's (B, 1, T, T) bool mask
+        # (flex_attention's block mask on CUDA is (T / 128)^2 per row). Each block's SDPA
+        # turns the bool mask into an additive one in the compute dtype, saved for backward:
+        # the recomputed block's alone, or without checkpointing every block's.
+        mask = tokens * seq_len + 16 * tokens + 2 * tokens * config.head_dim * elt
+        additive = tokens * seq_len * elt
+        if flags.checkpointing:
+            block += additive
+            row = mask + additive
+        else:
+            mask += layers * additive
+            row = mask
+        rows["document mask, positions, RoPE per token (--pack)"] = row
         kept += mask
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient
     # (tokens x d) joins.
@@ -2825,7 +2854,7 @@ def _host_bytes(config, counts, tokens, elt, world, flags):
     host = 0
     if flags.checkpointing and flags.offload_activations:
         host += layers * _pinned(tokens * elt * d)
-    if flags.offload:
+    if flags.cpu_offload:
         # The shards of the embeddings, of norm + lm_head, and of each block with its masters
         # and their gradients.
         block_unit = _block_unit_bytes(config, counts, elt)
@@ -2838,15 +2867,16 @@ def _host_bytes(config, counts, tokens, elt, world, flags):
 
 
 class StepFlags(NamedTuple):
-    """How a step runs, as far as its memory goes: estimate_memory's keywords."""
+    """How a step runs, as far as its memory goes: estimate_memory's keywords (the flags' names)."""
 
     checkpointing: bool = True
-    offload: bool = False  # --cpu_offload
+    cpu_offload: bool = False
     offload_activations: bool = False
     loss_chunk: int = LOSS_CHUNK
-    compiled: bool = True  # --compile
+    compile: bool = True
     nf4_head: bool = False
     pack: bool = False
+    capability: Optional[tuple] = None  # the GPU's (major, minor), for cuBLAS's workspaces
 
 
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8, **kw):
@@ -2856,7 +2886,6 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     one rank's batch_size x seq_len tokens, op by op.
     """
     flags = StepFlags(**kw)
-    offload = flags.offload
     elt = dtype_bytes
     tokens = batch_size * seq_len
     counts = count_params(config, lora_rank)
@@ -2867,30 +2896,34 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     activations, activation_peak = _activation_rows(
         config, counts, tokens, seq_len, elt, lora_rank, world, flags
     )
-    gpu_state = 0 if offload else sum(state.values())
+    gpu_state = 0 if flags.cpu_offload else sum(state.values())
     # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
     d = config.hidden_size
     q_dim = config.num_attention_heads * config.head_dim
     largest = max(config.vocab_size * d, d * config.intermediate_size, d * q_dim)
     load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
+    workspaces = cublas_workspaces(flags.capability)
     return Estimate(
+        flags=flags,
         state=state,
         gathers=gathers,
         activations=activations,
         activation_peak=activation_peak,
         gpu_state=gpu_state,
         host_state=_host_bytes(config, counts, tokens, elt, world, flags),
-        gpu_peak=gpu_state + gathers + activation_peak + CUDA_WORKSPACES,
+        gpu_peak=gpu_state + gathers + activation_peak + workspaces[0],
         load_peak=load_peak,
+        workspaces=workspaces,
     )
 
 
-def format_estimate(name, est, world, offload):
+def format_estimate(name, est, world):
+    offload = est.flags.cpu_offload
     where = "host" if offload else "GPU"
     rows = [(f"{row} ({where})", n) for row, n in est.state.items()]
     rows.append(("all-gather buffers (1 gathered + 1 receiving)", est.gathers))
     rows.extend(est.activations.items())
-    rows.append(("CUDA workspaces (cuBLAS, 2 threads)", CUDA_WORKSPACES))
+    rows.append(("CUDA workspaces (cuBLAS, 2 threads)", est.workspaces[0]))
     rows.append(("predicted peak per GPU", est.gpu_peak))
     rows.append(("while loading (one weight at a time), per GPU", est.load_peak))
     if est.host_state > 0:
@@ -2901,24 +2934,22 @@ def format_estimate(name, est, world, offload):
     lines = [title + ":"]
     for row, n in rows:
         lines.append(f"  {row:<48} {n / GiB:8.3f} GiB")
+    lines.append(f"  (cuBLAS's workspaces: {est.workspaces[1]})")
     return "\n".join(lines)
 
 
-def predicted_memory(args, world, config):
-    """estimate_memory for a run's flags."""
+def predicted_memory(args, world, config, capability=None):
+    """estimate_memory for a run's flags, on a GPU of this compute capability.
+
+    capability None: this machine's GPU's, if it has one.
+    """
+    flags = {key: getattr(args, key) for key in StepFlags._fields if hasattr(args, key)}
+    if capability is None and args.device != "cpu" and torch.cuda.is_available():
+        capability = torch.cuda.get_device_capability()
+    flags["capability"] = capability
+    elt = 2 if args.dtype == "bf16" else 4
     return estimate_memory(
-        config,
-        world,
-        args.batch_size,
-        args.seq_len,
-        dtype_bytes=2 if args.dtype == "bf16" else 4,
-        lora_rank=args.lora_rank,
-        checkpointing=args.checkpointing,
-        offload=args.cpu_offload,
-        offload_activations=args.offload_activations,
-        compiled=args.compile,
-        nf4_head=args.nf4_head,
-        pack=args.pack,
+        config, world, args.batch_size, args.seq_len, elt, args.lora_rank, **flags
     )
 
 
@@ -2936,13 +2967,12 @@ class FitTier(NamedTuple):
     cpu_offload: bool
 
 
+# Without --cpu_offload, then with it; in each, the activations kept, checkpointed, then
+# checkpointed with the block inputs on the host.
 FIT_TIERS = [
-    FitTier(checkpointing=False, offload_activations=False, cpu_offload=False),
-    FitTier(checkpointing=True, offload_activations=False, cpu_offload=False),
-    FitTier(checkpointing=True, offload_activations=True, cpu_offload=False),
-    FitTier(checkpointing=False, offload_activations=False, cpu_offload=True),
-    FitTier(checkpointing=True, offload_activations=False, cpu_offload=True),
-    FitTier(checkpointing=True, offload_activations=True, cpu_offload=True),
+    FitTier(checkpointing, offload_activations, cpu_offload)
+    for cpu_offload in (False, True)
+    for checkpointing, offload_activations in ((False, False), (True, False), (True, True))
 ]
 
 
@@ -3008,17 +3038,15 @@ class PlanCheck(NamedTuple):
     estimate: Estimate
     gpu_fits: bool
     host_fits: bool  # the host memory of this machine's ranks
-
-    @property
-    def fits(self):
-        return self.gpu_fits and self.host_fits
+    fits: bool  # both
 
 
 def check_plan(plan, world, config, budget):
     est = predicted_memory(plan, world, config)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    gpu_fits = est.gpu_peak <= budget.gpu
     host_fits = est.host_state * local_ranks <= budget.host
-    return PlanCheck(est, est.gpu_peak <= budget.gpu, host_fits)
+    return PlanCheck(est, gpu_fits, host_fits, gpu_fits and host_fits)
 
 
 def fit(args, world, config, budget):
@@ -3054,31 +3082,6 @@ def fit(args, world, config, budget):
     raise UserError(message)
 
 
-class LongestContext(NamedTuple):
-    tokens: int
-    plan: argparse.Namespace
-
-
-def longest_context(args, world, config, budget):
-    """The longest --seq_len that fits at micro-batch 1, and the setting that allows it."""
-    best = LongestContext(0, None)
-    for plan in fit_plans(args, rows=1):
-        # Bisection: the estimate grows with the sequence length.
-        lo = 0
-        hi = 1 << 24
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            trial = argparse.Namespace(**vars(plan))
-            trial.seq_len = mid
-            if check_plan(trial, world, config, budget).fits:
-                lo = mid
-            else:
-                hi = mid - 1
-        if lo > best.tokens:
-            best = LongestContext(lo, plan)
-    return best
-
-
 def check_fits(args, config, world, device):
     """Refuse, before anything is allocated, a model whose sharded state would not fit.
 
@@ -3109,10 +3112,9 @@ def check_fits(args, config, world, device):
 # -----------------------------------------------------------------------------
 # 10. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
 # -----------------------------------------------------------------------------
-# Needs: import io, itertools, json, math, os, re, shutil, functools, numpy as np, torch,
-# torch.distributed as dist; from dataclasses import fields; from typing import NamedTuple; from
-# above: linear_shapes, random_weight, lora_A_init, LlamaConfig, print0, seeded, UserError, require,
-# Llama.
+# Needs: import io, json, math, os, re, shutil, functools, numpy as np, torch, torch.distributed as
+# dist; from dataclasses import fields; from typing import NamedTuple; from above: linear_shapes,
+# random_weight, lora_A_init, LlamaConfig, print0, seeded, UserError, require, Llama.
 #
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]},
@@ -3376,13 +3378,9 @@ def config_from_hf(d, where="config.json"):
     type and range; a field it does not follow (a sliding window in use) is refused.
     """
     kwargs = _config_kwargs(d, where)
-    for key in (
-        "vocab_size",
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-    ):
+    for (
+        key
+    ) in "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads".split():
         require(_is_count(kwargs.get(key)), f"{where}: {key} is missing or not a positive integer")
     c = LlamaConfig(**kwargs)
     _check_config(c, d, where)
@@ -3493,15 +3491,10 @@ def load_checkpoint(path, config):
             entry.dtype.is_floating_point,
             f"{where} is {DTYPE_NAMES[entry.dtype]}, not floating point",
         )
-    expected = len(hf_shapes(config)) + layers * len(hf_shapes(config, 0))
-    if len(sources) < expected:
-        # Every name left is an expected one: count them, and name one (never list them).
-        all_names = itertools.chain.from_iterable(
-            hf_shapes(config, i) for i in itertools.chain([None], range(layers))
-        )
-        first = next(n for n in all_names if n not in sources)
-        missing = expected - len(sources)
-        raise UserError(f"{path}: {missing:,} tensors missing from the checkpoint, e.g. {first}")
+    missing = [n for i in (None, *range(layers)) for n in hf_shapes(config, i) if n not in sources]
+    if missing:  # counted, and one named (never all listed)
+        n = len(missing)
+        raise UserError(f"{path}: {n:,} tensors missing from the checkpoint, e.g. {missing[0]}")
     nbytes = sum(sf.entries[key].end - sf.entries[key].begin for sf, key in sources.values())
     tensors = ((name, sf.get(key)) for name, (sf, key) in sources.items())
     return Checkpoint(tensors, nbytes)
@@ -3596,16 +3589,7 @@ def load_adapters(path):
 
 
 # The flags a checkpoint is saved with that --resume must be given again.
-RESUME_MUST_MATCH = (
-    "model",
-    "checkpoint",
-    "lora_rank",
-    "lora_alpha",
-    "lora_dropout",
-    "seed",
-    "nf4_head",
-    "pack",
-)
+RESUME_MUST_MATCH = "model checkpoint lora_rank lora_alpha lora_dropout seed nf4_head pack".split()
 
 
 def _moment(optimizer, key, p):
@@ -3618,10 +3602,9 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
 
     The checkpoint holds the adapters and training_state.pt: the step, AdamW's count per
     parameter and its moments in full ({"exp_avg": {name: tensor}, ...}), and the flags
-    --resume checks. There
-    is no RNG state: each step seeds its own dropout. It is written under a temporary name and
-    renamed, so that a crash at any moment leaves the previous checkpoint whole and named. The
-    adapters also go in out_dir, where PEFT looks.
+    --resume checks. There is no RNG state: each step seeds its own dropout. It is written
+    under a temporary name and renamed, so that a crash at any moment leaves the previous
+    checkpoint whole and named. The adapters also go in out_dir, where PEFT looks.
     """
     adapters = fsdp.full_adapters()
     kept = ""
@@ -3813,13 +3796,9 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # 11. A run: data files, evaluation, metrics, progress, set-up and summary
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, json, math, os, resource, signal, sys, tempfile, time, bisect, numpy as
-# np, shlex, threading, torch, torch.distributed as dist; from typing import NamedTuple, Optional;
-# from above: GiB, memory_budget, fmt_bytes, format_budget, to_nf4, FSDP, AdamW, CONFIGS,
-# IGNORE_INDEX, print0, init_distributed, seeded, TokenData, sequences, Batch, peak_memory_gib,
-# reset_peak_memory, train, UserError, require, OffloadedInputs, predicted_memory, FIT_FLAGS,
-# fit_budget, fit, check_fits, read_json, atomic_write, config_from_hf, load_checkpoint,
-# initial_weights, Llama, save_checkpoint, resume, save_merged.
+# Needs: import bisect, json, math, os, resource, shlex, signal, sys, tempfile, threading, time,
+# numpy as np, torch, torch.distributed as dist; from typing import NamedTuple, Optional; from
+# above: GiB, section 1, section 3, sections 5-10.
 
 
 def eos_id(args):
@@ -4009,7 +3988,7 @@ def encode_prompt(text, vocab_size):
             ids = list(("\n" if text is None else text).encode("utf-8"))
         else:
             ids = [int(t) for t in (text or "").split(",") if t.strip()]
-    except ValueError:
+    except ValueError:  # not numbers, or text that is not UTF-8
         ids = []
     if byte_level:
         want = "non-empty text (its UTF-8 bytes are the tokens)"
@@ -4051,9 +4030,11 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
 
 
 def check_writable(args, rank):
-    """Create --out, --merge_to (rank 0's) and --profile (every rank's), write a file in each.
+    """Refuse now, on every rank, an output path that cannot be written; create nothing.
 
-    A bad path stops every rank now. Nothing is overwritten: an --out with a checkpoint needs
+    --out and --merge_to are rank 0's, --profile every rank's. The nearest directory that
+    exists on each path takes a temporary file (gone at once); the rest of the path is made
+    when it is first written. Nothing is overwritten: an --out with a checkpoint needs
     --resume, and a --merge_to with a model is refused.
     """
     problem = None
@@ -4068,40 +4049,21 @@ def check_writable(args, rank):
         if any(os.path.exists(os.path.join(args.merge_to, n)) for n in model_files):
             problem = f"--merge_to {args.merge_to}: holds a model already; choose a new directory"
     outputs = (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile))
-    created = []
     for flag, path in outputs:
         if not path or problem is not None or (rank != 0 and flag != "--profile"):
             continue
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
         try:
-            created += _missing_dirs(path)
-            os.makedirs(path, exist_ok=True)
-            tempfile.TemporaryFile(dir=path).close()
+            tempfile.TemporaryFile(dir=existing).close()
         except OSError as e:
-            why = "a file, not a directory" if os.path.isfile(path) else e.strerror or e
-            problem = f"{flag} {path}: cannot be written ({why})"
+            problem = f"{flag} {path}: cannot be written ({e.strerror or e})"
     if dist.is_initialized():
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
         problem = next((p for p in problems if p), None)
     require(problem is None, problem)
-    return created
-
-
-def _missing_dirs(path):
-    """The directories os.makedirs(path) would create, the deepest last."""
-    missing = []
-    path = os.path.abspath(path)
-    while not os.path.exists(path):
-        missing.insert(0, path)
-        path = os.path.dirname(path)
-    return missing
-
-
-def remove_created(paths):
-    """Remove the output directories this run created, if they are still empty (it was refused)."""
-    for path in reversed(paths):
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
 
 
 def open_metrics(out, start):
@@ -4109,6 +4071,7 @@ def open_metrics(out, start):
 
     A fresh run drops every one; so is a line that a crash cut short (it does not end in "}").
     """
+    os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "metrics.jsonl")
     kept = []
     if start and os.path.isfile(path):
@@ -4143,21 +4106,15 @@ def evaluate(model, val, args, world, rank, device):
     for g in range(-(-n // (world * B))):  # global micro-batches: this rank's B rows of each
         first = (g * world + rank) * B
         rows = range(first, min(first + B, n))
-        x = torch.zeros(B, T, dtype=torch.long)
-        y = torch.full((B, T), IGNORE_INDEX)
-        docs = torch.full((B, T), -1)
-        if rows and packed:
-            batch = val.tensors([val.row(i) for i in rows])
-            docs[: len(rows)] = batch.documents
-        elif rows:
-            batch = Batch(*sequences(val, (i * T for i in rows), T))
-        if rows:
-            x[: len(rows)] = batch.inputs
-            y[: len(rows)] = batch.targets
-        documents = docs.to(device) if packed else None
-        loss_sum = model(x.to(device), y.to(device), reduction="sum", documents=documents)
-        loss_sum = loss_sum.double()
-        counted = (y != IGNORE_INDEX).sum().to(device, torch.float64)
+        empty = B - len(rows)  # rows past the last: padding, or row 0 counting nothing
+        if packed:
+            batch = val.tensors([val.row(i) for i in rows] + [[]] * empty)
+        else:
+            batch = Batch(*sequences(val, [i * T for i in rows] + [0] * empty, T))
+            batch.targets[len(rows) :] = IGNORE_INDEX
+        x, y, docs = (None if t is None else t.to(device) for t in batch)
+        loss_sum = model(x, y, reduction="sum", documents=docs).double()
+        counted = (y != IGNORE_INDEX).sum().double()
         total += torch.stack([loss_sum, counted])
     model.train()
     if dist.is_initialized():
@@ -4285,7 +4242,9 @@ def configure_cuda_allocator():
     """
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
-    torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    # torch 2.13's name; the older one warns there.
+    settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    (settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
 
 
 class Run:
@@ -4296,15 +4255,17 @@ class Run:
     due, and gathers what the summary reports.
     """
 
-    def __init__(self, args, model, fsdp, optimizer, device, val, start, end):
-        self.args = args
+    def __init__(self, setup, model, fsdp, optimizer, start, end):
+        self.setup = setup  # the flags, the device, the data, the model's config
+        self.args = setup.args
+        self.device = setup.device
         self.model = model
         self.fsdp = fsdp
         self.optimizer = optimizer
-        self.device = device
-        self.val = val
         self.start = start
         self.end = end
+        # The peak per GPU that --estimate predicts (GiB): the summary and an OOM quote it.
+        self.predicted = predicted_memory(setup.args, setup.world, setup.config).gpu_peak / GiB
         self.step = start  # the last step done
         self.in_hook = False  # whether after_step is running (an error there is not the step's)
         self.records = []
@@ -4312,9 +4273,9 @@ class Run:
         self.first_peaks = None  # step 1's peaks: compiling, autotuning, first allocations
         self.metrics = None
         self.history = []  # after --resume, the records of the steps before, from metrics.jsonl
-        if args.out and fsdp.rank == 0:
-            self.metrics, self.history = open_metrics(args.out, start)
-        self.profiler = self._start_profiler() if args.profile else None
+        if self.args.out and fsdp.rank == 0:
+            self.metrics, self.history = open_metrics(self.args.out, start)
+        self.profiler = self._start_profiler() if self.args.profile else None
         self.signal = None  # SIGINT or SIGTERM, once received (Signals sets it)
         self.interrupted = None  # the signal all ranks stopped for
         self.heartbeat = None  # the "still compiling" lines while step 1 runs
@@ -4333,6 +4294,7 @@ class Run:
 
     def _start_profiler(self):
         """A trace of steps 3-5, after compilation and warm-up."""
+        os.makedirs(self.args.profile, exist_ok=True)
         cuda = self.device.type == "cuda"
         activities = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
@@ -4409,7 +4371,7 @@ class Run:
     def evaluate(self, step):
         """The held-out loss after `step` steps (0: the base, before training), logged."""
         val_loss, n = evaluate(
-            self.model, self.val, self.args, self.fsdp.world, self.fsdp.rank, self.device
+            self.model, self.setup.val, self.args, self.fsdp.world, self.fsdp.rank, self.device
         )
         self.val_losses.append(val_loss)
         what = "packed rows" if self.args.pack else "sequences"
@@ -4420,7 +4382,7 @@ class Run:
         """At the end (--stop_at's too: a checkpoint, not an evaluation) and when due."""
         args = self.args
         final = step == args.steps
-        if self.val and (final or args.eval_every and step % args.eval_every == 0):
+        if self.setup.val and (final or args.eval_every and step % args.eval_every == 0):
             self.evaluate(step)
         last = step == self.end
         due = args.out and (last or args.save_every and step % args.save_every == 0)
@@ -4428,7 +4390,7 @@ class Run:
             self._save(step)
         return due
 
-    def finish(self, name, config, prompt, predicted):
+    def finish(self):
         """After the loop: merge, sample, print the loss curve; returns the summary dict."""
         args = self.args
         if self.profiler is not None:
@@ -4442,9 +4404,9 @@ class Run:
             print0(f"merged model written to {args.merge_to}")
         sample = None
         if args.sample:  # after the saves: what was trained is on disk whatever happens here
-            sample = self._sample(config, prompt)
+            sample = self._sample()
         self._print_curves()
-        return self._summary(name, predicted, steady, sample)
+        return self._summary(steady, sample)
 
     def curves(self):
         """(losses, val losses) of the whole run: after --resume, the earlier steps' records."""
@@ -4464,8 +4426,10 @@ class Run:
             curve += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
         print0(curve)
 
-    def _sample(self, config, prompt):
+    def _sample(self):
         args = self.args
+        config = self.setup.config
+        prompt = self.setup.prompt
         window = min(args.seq_len, config.max_position_embeddings)
         ids = generate(
             self.model, prompt, args.sample, window, self.device, args.temperature, args.seed
@@ -4481,7 +4445,7 @@ class Run:
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n{shown}")
         return text
 
-    def _summary(self, name, predicted, steady, sample):
+    def _summary(self, steady, sample):
         args = self.args
         records = self.records
         # Medians over the steps after the first (which compiles), in ms.
@@ -4492,7 +4456,7 @@ class Run:
         tokens = records[-1].tokens
         losses, val_losses = self.curves()
         summary = dict(
-            model=name,
+            model=self.setup.name,
             world_size=self.fsdp.world,
             steps=self.step,
             final_loss=losses[-1],
@@ -4501,12 +4465,9 @@ class Run:
             tokens_per_s=round(tokens / (step_ms / 1000), 1),
             peak_mem_gib=round(steady[0], 4),
             step1_peak_mem_gib=round(self.first_peaks[0], 4),
-            predicted_peak_gib=round(predicted, 4),
+            predicted_peak_gib=round(self.predicted, 4),
             seq_len=args.seq_len,
-        )
-        for key in FIT_FLAGS:
-            summary[key] = getattr(args, key)
-        summary.update(
+            **{key: getattr(args, key) for key in FIT_FLAGS},
             dtype=args.dtype,
             device=self.device.type,
             compute_ms=round(step_ms - wait_ms - optim_ms, 2),
@@ -4542,22 +4503,33 @@ class Setup(NamedTuple):
     checkpoint: object  # load_checkpoint's, or None
 
 
+WAIT_HINT_S = 60.0  # seconds the first collective may take before the hint below
+WAITING_FOR_RANKS = (
+    "still waiting for the other ranks after {seconds:.0f} s: did every rank start? NCCL "
+    "hangs here on GPUs whose PCIe peer-to-peer is broken (consumer boards, IOMMU/ACS): "
+    "NCCL_P2P_DISABLE=1; in Docker, /dev/shm too small for NCCL: docker run --shm-size=8g, or "
+    "NCCL_SHM_DISABLE=1"
+)
+
+
 def set_up(args):
     """The device and process group, then every input read and checked, in order."""
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
     require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
     if cuda:
         configure_cuda_allocator()
-    device, world, rank = init_distributed(cuda)
+    # A rank that never starts, or NCCL stuck on this machine, would wait here in silence.
+    waiting = Heartbeat(WAITING_FOR_RANKS, every=WAIT_HINT_S)
+    try:
+        device, world, rank = init_distributed(cuda)
+        if world > 1:
+            dist.barrier()  # the first collective: every rank is here, and the transport works
+    finally:
+        waiting.stop()
     name, config = model_config(args)
     if args.fit is not None:  # before anything reads the flags it sets
         args = fit(args, world, config, fit_budget(args, device))
-    args.created = check_writable(args, rank)
-    try:
-        return _read_inputs(args, device, world, rank, name, config)
-    except (UserError, KeyboardInterrupt):  # refused: no output directory left behind
-        remove_created(args.created)
-        raise
+    return _read_inputs(args, device, world, rank, name, config)
 
 
 def _read_inputs(args, device, world, rank, name, config):
@@ -4629,17 +4601,24 @@ class Signals:
 
 
 class Heartbeat:
-    """A line every PROGRESS_S while something runs long (step 1's compile), from a thread."""
+    """A line on rank 0 every `every` seconds while something runs long, from a thread.
 
-    def __init__(self, what):
-        self.what = what
+    line: the text, {seconds} in it the time so far (step 1's compile, the first collective).
+    every: PROGRESS_S by default.
+    """
+
+    def __init__(self, line, every=None):
+        self.line = line
+        self.every = every or PROGRESS_S
         self.start = time.perf_counter()
         self.done = threading.Event()
         threading.Thread(target=self._beat, daemon=True).start()
 
     def _beat(self):
-        while not self.done.wait(PROGRESS_S):
-            print0(f"{self.what}: {time.perf_counter() - self.start:.0f} s so far")
+        while not self.done.wait(self.every):
+            if not dist.is_initialized() and os.environ.get("RANK", "0") != "0":
+                continue  # before the process group too, rank 0 alone speaks
+            print0(self.line.format(seconds=time.perf_counter() - self.start))
 
     def stop(self):
         self.done.set()
@@ -4656,56 +4635,52 @@ def continue_command(args):
 
 
 def prepare(args):
-    """Everything up to the first step: (Setup, model, fsdp, optimizer, start, end).
-
-    A run refused here (bad input) leaves no output directory it created.
-    """
+    """Everything up to the first step: the Run, its model built, its optimizer resumed."""
     s = set_up(args)
     args = s.args
-    try:
-        print0(format_budget(s.name, memory_budget(s.config, args.lora_rank, args.nf4_head)))
-        model, fsdp = build(args, s.config, s.device, s.checkpoint)
-        # The peaks of training, not of loading (--estimate has both): what loading left
-        # cached goes back first.
-        if s.device.type == "cuda":
-            torch.cuda.empty_cache()
-        reset_peak_memory(s.device)
-        optimizer = AdamW(
-            fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
-        )
-        start = resume(args, fsdp, optimizer) if args.resume else 0
-        end = min(args.steps, args.stop_at or args.steps)
-        require(
-            start < end,
-            f"nothing to do: --resume is at step {start}, the run ends at step {end} "
-            f"(--steps {args.steps}, --stop_at {args.stop_at})",
-        )
-        require(
-            not args.profile or end - start >= 3,
-            f"--profile traces steps 3-5: this run has {end - start}",
-        )
-    except (UserError, Interrupted):
-        remove_created(args.created)
-        raise
-    return s, model, fsdp, optimizer, start, end
+    check_writable(args, s.rank)
+    print0(format_budget(s.name, memory_budget(s.config, args.lora_rank, args.nf4_head)))
+    model, fsdp = build(args, s.config, s.device, s.checkpoint)
+    # The peaks of training, not of loading (--estimate has both): what loading left cached
+    # goes back first.
+    if s.device.type == "cuda":
+        torch.cuda.empty_cache()
+    reset_peak_memory(s.device)
+    optimizer = AdamW(
+        fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
+    )
+    start = resume(args, fsdp, optimizer) if args.resume else 0
+    end = min(args.steps, args.stop_at or args.steps)
+    require(
+        start < end,
+        f"nothing to do: --resume is at step {start}, the run ends at step {end} "
+        f"(--steps {args.steps}, --stop_at {args.stop_at})",
+    )
+    require(
+        not args.profile or end - start >= 3,
+        f"--profile traces steps 3-5: this run has {end - start}",
+    )
+    return Run(s, model, fsdp, optimizer, start, end)
 
 
-def run_loop(s, model, fsdp, optimizer, run, predicted):
+def run_loop(run):
     """The training loop, its out-of-memory and non-finite losses one line each."""
-    args = s.args
+    args = run.args
+    device = run.device
+    data = run.setup.data
     try:
-        train(model, fsdp, optimizer, s.data, args, s.device, run.start, run.end, run)
+        train(run.model, run.fsdp, run.optimizer, data, args, device, run.start, run.end, run)
     except torch.OutOfMemoryError:
         if run.in_hook:  # in an evaluation or a save: main's one line says so
             raise
         # On one rank: it exits, and torchrun ends the others.
-        if s.device.type == "cuda":
-            total = torch.cuda.mem_get_info(s.device)[1]
+        if device.type == "cuda":
+            total = torch.cuda.mem_get_info(device)[1]
         else:
             total = os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
         raise UserError(
-            f"out of memory on {s.device} at step {run.step + 1}: --estimate predicted a peak of "
-            f"{predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
+            f"out of memory on {device} at step {run.step + 1}: --estimate predicted a peak of "
+            f"{run.predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
             f"settings that fit"
         ) from None
     except FloatingPointError as e:  # a non-finite loss: no save since
@@ -4716,24 +4691,23 @@ def run_loop(s, model, fsdp, optimizer, run, predicted):
 def fine_tune(args):
     """Train as the flags say: set up, the loop, finish. -> (summary dict, losses, fsdp)."""
     with Signals() as signals:
-        s, model, fsdp, optimizer, start, end = prepare(args)
+        run = prepare(args)
+        s = run.setup
         args = s.args
-        mib = fsdp.local_bytes() / 2**20
+        mib = run.fsdp.local_bytes() / 2**20
         print0(
             f"model {s.name}: {mib:.1f} MiB of weights on this rank, world {s.world}, "
             f"{s.device}, {args.dtype}, compile {args.compile}, checkpointing "
             f"{args.checkpointing}, offload {args.cpu_offload}"
         )
-        predicted = predicted_memory(args, s.world, s.config).gpu_peak / GiB
-        run = Run(args, model, fsdp, optimizer, s.device, s.val, start, end)
-        if s.val and start == 0:  # what the fine-tune starts from (not again after --resume)
+        if s.val and run.start == 0:  # what the fine-tune starts from (not again after --resume)
             run.evaluate(0)
         if args.compile:
             print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
-            run.heartbeat = Heartbeat("still compiling the first step")
+            run.heartbeat = Heartbeat("still compiling the first step: {seconds:.0f} s so far")
         signals.run = run
         try:
-            run_loop(s, model, fsdp, optimizer, run, predicted)
+            run_loop(run)
         finally:
             signals.run = None
             if run.heartbeat is not None:
@@ -4746,17 +4720,15 @@ def fine_tune(args):
             else:
                 where += "; nothing is saved without --out"
             raise Interrupted(run.interrupted, where)
-        summary = run.finish(s.name, s.config, s.prompt, predicted)
-    return summary, [r.loss for r in run.records], fsdp
+        summary = run.finish()
+    return summary, [r.loss for r in run.records], run.fsdp
 
 
 # -----------------------------------------------------------------------------
 # 12. The command line
 # -----------------------------------------------------------------------------
-# Needs: import argparse, json, math, os, signal, sys, time, torch, torch.distributed as dist; from
-# above: GiB, memory_budget, format_budget, CONFIGS, print0, UserError, format_estimate,
-# predicted_memory, FIT_MARGIN, FIT_FLAGS, plan_name, fit_budget, fit, longest_context,
-# model_config, Interrupted, fine_tune.
+# Needs: import argparse, json, math, os, signal, sys, time, torch, torch.distributed as dist;
+# from above: GiB, section 1, sections 7-9, section 11.
 
 
 def _add_model_flags(p):
@@ -4899,27 +4871,18 @@ def estimate(args):
     """--estimate: the memory tables, from the config alone (nothing is allocated)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     name, config = model_config(args)
-    longest = {}
-    if args.fit is not None:
-        # The plan --fit would run, and the longest context at micro-batch 1.
+    if args.fit is not None:  # the plan --fit would run
         cuda = torch.cuda.is_available() and args.device != "cpu"
         budget = fit_budget(args, torch.device("cuda" if cuda else "cpu"))
         args = fit(args, world, config, budget)
-        best = longest_context(args, world, config, budget)
-        longest["max_seq_len"] = best.tokens
-        print0(
-            f"longest context that fits at micro-batch 1: {best.tokens:,} tokens "
-            f"({plan_name(best.plan)}); the model allows {config.max_position_embeddings:,}"
-        )
     est = predicted_memory(args, world, config)
     print0(format_budget(name, memory_budget(config, args.lora_rank, args.nf4_head)))
-    print0(format_estimate(name, est, world, args.cpu_offload))
+    print0(format_estimate(name, est, world))
     summary = dict(model=name, world_size=world)
     for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):
         summary[key] = getattr(args, key)
     summary["predicted_peak_gib"] = round(est.gpu_peak / GiB, 3)
     summary["predicted_host_gib"] = round(est.host_state / GiB, 3)
-    summary.update(longest)
     return summary
 
 

@@ -19,7 +19,8 @@ if [ -z "${PYTHON:-}" ]; then
   done
   : "${PYTHON:=$(command -v python3 || command -v python)}"
 fi
-"$PYTHON" -c "import torch, numpy" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements.txt
+# Every mode needs all three (the GPU check runs the tests): install what is missing.
+"$PYTHON" -c "import torch, numpy, pytest" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements.txt
 
 case "${1:-}" in
   bench)  # each script prints why a run failed; all of them run, and the exit code says if any failed

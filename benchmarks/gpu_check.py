@@ -44,25 +44,32 @@ COMPILE_S = 90  # a cold compile of the block graphs, on both ranks
 MARGIN = 1.25
 
 
-def device_name():
-    """The first GPU's name, without a CUDA context in this process: nvidia-smi, else a child."""
+def device():
+    """(name, compute capability) of the first GPU, with no CUDA context in this process: from
+    nvidia-smi, else from a child process."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=30)
         if out.returncode == 0 and out.stdout.strip():
-            return out.stdout.splitlines()[0].strip()
-    except (OSError, subprocess.TimeoutExpired):
+            name, cap = out.stdout.splitlines()[0].rsplit(",", 1)
+            major, minor = cap.strip().split(".")
+            return name.strip(), (int(major), int(minor))
+    except (OSError, subprocess.TimeoutExpired, ValueError):
         pass
-    child = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.get_device_name(0))"],
-                           capture_output=True, text=True, timeout=120)
-    return child.stdout.strip() or "an unknown GPU"
+    code = "import torch; print(torch.cuda.get_device_name(0)); print(*torch.cuda.get_device_capability(0))"
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    lines = child.stdout.splitlines()
+    if len(lines) == 2:
+        return lines[0].strip(), tuple(map(int, lines[1].split()))
+    return "an unknown GPU", None
 
 
-def estimate(flags, world):
-    """--estimate's predicted peak per GPU (GiB) for these flags at this world size (its function, in this process:
-    no time out of the budget)."""
+def estimate(flags, world, capability):
+    """--estimate's predicted peak per GPU (GiB) for these flags at this world size, on a GPU of
+    this compute capability (its function, in this process: no time out of the budget, and no CUDA
+    context)."""
     args = qf.parse_args([str(f) for f in flags])
-    return qf.predicted_memory(args, world, qf.CONFIGS[args.model]).gpu_peak / qf.GiB
+    return qf.predicted_memory(args, world, qf.CONFIGS[args.model], capability).gpu_peak / qf.GiB
 
 
 def step_flops(config, batch, seq):
@@ -154,7 +161,7 @@ def main():
               f"{torch.__version__}); nothing was run", file=sys.stderr)
         return 2
     world = min(2, n_gpus) if args.device == "cuda" else 2
-    name = device_name() if args.device == "cuda" else "CPU (gloo)"
+    name, capability = device() if args.device == "cuda" else ("CPU (gloo)", None)
     where = f"{n_gpus} x {name}, torch {torch.__version__}, CUDA {torch.version.cuda}" if args.device == "cuda" \
         else f"CPU (gloo), torch {torch.__version__}"
     print(f"GPU check on {where}", flush=True)
@@ -174,7 +181,7 @@ def main():
     flags = ["--model", args.model, "--data", "dummy", "--batch_size", args.batch_size, "--seq_len", args.seq_len]
     for extra in ([], ["--offload_activations"]):
         label = " ".join([args.model] + extra)
-        predicted = estimate(flags + extra, world)
+        predicted = estimate(flags + extra, world, capability)
         run = torchrun(TRAINER, flags + extra + ["--steps", args.steps, "--log_every", 1, "--device", args.device],
                        world, timeout=budget)
         s = run.json if run.ok else partial(run)
