@@ -2673,12 +2673,11 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
         self._fetch(parked)
         self._fetch(parked.before)  # the block before's, for its backward, which comes next
         t = parked.back
-        done = parked.done
+        if parked.done is not None:
+            torch.cuda.current_stream(t.device).wait_event(parked.done)
         parked.back = None
         parked.done = None
         parked.before = None
-        if done is not None:
-            torch.cuda.current_stream(t.device).wait_event(done)
         return t
 
 
@@ -2692,20 +2691,20 @@ def cublas_workspaces(capability=None):
     """(bytes, what they follow): cuBLAS's workspaces on a GPU of this compute capability.
 
     One for each thread that runs matmuls (forward's and autograd's backward thread), taken
-    through the caching allocator: CUBLAS_WORKSPACE_CONFIG's ":KiB:count" pairs when set, else
-    torch's default, 32 MiB on Hopper (sm90) and ":4096:2:16:8" (8.125 MiB) on others.
-    cuBLASLt's own 1 MiB is left out. capability None: no GPU to ask, Hopper's assumed.
+    through the caching allocator, as CUBLAS_WORKSPACE_CONFIG's ":KiB:count" pairs say: the
+    variable's, else torch's default, ":4096:8" (32 MiB) on Hopper (sm90) and ":4096:2:16:8"
+    (8.125 MiB) on others. cuBLASLt's own 1 MiB is left out. capability None: Hopper's.
     """
-    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG", "")
-    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
-    if pairs:
-        kib = sum(int(size) * int(count) for size, count in pairs)
-        return 2 * kib * 1024, f"CUBLAS_WORKSPACE_CONFIG={config}"
     major, minor = capability or (9, 0)
-    kib = 4096 * 8 if (major, minor) == (9, 0) else 4096 * 2 + 16 * 8
-    said = f"torch's default for sm{major}{minor}"
-    if capability is None:
-        said += " (Hopper's, assumed: no GPU here)"
+    config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    said = f"CUBLAS_WORKSPACE_CONFIG={config}"
+    if not config:
+        config = ":4096:8" if (major, minor) == (9, 0) else ":4096:2:16:8"
+        said = f"torch's default for sm{major}{minor}, {config}"
+        if capability is None:
+            said += " (Hopper's, assumed: no GPU here)"
+    pairs = re.findall(r":([0-9]+):([0-9]+)", config)
+    kib = sum(int(size) * int(count) for size, count in pairs)
     return 2 * kib * 1024, said
 
 
@@ -2898,9 +2897,8 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     )
     gpu_state = 0 if flags.cpu_offload else sum(state.values())
     # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
-    d = config.hidden_size
-    q_dim = config.num_attention_heads * config.head_dim
-    largest = max(config.vocab_size * d, d * config.intermediate_size, d * q_dim)
+    linears = [out * inp for out, inp in linear_shapes(config).values()]
+    largest = max(config.vocab_size * config.hidden_size, *linears)
     load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
     workspaces = cublas_workspaces(flags.capability)
     return Estimate(
@@ -2961,18 +2959,12 @@ FIT_MARGIN = 0.1  # --fit with no number, on CUDA: the free memory less this sha
 FIT_FLAGS = ("batch_size", "grad_accum", "checkpointing", "offload_activations", "cpu_offload")
 
 
-class FitTier(NamedTuple):
-    checkpointing: bool
-    offload_activations: bool
-    cpu_offload: bool
-
-
 # Without --cpu_offload, then with it; in each, the activations kept, checkpointed, then
 # checkpointed with the block inputs on the host.
 FIT_TIERS = [
-    FitTier(checkpointing, offload_activations, cpu_offload)
+    dict(checkpointing=checkpointing, offload_activations=offload, cpu_offload=cpu_offload)
     for cpu_offload in (False, True)
-    for checkpointing, offload_activations in ((False, False), (True, False), (True, True))
+    for checkpointing, offload in ((False, False), (True, False), (True, True))
 ]
 
 
@@ -2989,7 +2981,7 @@ def fit_plans(args, rows=None):
                 plan = argparse.Namespace(**vars(args))
                 plan.batch_size = micro
                 plan.grad_accum = rows // micro
-                vars(plan).update(tier._asdict())  # checkpointing and the two offloads
+                vars(plan).update(tier)  # checkpointing and the two offloads
                 plans.append(plan)
     return plans
 
@@ -3017,11 +3009,8 @@ class FitBudget(NamedTuple):
 
 def fit_budget(args, device):
     """What --fit fits in, the least over ranks."""
-    on_gpu = device.type == "cuda"
-    require(
-        args.fit != "auto" or on_gpu, "--fit: on a CPU give the memory to fit in, e.g. --fit 20"
-    )
     if args.fit == "auto":
+        require(device.type == "cuda", "--fit: on a CPU give the memory to fit in, e.g. --fit 20")
         free, total = torch.cuda.mem_get_info(device)
         gpu = free - FIT_MARGIN * total
     else:
@@ -3049,11 +3038,12 @@ def check_plan(plan, world, config, budget):
     return PlanCheck(est, gpu_fits, host_fits, gpu_fits and host_fits)
 
 
-def fit(args, world, config, budget):
-    """The first of fit_plans(args) that fits, every plan tried printed.
+def fit(args, world, config, device):
+    """The first of fit_plans(args) that fits fit_budget's memory, every plan tried printed.
 
     When none fits: one error naming the smallest peak.
     """
+    budget = fit_budget(args, device)
     said = f"--fit: {budget.gpu / GiB:.2f} GiB per GPU"
     if budget.host < math.inf:
         said += f", {budget.host / GiB:.1f} GiB of host memory"
@@ -3061,12 +3051,9 @@ def fit(args, world, config, budget):
     for plan in fit_plans(args):
         check = check_plan(plan, world, config, budget)
         peak = check.estimate.gpu_peak / GiB
-        if check.fits:
-            verdict = "fits"
-        elif not check.gpu_fits:
+        verdict = "fits" if check.fits else "its host memory is not available"
+        if not check.gpu_fits:
             verdict = "too big"
-        else:
-            verdict = "its host memory is not available"
         print0(f"  {plan_name(plan):<62} {peak:8.2f} GiB  {verdict}")
         if check.fits:
             print0(f"--fit chose {plan_name(plan)}: {peak:.2f} GiB predicted per GPU")
@@ -3091,14 +3078,12 @@ def check_fits(args, config, world, device):
     est = predicted_memory(args, world, config)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
-    on_host = est.host_state
-    if device.type == "cpu":
-        on_host += est.gpu_state
+    # On the CPU, the "GPU" state is in host memory too.
+    on_host = est.host_state + (est.gpu_state if device.type == "cpu" else 0)
     host_free = host_available() or math.inf
-    on_this_machine = f"of this machine's memory for {local_ranks} rank(s)"
     needs = [
         (est.gpu_state, gpu_free, "per GPU"),
-        (on_host * local_ranks, host_free, on_this_machine),
+        (on_host * local_ranks, host_free, f"of this machine's memory for {local_ranks} rank(s)"),
     ]
     for need, have, where in needs:
         require(
@@ -3276,13 +3261,8 @@ def _is_positive(x):
 
 
 # The families this file follows, by config.json's model_type, and the class transformers
-# builds for each (section 7 has what sets them apart).
-ARCHITECTURES = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# builds for each, named after it: LlamaForCausalLM... (section 7 has what sets them apart).
+ARCHITECTURES = {f: f.capitalize() + "ForCausalLM" for f in ("llama", "mistral", "qwen2", "qwen3")}
 
 
 def _family(d, where):
@@ -3378,9 +3358,8 @@ def config_from_hf(d, where="config.json"):
     type and range; a field it does not follow (a sliding window in use) is refused.
     """
     kwargs = _config_kwargs(d, where)
-    for (
-        key
-    ) in "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads".split():
+    sizes = "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads"
+    for key in sizes.split():
         require(_is_count(kwargs.get(key)), f"{where}: {key} is missing or not a positive integer")
     c = LlamaConfig(**kwargs)
     _check_config(c, d, where)
@@ -3618,9 +3597,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
     for key in ("exp_avg", "exp_avg_sq"):
         moments[key] = fsdp.full_adapters(of=functools.partial(_moment, optimizer, key))
     # A parameter that never had a gradient has no state: step 0.
-    adam_steps = {}
-    for name, p in fsdp.named_parameters():
-        adam_steps[name] = int(optimizer.state[p].get("step", 0))
+    adam_steps = {n: int(optimizer.state[p].get("step", 0)) for n, p in fsdp.named_parameters()}
     if fsdp.rank == 0:
         name = f"checkpoint-{step}"
         final = os.path.join(out_dir, name)
@@ -3633,9 +3610,8 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
             moments=moments,
             dtype=args.dtype,
             world_size=fsdp.world,
+            **{key: getattr(args, key) for key in RESUME_MUST_MATCH},
         )
-        for key in RESUME_MUST_MATCH:
-            state[key] = getattr(args, key)
         # Through a buffer, so that a full disk is an OSError of the write, not torch.save's
         # RuntimeError.
         buffer = io.BytesIO()
@@ -3733,11 +3709,9 @@ def shard_files(specs, max_bytes):
 
 def _merged_config(model, source):
     """config.json of a merged export: the source checkpoint's other keys, its token ids, kept."""
-    kept = {}
-    if source:
-        for key, value in read_json(os.path.join(source, "config.json")).items():
-            if key not in ("dtype", "quantization_config"):
-                kept[key] = value
+    kept = read_json(os.path.join(source, "config.json")) if source else {}
+    for key in ("dtype", "quantization_config"):
+        kept.pop(key, None)
     config = {**kept, **config_to_hf(model.config, model.dtype)}
     config["tie_word_embeddings"] = False  # the head is written
     return config
@@ -3982,18 +3956,15 @@ def encode_prompt(text, vocab_size):
 
     For a byte-level model, its UTF-8 bytes (by default a newline); else comma-separated ids.
     """
-    byte_level = vocab_size == 256
     try:
-        if byte_level:
+        if vocab_size == 256:  # byte-level
+            want = "non-empty text (its UTF-8 bytes are the tokens)"
             ids = list(("\n" if text is None else text).encode("utf-8"))
         else:
+            want = f"comma-separated token ids below {vocab_size}, e.g. 128000,791"
             ids = [int(t) for t in (text or "").split(",") if t.strip()]
     except ValueError:  # not numbers, or text that is not UTF-8
         ids = []
-    if byte_level:
-        want = "non-empty text (its UTF-8 bytes are the tokens)"
-    else:
-        want = f"comma-separated token ids below {vocab_size}, e.g. 128000,791"
     valid = bool(ids) and all(0 <= i < vocab_size for i in ids)
     require(valid, f"--prompt {text!r}: this model's prompt is {want}")
     return ids
@@ -4020,8 +3991,7 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
                 probs = torch.softmax(scaled, -1)
                 nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
             else:
-                nxt = logits.argmax()
-            nxt = nxt.view(1)
+                nxt = logits.argmax().view(1)
             if dist.is_initialized():
                 dist.broadcast(nxt, src=0)
             ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
@@ -4124,13 +4094,8 @@ def evaluate(model, val, args, world, rank, device):
 
 def printable(text):
     """text with each character that would not print (but newlines and tabs) as repr escapes."""
-    out = []
-    for ch in text:
-        if ch.isprintable() or ch in "\n\t":
-            out.append(ch if ch != "\ufffd" else "\\ufffd")
-        else:
-            out.append(repr(ch)[1:-1])
-    return "".join(out)
+    shown = "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text)
+    return shown.replace("\ufffd", "\\ufffd")  # invalid UTF-8, decoded: shown as an escape too
 
 
 def sparkline(values, width=40):
@@ -4214,15 +4179,12 @@ def build(args, config, device, checkpoint=None):
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
         model.offload_activations = OffloadedInputs(side)
     shapes = fsdp.base_shapes()
-    if checkpoint is not None:
-        what = f"loading {args.checkpoint}"
-        base = checkpoint.tensors
-        nbytes = checkpoint.nbytes
-    else:
+    what = f"loading {args.checkpoint}"
+    if checkpoint is None:  # a random base, drawn in fp32
         what = "drawing a random base"
-        base = initial_weights(shapes, args.seed, device)
         nbytes = 4 * sum(map(math.prod, shapes.values()))
-    for name, t in progress(base, what, len(shapes), nbytes):
+        checkpoint = Checkpoint(initial_weights(shapes, args.seed, device), nbytes)
+    for name, t in progress(checkpoint.tensors, what, len(shapes), checkpoint.nbytes):
         t = t.to(device, dtype)
         require(
             t.isfinite().all(), f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN"
@@ -4278,14 +4240,11 @@ class Run:
         self.profiler = self._start_profiler() if self.args.profile else None
         self.signal = None  # SIGINT or SIGTERM, once received (Signals sets it)
         self.interrupted = None  # the signal all ranks stopped for
-        self.heartbeat = None  # the "still compiling" lines while step 1 runs
+        self.compiling = None  # the Event that stops step 1's "still compiling" lines
 
     def peaks(self):
-        """(allocated, reserved or None) peaks since the last reset, in GiB."""
-        reserved = None
-        if self.device.type == "cuda":
-            reserved = peak_memory_gib(self.device, reserved=True)
-        return peak_memory_gib(self.device), reserved
+        """(allocated, reserved) peaks since the last reset, in GiB (on a CPU: the RSS, twice)."""
+        return peak_memory_gib(self.device), peak_memory_gib(self.device, reserved=True)
 
     def record(self, **fields):
         """A line of metrics.jsonl, on disk at once (a crashed run keeps what it logged)."""
@@ -4295,12 +4254,8 @@ class Run:
     def _start_profiler(self):
         """A trace of steps 3-5, after compilation and warm-up."""
         os.makedirs(self.args.profile, exist_ok=True)
-        cuda = self.device.type == "cuda"
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if cuda:
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
         profiler = torch.profiler.profile(
-            activities=activities,
+            activities=torch.profiler.supported_activities(),  # the CPU's, and CUDA's if present
             profile_memory=True,
             on_trace_ready=self._export_profile,
             schedule=torch.profiler.schedule(wait=1, warmup=1, active=3, repeat=1),
@@ -4341,8 +4296,8 @@ class Run:
                 mem_gib=round(r.mem_gib, 4),
             )
         if r.step == self.start + 1:
-            if self.heartbeat is not None:
-                self.heartbeat.stop()
+            if self.compiling is not None:
+                self.compiling.set()
             self.first_peaks = self.peaks()
             reset_peak_memory(self.device)
         saved = self._evaluate_and_save(r.step)
@@ -4435,15 +4390,15 @@ class Run:
             self.model, prompt, args.sample, window, self.device, args.temperature, args.seed
         )
         self.fsdp.reshard()  # the last forward left its last unit gathered
-        if config.vocab_size != 256:
-            print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n{ids}")
-            return ids
-        # A byte-level model: text (invalid UTF-8 as U+FFFD), shown with escapes where a byte
-        # would not print (a control byte, invalid UTF-8), as repr() writes them.
-        text = bytes(ids).decode("utf-8", errors="replace")
-        shown = printable(bytes(prompt).decode("utf-8", errors="replace") + text)
+        sample = ids
+        shown = ids
+        if config.vocab_size == 256:
+            # A byte-level model: text (invalid UTF-8 as U+FFFD), shown with escapes where a
+            # byte would not print (a control byte, invalid UTF-8), as repr() writes them.
+            sample = bytes(ids).decode("utf-8", errors="replace")
+            shown = printable(bytes(prompt).decode("utf-8", errors="replace") + sample)
         print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n{shown}")
-        return text
+        return sample
 
     def _summary(self, steady, sample):
         args = self.args
@@ -4512,28 +4467,8 @@ WAITING_FOR_RANKS = (
 )
 
 
-def set_up(args):
-    """The device and process group, then every input read and checked, in order."""
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
-    if cuda:
-        configure_cuda_allocator()
-    # A rank that never starts, or NCCL stuck on this machine, would wait here in silence.
-    waiting = Heartbeat(WAITING_FOR_RANKS, every=WAIT_HINT_S)
-    try:
-        device, world, rank = init_distributed(cuda)
-        if world > 1:
-            dist.barrier()  # the first collective: every rank is here, and the transport works
-    finally:
-        waiting.stop()
-    name, config = model_config(args)
-    if args.fit is not None:  # before anything reads the flags it sets
-        args = fit(args, world, config, fit_budget(args, device))
-    return _read_inputs(args, device, world, rank, name, config)
-
-
-def _read_inputs(args, device, world, rank, name, config):
-    """set_up's second half: the data, the prompt, the checkpoint's headers, the fit."""
+def read_data(args, config):
+    """(--data's tokens, --val_data's), packed into documents with --pack; None: none given."""
     require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
     # Packed, a file needs two tokens (a document with a target), not a whole window.
     least = 1 if args.pack else args.seq_len
@@ -4549,6 +4484,27 @@ def _read_inputs(args, device, world, rank, name, config):
         data = PackedDocuments(data, eos, args.seq_len, args.seed)
         if val is not None:
             val = PackedDocuments(val, eos, args.seq_len, args.seed, shuffle=False)
+    return data, val
+
+
+def set_up(args):
+    """The device and process group, then every input read and checked, in order."""
+    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
+    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
+    if cuda:
+        configure_cuda_allocator()
+    # A rank that never starts, or NCCL stuck on this machine, would wait here in silence.
+    waiting = heartbeat(WAITING_FOR_RANKS, every=WAIT_HINT_S)
+    try:
+        device, world, rank = init_distributed(cuda)
+        if world > 1:
+            dist.barrier()  # the first collective: every rank is here, and the transport works
+    finally:
+        waiting.set()
+    name, config = model_config(args)
+    if args.fit is not None:  # before anything reads the flags it sets
+        args = fit(args, world, config, device)
+    data, val = read_data(args, config)
     prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
     checkpoint = None
     if args.checkpoint:
@@ -4581,6 +4537,7 @@ class Signals:
 
     def __init__(self):
         self.run = None  # the Run to tell, while it trains
+        self.where = "before training: nothing to save"  # what a signal outside training says
         self.saved = {}
 
     def __enter__(self):
@@ -4595,33 +4552,29 @@ class Signals:
 
     def _handle(self, signum, frame):
         if self.run is None:
-            raise Interrupted(signum, "before training: nothing to save")
+            raise Interrupted(signum, self.where)
         if self.run.signal is None:
             self.run.signal = signum
 
 
-class Heartbeat:
-    """A line on rank 0 every `every` seconds while something runs long, from a thread.
+def heartbeat(line, every=None):
+    """Print `line` on rank 0 every `every` s (PROGRESS_S) until the returned Event is set.
 
-    line: the text, {seconds} in it the time so far (step 1's compile, the first collective).
-    every: PROGRESS_S by default.
+    From a thread, for what runs long (step 1's compile, the first collective); {seconds} in
+    line is the time so far.
     """
+    every = every or PROGRESS_S
+    start = time.perf_counter()
+    stop = threading.Event()
 
-    def __init__(self, line, every=None):
-        self.line = line
-        self.every = every or PROGRESS_S
-        self.start = time.perf_counter()
-        self.done = threading.Event()
-        threading.Thread(target=self._beat, daemon=True).start()
-
-    def _beat(self):
-        while not self.done.wait(self.every):
+    def beat():
+        while not stop.wait(every):
             if not dist.is_initialized() and os.environ.get("RANK", "0") != "0":
                 continue  # before the process group too, rank 0 alone speaks
-            print0(self.line.format(seconds=time.perf_counter() - self.start))
+            print0(line.format(seconds=time.perf_counter() - start))
 
-    def stop(self):
-        self.done.set()
+    threading.Thread(target=beat, daemon=True).start()
+    return stop
 
 
 def continue_command(args):
@@ -4663,29 +4616,31 @@ def prepare(args):
     return Run(s, model, fsdp, optimizer, start, end)
 
 
-def run_loop(run):
-    """The training loop, its out-of-memory and non-finite losses one line each."""
-    args = run.args
+def out_of_memory(run):
+    """The line for a step out of memory (on one rank: it exits, and torchrun ends the rest)."""
     device = run.device
-    data = run.setup.data
-    try:
-        train(run.model, run.fsdp, run.optimizer, data, args, device, run.start, run.end, run)
-    except torch.OutOfMemoryError:
-        if run.in_hook:  # in an evaluation or a save: main's one line says so
-            raise
-        # On one rank: it exits, and torchrun ends the others.
-        if device.type == "cuda":
-            total = torch.cuda.mem_get_info(device)[1]
-        else:
-            total = os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
-        raise UserError(
-            f"out of memory on {device} at step {run.step + 1}: --estimate predicted a peak of "
-            f"{run.predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
-            f"settings that fit"
-        ) from None
-    except FloatingPointError as e:  # a non-finite loss: no save since
-        intact = f"; the last checkpoint in {args.out} is intact" if args.out else ""
-        raise UserError(f"{e}{intact}") from None
+    if device.type == "cuda":
+        total = torch.cuda.mem_get_info(device)[1]
+    else:
+        total = os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
+    return (
+        f"out of memory on {device} at step {run.step + 1}: --estimate predicted a peak of "
+        f"{run.predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
+        f"settings that fit"
+    )
+
+
+def where_stopped(run):
+    """Where a stopped run is: its step, the checkpoint saved, the command that continues it."""
+    args = run.args
+    where = f"after step {run.step} of {args.steps}"
+    if not args.out:
+        return f"{where}; nothing is saved without --out"
+    path = os.path.join(args.out, f"checkpoint-{run.step}")
+    where += f"; {path} is saved"
+    if run.step < args.steps:
+        where += f"; continue it with: {continue_command(args)}"
+    return where
 
 
 def fine_tune(args):
@@ -4704,22 +4659,25 @@ def fine_tune(args):
             run.evaluate(0)
         if args.compile:
             print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
-            run.heartbeat = Heartbeat("still compiling the first step: {seconds:.0f} s so far")
+            run.compiling = heartbeat("still compiling the first step: {seconds:.0f} s so far")
         signals.run = run
-        try:
-            run_loop(run)
+        try:  # the loop; its out-of-memory and non-finite losses one line each
+            data = s.data
+            train(run.model, run.fsdp, run.optimizer, data, args, s.device, run.start, run.end, run)
+        except torch.OutOfMemoryError:
+            if run.in_hook:  # in an evaluation or a save: main's one line says so
+                raise
+            raise UserError(out_of_memory(run)) from None
+        except FloatingPointError as e:  # a non-finite loss: no save since
+            intact = f"; the last checkpoint in {args.out} is intact" if args.out else ""
+            raise UserError(f"{e}{intact}") from None
         finally:
             signals.run = None
-            if run.heartbeat is not None:
-                run.heartbeat.stop()
+            if run.compiling is not None:
+                run.compiling.set()
         if run.interrupted:
-            where = f"after step {run.step} of {args.steps}"
-            if args.out:
-                path = os.path.join(args.out, f"checkpoint-{run.step}")
-                where += f"; {path} is saved; continue it with: {continue_command(args)}"
-            else:
-                where += "; nothing is saved without --out"
-            raise Interrupted(run.interrupted, where)
+            raise Interrupted(run.interrupted, where_stopped(run))
+        signals.where = f"{where_stopped(run)}; the --merge_to or --sample after it was cut short"
         summary = run.finish()
     return summary, [r.loss for r in run.records], run.fsdp
 
@@ -4731,7 +4689,14 @@ def fine_tune(args):
 # from above: GiB, section 1, sections 7-9, section 11.
 
 
-def _add_model_flags(p):
+def _fit_value(v):
+    """--fit's number, or "auto" when none is given."""
+    return v if v == "auto" else float(v)
+
+
+def _add_flags(parser):
+    """The flags, in the groups that --help shows: p is the group they join."""
+    p = parser.add_argument_group("the model")
     p.add_argument("--model", default="tiny", help=f"one of {', '.join(CONFIGS)}")
     p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
     p.add_argument("--lora_rank", type=int, default=8)
@@ -4740,9 +4705,7 @@ def _add_model_flags(p):
     families = "a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory"
     p.add_argument("--checkpoint", metavar="DIR", help=f"{families}; overrides --model")
     p.add_argument("--nf4_head", action="store_true", help="the lm_head in NF4 (default: dense)")
-
-
-def _add_data_flags(p):
+    p = parser.add_argument_group("the data")
     formats = ".npy, .npz (+ loss_mask), .bin, dummy, other: bytes; default: this file"
     p.add_argument("--data", metavar="PATH", help=formats)
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
@@ -4752,9 +4715,7 @@ def _add_data_flags(p):
     p.add_argument("--eval_seqs", type=int, default=64, help="evaluate the first K sequences")
     p.add_argument("--pack", action="store_true", help="rows of whole documents, as if alone")
     p.add_argument("--eos_id", type=int, help="--pack: the token that ends a document")
-
-
-def _add_optimization_flags(p):
+    p = parser.add_argument_group("the optimization")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--grad_accum", type=int, default=1)
     p.add_argument("--lr", type=float, default=3e-3)
@@ -4763,9 +4724,7 @@ def _add_optimization_flags(p):
     p.add_argument("--adam_eps", type=float, default=1e-8)
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-
-
-def _add_checkpoint_flags(p):
+    p = parser.add_argument_group("checkpoints and exports")
     p.add_argument("--out", metavar="DIR", help="write PEFT adapters and resumable state here")
     p.add_argument("--save_every", type=int, default=0, help="save every N steps (0: at the end)")
     p.add_argument("--resume", action="store_true", help="continue --out's latest checkpoint")
@@ -4774,14 +4733,7 @@ def _add_checkpoint_flags(p):
     p.add_argument(
         "--max_shard_size", type=float, default=5.0, metavar="GB", help="its files' size"
     )
-
-
-def _fit_value(v):
-    """--fit's number, or "auto" when none is given."""
-    return v if v == "auto" else float(v)
-
-
-def _add_memory_flags(p):
+    p = parser.add_argument_group("memory and speed")
     on_off = argparse.BooleanOptionalAction
     p.add_argument("--compile", action=on_off, default=True, help="NF4 kernels and blocks")
     p.add_argument("--checkpointing", action=on_off, default=True, help="per block")
@@ -4799,9 +4751,7 @@ def _add_memory_flags(p):
     p.add_argument("--fit", nargs="?", const="auto", type=_fit_value, metavar="GIB", help=fit)
     p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (and CUDA's memory) to DIR")
     p.add_argument("--log_every", type=int, default=1)
-
-
-def _add_sampling_flags(p):
+    p = parser.add_argument_group("a sample after training")
     p.add_argument("--sample", type=int, default=0, metavar="N", help="then continue --prompt")
     p.add_argument("--prompt", help="text for byte-level models, else token ids: 1,791")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
@@ -4844,20 +4794,13 @@ class _Parser(argparse.ArgumentParser):
     """argparse, whose errors are one line (under torchrun, rank 0's alone)."""
 
     def error(self, message):
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message} (--help lists the flags)", file=sys.stderr, flush=True)
-        raise SystemExit(2)
+        exit_with(f"error: {message} (--help lists the flags)", 2)
 
 
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = _Parser(description=__doc__.split("\n\n")[0])
-    _add_model_flags(p)
-    _add_data_flags(p)
-    _add_optimization_flags(p)
-    _add_checkpoint_flags(p)
-    _add_memory_flags(p)
-    _add_sampling_flags(p)
+    _add_flags(p)
     args = p.parse_args(argv)
     args.argv = argv  # what continue_command repeats
     _check_args(p, args)
@@ -4873,8 +4816,7 @@ def estimate(args):
     name, config = model_config(args)
     if args.fit is not None:  # the plan --fit would run
         cuda = torch.cuda.is_available() and args.device != "cpu"
-        budget = fit_budget(args, torch.device("cuda" if cuda else "cpu"))
-        args = fit(args, world, config, budget)
+        args = fit(args, world, config, torch.device("cuda" if cuda else "cpu"))
     est = predicted_memory(args, world, config)
     print0(format_budget(name, memory_budget(config, args.lora_rank, args.nf4_head)))
     print0(format_estimate(name, est, world))

@@ -114,7 +114,8 @@ def test_part_one_is_the_reference_and_ends_with_the_loop():
     """The file tells the reference first: Part I (sections 1-8, in the story's order) ends with
     the training loop, a `# Part II` banner starts what a real run needs around it (sections
     9-12), and the module docstring says so. No function is over 60 non-blank lines in Part I,
-    none over 80 in the file."""
+    none over 80 in the file. Part I is at most 2,200 non-blank lines, of 60 characters on
+    average at most; the whole file at most 4,200."""
     import ast
 
     text = open(qf.__file__).read()
@@ -133,6 +134,9 @@ def test_part_one_is_the_reference_and_ends_with_the_loop():
             n = sum(1 for line in body if line.strip())
             limit = 60 if node.lineno < part_two else 80
             assert n <= limit, (node.name, n)
+    reference = [line for line in lines[:part_two] if line.strip()]
+    assert len(reference) <= 2200 and sum(1 for line in lines if line.strip()) <= 4200
+    assert sum(map(len, reference)) <= 60 * len(reference)
 
 
 # ---- 1. memory accounting ---------------------------------------------------------------------
@@ -2327,6 +2331,28 @@ def test_estimate_counts_the_real_all_gather_buffers():
         assert half.state[row] == pytest.approx(v / 2), row
 
 
+def test_cublas_workspaces_follow_the_gpu_and_the_variable(monkeypatch):
+    """The estimate's cuBLAS row: two matmul threads' workspaces, torch's default by compute
+    capability (32 MiB on sm90, :4096:2:16:8 = 8.125 MiB elsewhere; Hopper's when no GPU is
+    known), or CUBLAS_WORKSPACE_CONFIG's pairs; the estimate's peak counts them."""
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    assert qf.cublas_workspaces((9, 0))[0] == 2 * 32 * 2**20
+    assert qf.cublas_workspaces((8, 0)) == (
+        2 * 8320 * 2**10,
+        "torch's default for sm80, :4096:2:16:8",
+    )
+    assert qf.cublas_workspaces()[0] == 2 * 32 * 2**20
+    assert "assumed" in qf.cublas_workspaces()[1]
+    hopper = qf.estimate_memory(qf.CONFIGS["tiny"], capability=(9, 0))
+    ampere = qf.estimate_memory(qf.CONFIGS["tiny"], capability=(8, 0))
+    assert hopper.gpu_peak - ampere.gpu_peak == 2 * (32 * 2**20 - 8320 * 2**10)
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:2:16:8:1024:4")
+    assert qf.cublas_workspaces((9, 0)) == (
+        2 * (8192 + 128 + 4096) * 2**10,
+        "CUBLAS_WORKSPACE_CONFIG=:4096:2:16:8:1024:4",
+    )
+
+
 def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
     """--estimate answers from the config alone (WORLD_SIZE from the environment, no process
     group): the 7B talk benchmark at world 2 ends with a JSON line holding predicted_peak_gib;
@@ -3740,6 +3766,30 @@ def test_sigint_stops_at_a_step_saves_and_resumes_exactly(tmp_path):
     )
     for name, t in full["adapters"].items():
         assert torch.equal(resumed["adapters"][name], t), name
+
+
+def test_a_signal_after_training_says_what_is_saved(tmp_path, monkeypatch, capsys):
+    """A SIGINT during what follows training (here --sample) is one line, exit 130, naming the last
+    step and its saved checkpoint and saying the sample was cut short; nothing suggests that
+    nothing was saved."""
+    real = qf.generate
+
+    def interrupted_generate(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode: inside the sample
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(qf, "generate", interrupted_generate)
+    out = tmp_path / "out"
+    argv = BASE + ["--batch_size", "2", "--steps", "2", "--out", str(out), "--sample", "4"]
+    with pytest.raises(SystemExit) as exc:
+        qf.main(argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 130 and len(err.splitlines()) == 1, err
+    assert err == (
+        f"interrupted (SIGINT) after step 2 of 2; {out}/checkpoint-2 is saved; the --merge_to or "
+        "--sample after it was cut short"
+    )
+    assert (out / "checkpoint-2" / "training_state.pt").is_file()
 
 
 def test_a_resumed_summary_covers_the_whole_run(tmp_path, capsys):
