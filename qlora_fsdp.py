@@ -4118,30 +4118,27 @@ PROGRESS_S = 10.0  # seconds between progress lines
 def progress(items, what, total, nbytes):
     """(name, tensor) items as they come, with a line on rank 0 at least every PROGRESS_S.
 
-    Each line has the tensors done and the bytes read; from the second tensor on, the rate and
-    the time left too, measured from the end of the first, whose fixed cost (the first compile
-    of the quantize kernel, the first read) says nothing about the rest. One more comes at the
-    end.
+    Each line has the tensors done and the bytes read; from the second line on, the rate since
+    the line before and the time left at that rate. The first line's time holds the fixed costs
+    (the quantize kernel's first compiles, one per new shape; the first read), which say
+    nothing about the rest. One more line comes at the end.
     """
     start = time.perf_counter()
-    last = start
-    first = None  # (time, bytes) when the first tensor was done
+    said = None  # (time, bytes) at the last line
     n = 0
     done = 0
     for n, (name, t) in enumerate(items, 1):
         done += t.nbytes  # the bytes read (in a checkpoint's dtype) or drawn
         yield name, t
         now = time.perf_counter()
-        if first is None:
-            first = (now, done)
-        if now - last < PROGRESS_S:
+        if now - (said[0] if said else start) < PROGRESS_S:
             continue
-        last = now
         line = f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}"
-        if n > 1 and now > first[0]:
-            rate = (done - first[1]) / (now - first[0])
+        if said and now > said[0]:
+            rate = (done - said[1]) / (now - said[0])
             left = max(0, nbytes - done) / max(rate, 1e-9)
             line += f", {fmt_bytes(rate)}/s, {left:.0f} s left"
+        said = (now, done)
         print0(line)
     seconds = max(time.perf_counter() - start, 1e-9)
     print0(
