@@ -4727,10 +4727,11 @@ class _Crossing(NamedTuple):
 
 @cuda
 def test_cuda_offload_casts_the_masters_on_the_gpu():
-    """--cpu_offload: a gather sends each unit's pinned shard bytes and fp32 masters to the GPU as
-    they are, without blocking, and casts the masters to bf16 there; the gradients come back the
-    same way. No copy between the host and the GPU changes the dtype (such a copy casts on the
-    host, into pageable memory, then copies synchronously), none blocks, each uses pinned memory."""
+    """--cpu_offload, in forward and backward: a gather sends each unit's pinned shard bytes and
+    fp32 masters to the GPU as they are, without blocking, and casts the masters to bf16 there;
+    the gradients come back the same way. No copy between the host and the GPU changes the dtype
+    (such a copy casts on the host, into pageable memory, then copies synchronously), none
+    blocks, each uses pinned memory."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64))
     fsdp = qf.FSDP(model, list(model), "cuda", torch.bfloat16, offload=True)

@@ -147,7 +147,7 @@ def main():
     p.add_argument("--batch_size", type=int, default=8, help="per GPU")
     p.add_argument("--seq_len", type=int, default=2048)
     p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--test_timeout", type=float, default=150, help="seconds for the CUDA tests")
+    p.add_argument("--test_timeout", type=float, default=240, help="seconds for the CUDA tests (cold: four compile)")
     p.add_argument("--run_timeout", type=float, default=150,
                    help="seconds for each training run where the device's speed is unknown")
     p.add_argument("--limit", type=float, default=600, help="seconds the whole check should fit in")
