@@ -5,58 +5,32 @@ QLoRA (a frozen 4-bit NormalFloat base with small trainable LoRA adapters), shar
 processes the way PyTorch's FSDP2 does it, written out by hand on torch.distributed. It is the
 talk "Slaying OOMs with PyTorch FSDP and torchao" (Mark Saroufim, Jane Xu) turned into code.
 
-Part I is the reference. It tells the story in order, one lesson per section, and ends with
-the training loop. Each section needs only torch and the sections above it, so it can be
-lifted out alone; its first comment names what it needs.
+Part I is the lesson: one path, plain Llama with QLoRA on its seven projections, sharded and
+trained, one lesson per section, ending with the training loop. Each section needs only torch
+and the sections above it (its first comment says what), so it can be lifted out alone.
 
-   1. memory accounting       parameters + gradients + optimizer state, full vs QLoRA
-   2. NF4 quantization        blocks of 64, a codebook, nibble packing, double-quantized scales
-   3. NF4 tensor subclass     NF4 weights that behave like tensors (F.linear, .to, save/load)
-   4. LoRA                    a frozen NF4 base plus trainable low-rank adapters
-   5. sharding and offload    per-parameter shards, one all-gather per unit, reduce-scatter
-   6. foreach AdamW           one kernel launch per op for all shards
-   7. Llama                   Hugging Face names, RoPE, GQA, SwiGLU, chunked cross entropy
-   8. training                batches, one step, the loop over steps
+   1. memory accounting      2. NF4 quantization      3. NF4 tensor subclass    4. LoRA
+   5. sharding and offload   6. foreach AdamW         7. Llama                  8. training
 
-Part II is what a real run needs around the loop. Skip it on a first read.
+Part II extends Part I's names for the product (subclasses, wrappers, registrations); Part I
+never names it. Skip it on a first read.
 
-   9. predicting the peak     every buffer of a step, counted before one exists; --fit
-  10. Hugging Face files      safetensors in and out, PEFT adapters, resumable checkpoints
-  11. a run                   data files, evaluation, metrics, progress, set-up and summary
-  12. the command line        flags, their checks, main()
+   9. faster NF4             10. any model            11. the Llama family, packing
+  12. predicting the peak    13. Hugging Face files   14. a run       15. the command line
 
-Run it:
-  python qlora_fsdp.py                          # tiny model on this file's bytes, CPU
-  torchrun --nproc_per_node 2 qlora_fsdp.py     # the same, sharded over 2 processes
-  torchrun --nproc_per_node 2 qlora_fsdp.py --model llama2-7b --data dummy \\
-      --batch_size 8 --seq_len 2048
-  WORLD_SIZE=2 python qlora_fsdp.py --model llama2-7b --batch_size 8 --seq_len 2048 \\
-      --estimate --fit 24
-  torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.npy --out runs/a
-  python qlora_fsdp.py --sample 200 --prompt "def "   # then continue a prompt by 200 tokens
+Run it (more in the README and --help):
+  torchrun --nproc_per_node 2 qlora_fsdp.py     # the tiny model on this file's bytes, CPU
+  torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.jsonl --out runs/a
 """
 
-import argparse
-import bisect
 import contextlib
-import functools
 import hashlib
-import io
 import itertools
-import json
 import math
 import os
 import random
-import re
-import resource
-import shlex
-import shutil
-import signal
-import sys
-import tempfile
-import threading
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import NamedTuple, Optional
 
 import numpy as np
@@ -64,14 +38,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-import torch.utils._pytree as pytree
-from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 from torch.utils.checkpoint import checkpoint
 
 GiB = 1024**3
 
 # =============================================================================
-# Part I: the reference
+# Part I: the lesson
 # =============================================================================
 
 # -----------------------------------------------------------------------------
@@ -80,15 +52,13 @@ GiB = 1024**3
 # Needs: from typing import NamedTuple.
 #
 # Full fine-tuning in bf16 keeps, per parameter, the weight (2 B), its gradient (2 B) and
-# Adam's two moments (2 x 2 B): 8 B per parameter. A 7B model needs 56 GB before a single
-# activation exists (Llama-2-7B has 6.74 B parameters: 13.5 + 13.5 + 27, about 54 GB).
-# QLoRA freezes the base in NF4 (about 0.516 B per parameter, section 2) and trains only
-# LoRA adapters. They are kept in fp32 (4 B) with fp32 gradients (4 B) and two fp32 moments
-# (8 B): 16 B per *adapter* parameter, and there are only about 0.3% of them.
-
-# NF4 stores 64 weights in 32 B of codes, a 1 B int8 scale, and a 4 B fp32 factor shared by
-# 256 scales: 4 + 8/64 + 32/(64*256) = 4.127 bits per parameter. The 0.127 bits are the
-# paper's scale overhead after double quantization.
+# Adam's two moments (2 x 2 B): 8 B per parameter. Llama-2-7B's 6.74 B parameters need
+# 54 GB (the talk's 7 B x 8 B = 56 GB) before a single activation exists.
+# QLoRA freezes the base in NF4 (section 2) and trains only LoRA adapters, in fp32 (4 B)
+# with fp32 gradients (4 B) and two fp32 moments (8 B): 16 B per *adapter* parameter,
+# and there are only about 0.3% of them.
+# NF4 stores 64 weights in 32 B of codes, a 1 B int8 scale, and a 4 B fp32 factor shared
+# by 256 scales: 4 + 8/64 + 32/(64*256) = 4.127 bits (0.516 B) per parameter.
 NF4_BITS_PER_PARAM = 4 + 8 / 64 + 32 / (64 * 256)
 
 
@@ -113,34 +83,22 @@ class ParamCounts(NamedTuple):
     """A Llama config's parameters, by what QLoRA does with each kind."""
 
     linear: int  # the 7 projections of every block: frozen, NF4
-    head: int  # lm_head: frozen, dense (or NF4: nf4_head)
-    dense: int  # the embeddings, norms and biases: frozen, in the compute dtype
+    head: int  # lm_head: frozen, dense
+    dense: int  # the embeddings and norms: frozen, in the compute dtype
     lora: int  # LoRA's A and B on every projection: trained, fp32
 
 
 def count_params(config, lora_rank=8):
-    """The parameters of a Llama config, counted from its shapes.
-
-    A tied lm_head counts apart from the embeddings: this file keeps a copy of its own.
-    """
+    """The parameters of a Llama config, counted from its shapes."""
     layers = config.num_hidden_layers
     d = config.hidden_size
-    shapes = linear_shapes(config)
-    linear = layers * sum(out * inp for out, inp in shapes.values())
-    lora = layers * sum(lora_rank * (inp + out) for out, inp in shapes.values())
+    shapes = linear_shapes(config).values()
+    linear = layers * sum(out * inp for out, inp in shapes)
+    lora = layers * sum(lora_rank * (inp + out) for out, inp in shapes)
     embeddings = config.vocab_size * d
     norms = (2 * layers + 1) * d  # two per block, one final
-    if config.qk_norm:  # Qwen3: q_norm and k_norm over head_dim in every block
-        norms += 2 * layers * config.head_dim
-    # Biases, by their projection's output size: Qwen2's q, k, v; Llama's options.
-    q_out = shapes["self_attn.q_proj"][0]
-    kv_out = shapes["self_attn.k_proj"][0]
-    ffn = config.intermediate_size
-    per_block = config.qkv_bias * (q_out + 2 * kv_out)
-    per_block += config.attention_bias * d + config.mlp_bias * (2 * ffn + d)
     head = config.vocab_size * d
-    dense = embeddings + norms + layers * per_block
-    return ParamCounts(linear=linear, head=head, dense=dense, lora=lora)
+    return ParamCounts(linear, head, embeddings + norms, lora)
 
 
 class StateBytes(NamedTuple):
@@ -161,53 +119,30 @@ class MemoryBudget(NamedTuple):
     qlora: StateBytes
 
 
-def memory_budget(config, lora_rank=8, nf4_head=False):
-    """Bytes of weights, gradients and optimizer state: full bf16 fine-tuning vs QLoRA."""
-    counts = count_params(config, lora_rank)
+def memory_budget(counts, nf4_head=False):
+    """count_params' counts -> the bytes of full bf16 fine-tuning and of QLoRA."""
     total = counts.linear + counts.head + counts.dense
     in_nf4 = counts.linear + (counts.head if nf4_head else 0)
     nf4 = in_nf4 * NF4_BITS_PER_PARAM / 8
     # Everything trains in bf16: weights, gradients, two moments.
     full = StateBytes(params=2 * total, grads=2 * total, optimizer=4 * total)
-    # An NF4 base, the rest of it in bf16, and fp32 adapters that alone have gradients and
+    # An NF4 base, the rest of it in bf16, and fp32 adapters, alone with gradients and
     # moments.
     qlora = StateBytes(
         params=nf4 + 2 * (total - in_nf4) + 4 * counts.lora,
         grads=4 * counts.lora,
         optimizer=8 * counts.lora,
     )
-    return MemoryBudget(n_params=total, n_lora=counts.lora, full_bf16=full, qlora=qlora)
-
-
-def fmt_bytes(n):
-    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n:.0f} B"
-
-
-def format_budget(name, budget):
-    n_params = budget.n_params / 1e6
-    n_lora = budget.n_lora / 1e6
-    rows = [
-        f"memory before activations, {name} "
-        f"({n_params:,.1f} M params, {n_lora:,.2f} M LoRA params):"
-    ]
-    for label, b in (("full fine-tune, bf16", budget.full_bf16), ("QLoRA, NF4 base", budget.qlora)):
-        rows.append(
-            f"  {label:<21} params {fmt_bytes(b.params):>9} + grads {fmt_bytes(b.grads):>9}"
-            f" + Adam {fmt_bytes(b.optimizer):>9} = {fmt_bytes(b.total()):>9}"
-        )
-    return "\n".join(rows)
+    return MemoryBudget(total, counts.lora, full, qlora)
 
 
 # -----------------------------------------------------------------------------
 # 2. NF4 quantization with double-quantized scales (QLoRA, Dettmers et al. 2023)
 # -----------------------------------------------------------------------------
-# Needs: import sys, torch, torch.nn.functional as F.
+# Needs: import torch, torch.nn.functional as F.
 #
 # NormalFloat-4 has 16 values placed at quantiles of N(0, 1), rescaled to [-1, 1], with an
-# exact 0 (paper, Appendix E; bitsandbytes' get_4bit_type("nf4")). Code i is NF4[i], ascending.
+# exact 0 (paper, Appendix E; bitsandbytes' get_4bit_type("nf4")). Code i is NF4[i].
 # fmt: off
 NF4_VALUES = [
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -220,30 +155,24 @@ NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 # Rounding to the nearest value is bucketize on the 15 midpoints: no (numel x 16) distances.
 NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 
-# torch.compile turns the plain-Python kernels below into fused loops (Triton on CUDA, C++ on
-# the CPU). Every function and layer of sections 2-4 takes compile=None (meaning COMPILE),
-# True or False; both paths give the same bits. The first compiled call of a kernel compiles
-# it, which takes seconds on a CPU.
+# torch.compile turns the plain-Python kernels below into fused loops (Triton on CUDA, C++
+# on the CPU). Every function and layer of sections 2-4 takes compile=None (COMPILE),
+# True or False; both give the same bits.
 COMPILE = True
-QUANT_CHUNK = 1 << 24  # elements quantized per call, so a huge matrix never has an fp32 copy
+QUANT_CHUNK = 1 << 24  # elements quantized per call: a huge matrix never has an fp32 copy
+DEQUANT_CHUNK = 1 << 22  # elements per pass of the eager dequantize
 
 
 def use_compiled(compile, t):
-    """Whether to run a separately compiled kernel on t.
-
-    `compile` decides (None: COMPILE), except inside an outer torch.compile, which traces the
-    plain function into its own graph, and on meta tensors, which have no data to compute on.
-    """
+    """Whether to run a compiled kernel on t: as `compile` says (None: COMPILE), but not on
+    "meta" (no data) nor inside an outer torch.compile (which traces the plain function)."""
     wanted = COMPILE if compile is None else compile
     return wanted and t.device.type != "meta" and not torch.compiler.is_compiling()
 
 
 def _quantize_blocks(w, block_size: int):
-    """w (n_blocks * block_size,) float -> packed codes (numel/2,) uint8, absmax (n_blocks,) fp32.
-
-    Each block is scaled by its exact absmax into [-1, 1] and rounded to the nearest NF4
-    value, as bitsandbytes and torchao do.
-    """
+    """w (n_blocks * block_size,) -> codes (numel/2,) uint8, absmax (n_blocks,) fp32: each
+    block scaled by its exact absmax, rounded to the nearest value (as bitsandbytes does)."""
     blocks = w.float().view(-1, block_size)  # (n_blocks, 64)
     absmax = blocks.abs().amax(dim=1)  # (n_blocks,)
     normalized = blocks / absmax.clamp_min(torch.finfo(torch.float32).tiny)[:, None]
@@ -255,12 +184,12 @@ def _quantize_blocks(w, block_size: int):
 
 
 def _double_quantize(absmax, scaler_block_size: int):
-    """The fp32 block scales to int8, by torchao's scheme.
+    """The fp32 block scales to int8 by torchao's scheme: scale_q (n_blocks,) int8,
+    scale_factor (n_groups,) fp32, scale_mean () fp32.
 
-    Subtract the global mean, then per group of 256 scales take factor = 127 / absmax(group)
-    and q = round(s * factor). (torchao uses 128 and clamps, which clips each group's largest
-    scale by a step; 127 never clips.) A partial last group is zero padded.
-    Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32.
+    Subtract the global mean, then per group of 256 scales (a partial last one zero padded)
+    q = round(s * factor), factor = 127 / absmax(group). (torchao's 128 clips each group's
+    largest scale by a step; 127 never clips.)
     """
     n = absmax.numel()
     mean = absmax.mean()
@@ -273,113 +202,38 @@ def _double_quantize(absmax, scaler_block_size: int):
 
 
 def _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size: int):
-    """The (n_blocks,) fp32 block scales back from their int8 codes: q / factor[group] + mean."""
+    """The (n_blocks,) fp32 block scales from their int8 codes: q / factor[group] + mean."""
     group = torch.arange(scale_q.numel(), device=scale_q.device) // scaler_block_size
     return scale_q.float() / scale_factor[group] + scale_mean
 
 
-_NF4_ON_DEVICE = {}  # the codebook, copied to each device once
-DEQUANT_CHUNK = 1 << 22  # elements per pass of the eager dequantize
+def _dequantize_blocks(packed, absmax, block_size: int, dtype: torch.dtype):
+    """packed (numel/2,) uint8, absmax (n_blocks,) -> w = NF4[code] * absmax, (numel,)."""
+    codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).int()  # the nibbles
+    values = NF4.to(packed.device).index_select(0, codes)
+    return (values.view(-1, block_size) * absmax[:, None]).to(dtype).view(-1)
 
 
-def _dequantize(
-    packed,
-    scale_q,
-    scale_factor,
-    scale_mean,
-    block_size: int,
-    scaler_block_size: int,
-    dtype: torch.dtype,
-):
-    """The inverse of quantize_nf4: a (numel,) tensor of `dtype`, w = NF4[code] * absmax[block].
-
-    This is the reference, and the path for compile=False and for every dtype but bf16. Codes
-    index the codebook as int32, a chunk (at most half the weight) at a time, so that no
-    temporary of 4-byte codes and values outgrows the output.
-    """
-    if packed.device not in _NF4_ON_DEVICE:
-        _NF4_ON_DEVICE[packed.device] = NF4.to(packed.device)
-    table = _NF4_ON_DEVICE[packed.device]
+def _dequantize(inner, block_size: int, scaler_block_size: int, dtype: torch.dtype):
+    """inner: quantize_nf4's four tensors -> the weight, flat, of dtype."""
+    packed, scale_q, scale_factor, scale_mean = inner
     absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
-    blocks = packed.view(-1, block_size // 2)  # (n_blocks, 32)
-    out = torch.empty(blocks.shape[0], block_size, dtype=dtype, device=packed.device)
-    # Blocks per chunk: DEQUANT_CHUNK elements, at most half the weight (numel / 2 = packed).
-    step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)
-    for byte, scale, chunk in zip(blocks.split(step), absmax.split(step), out.split(step)):
-        codes = torch.stack([byte >> 4, byte & 0xF], dim=-1).view(-1).int()  # the nibbles
-        values = table.index_select(0, codes).view(-1, block_size)  # (blocks in the chunk, 64)
-        chunk.copy_(values.mul_(scale[:, None]))
-    return out.view(-1)
-
-
-# What torch.compile gets for bf16 output: the same bits, in a form it vectorizes. (The table
-# lookup above compiles to a gather, the interleaving of the nibbles to scalar stores.)
-#   1. The lookup is a tree of selects between constants.
-#   2. Each byte's two bf16 results, rounded on their bits, are packed into one int32 (the
-#      first in the low half, as little-endian memory orders them), written contiguously, and
-#      viewed as bf16 afterwards.
-def _nf4_lookup(code):
-    """NF4_VALUES[code] for an integer tensor of codes 0..15, without indexing.
-
-    Bit 0 of the code picks within each pair of values, bit 1 within pairs of pairs, and so
-    on: 15 selects on 4 levels.
-    """
-    values = NF4_VALUES
-    for bit in range(4):
-        take_upper = (code & (1 << bit)) != 0
-        pairs = zip(values[0::2], values[1::2])
-        values = [torch.where(take_upper, hi, lo) for lo, hi in pairs]
-    return values[0]
-
-
-def _bf16_bits(x):
-    """fp32 x -> the 16 bits of x.to(torch.bfloat16), in an int32 (round to nearest even)."""
-    bits = x.view(torch.int32)
-    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
-
-
-def _dequantize_bf16_pairs(
-    packed, scale_q, scale_factor, scale_mean, block_size: int, scaler_block_size: int
-):
-    """(numel/2,) int32, each the two bf16 values of one packed byte.
-
-    Viewed as bf16, it equals _dequantize's output.
-    """
-    absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)[:, None]
-    byte = packed.view(-1, block_size // 2).int()  # (n_blocks, 32)
-    first = _bf16_bits(_nf4_lookup(byte >> 4) * absmax)  # elements 0, 2, 4, ... of each block
-    second = _bf16_bits(_nf4_lookup(byte & 0xF) * absmax)  # elements 1, 3, 5, ...
-    return (first | (second << 16)).view(-1)
+    return _dequantize_blocks(packed, absmax, block_size, dtype)
 
 
 _quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
-_dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=True)
-
-
-# Traced into a bigger compiled graph (a compiled block), the kernel above loses its
-# vectorization to the int32 -> bf16 view. As a custom op it stays one opaque call there, and
-# that call runs the separately compiled kernel.
-@torch.library.custom_op("qlora_fsdp::dequantize_nf4_bf16", mutates_args=())
-def _dequantize_bf16(
-    inner: list[torch.Tensor], block_size: int, scaler_block_size: int
-) -> torch.Tensor:
-    """inner: packed, scale_q, scale_factor, scale_mean -> the weight, flat, in bf16."""
-    pairs = _dequantize_bf16_pairs_compiled(*inner, block_size, scaler_block_size)
-    return pairs.view(torch.bfloat16)
-
-
-@_dequantize_bf16.register_fake
-def _(inner, block_size, scaler_block_size):
-    packed = inner[0]
-    return packed.new_empty(2 * packed.numel(), dtype=torch.bfloat16)
+_dequantize_compiled = torch.compile(_dequantize, dynamic=True)
+# Faster kernels by output dtype, called as _dequantize is (section 9 adds bf16's).
+DEQUANTIZE_KERNELS = {}
 
 
 def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
-    """weight (any shape, numel % block_size == 0) -> packed, scale_q, scale_factor, scale_mean."""
-    if weight.numel() % block_size or weight.numel() == 0:
+    """weight (numel % block_size == 0) -> packed, scale_q, scale_factor, scale_mean."""
+    n = weight.numel()
+    if n % block_size or n == 0:
         raise ValueError(
-            f"NF4 needs a positive number of elements divisible by block_size={block_size}; "
-            f"got shape {tuple(weight.shape)} ({weight.numel()} elements)"
+            f"NF4 needs a positive number of elements divisible by block_size="
+            f"{block_size}; got shape {tuple(weight.shape)} ({n} elements)"
         )
     if block_size % 2:
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
@@ -387,22 +241,18 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     flat = weight.detach().reshape(-1)
     # In chunks of whole blocks: a big matrix never has a whole fp32 copy.
     step = max(block_size, QUANT_CHUNK // block_size * block_size)
-    packed_chunks = []
-    absmax_chunks = []
+    chunks = []
     with torch.no_grad():
-        for start in range(0, flat.numel(), step):
-            packed, absmax = kernel(flat[start : start + step], block_size)
-            packed_chunks.append(packed)
-            absmax_chunks.append(absmax)
-    packed = torch.cat(packed_chunks)
-    absmax = torch.cat(absmax_chunks)
+        for start in range(0, n, step):
+            chunks.append(kernel(flat[start : start + step], block_size))
+    packed = torch.cat([codes for codes, _ in chunks])
+    absmax = torch.cat([scales for _, scales in chunks])
     # An inf or NaN anywhere reaches every block through the scales' mean.
     if absmax.device.type != "meta" and not absmax.isfinite().all():
         raise ValueError(
             f"NF4 cannot quantize a weight holding inf or NaN (shape {tuple(weight.shape)})"
         )
-    scale_q, scale_factor, scale_mean = _double_quantize(absmax, scaler_block_size)
-    return packed, scale_q, scale_factor, scale_mean
+    return (packed, *_double_quantize(absmax, scaler_block_size))
 
 
 def dequantize_nf4(
@@ -415,68 +265,67 @@ def dequantize_nf4(
     dtype=torch.bfloat16,
     compile=None,
 ):
-    """quantize_nf4's four tensors -> the weight, flat (numel,), in `dtype`.
+    """quantize_nf4's four tensors -> the weight, flat, of `dtype`.
 
-    Compiled and in bf16: the vectorized kernel above (also when traced inside an outer
-    torch.compile); otherwise the eager reference.
+    Compiled, one fused kernel. Eager, at most half the weight at a time, so that no
+    temporary (int32 codes, fp32 values) outgrows the output.
     """
     inner = [packed, scale_q, scale_factor, scale_mean]
-    # Inside an outer torch.compile the bf16 path is the custom op whatever `compile` says:
-    # traced into the outer graph, the kernel would lose its vectorization.
-    outer = torch.compiler.is_compiling() and packed.device.type != "meta"
-    fast = outer or use_compiled(compile, packed)
+    blocks = (block_size, scaler_block_size)
     with torch.no_grad():  # frozen weights are never part of the autograd graph
-        if fast and dtype == torch.bfloat16 and sys.byteorder == "little":
-            return _dequantize_bf16(inner, block_size, scaler_block_size)
-        return _dequantize(*inner, block_size, scaler_block_size, dtype)
+        if use_compiled(compile, packed):
+            kernel = DEQUANTIZE_KERNELS.get(dtype, _dequantize_compiled)
+            return kernel(inner, *blocks, dtype)
+        if torch.compiler.is_compiling():  # traced whole into an outer graph
+            kernel = DEQUANTIZE_KERNELS.get(dtype, _dequantize)
+            return kernel(inner, *blocks, dtype)
+        absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
+        out = torch.empty(packed.numel() * 2, dtype=dtype, device=packed.device)
+        step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)  # blocks
+        chunks = zip(packed.split(step * block_size // 2), absmax.split(step))
+        for part, (codes, scales) in zip(out.split(step * block_size), chunks):
+            part.copy_(_dequantize_blocks(codes, scales, block_size, dtype))
+        return out
 
 
 # -----------------------------------------------------------------------------
 # 3. NF4Tensor: a tensor subclass so 4-bit weights behave like ordinary tensors
 # -----------------------------------------------------------------------------
-# Needs: import hashlib, torch, torch.nn.functional as F; from typing import Optional; from above:
-# quantize_nf4, dequantize_nf4.
+# Needs: import hashlib, torch, torch.nn as nn, torch.nn.functional as F; from typing import
+# Optional; from above: quantize_nf4, dequantize_nf4.
 #
 # A "wrapper" subclass has no storage of its own. It reports the original shape and float
-# dtype and holds four inner tensors, so F.linear, .to(), torch.save and torch.compile see a
-# tensor. For an (out, in) weight, numel = out * in:
+# dtype and holds four inner tensors, so F.linear, .to(), torch.save and torch.compile see
+# a tensor. For an (out, in) weight of numel elements:
 #   packed        (numel/2,)             uint8  codes, row-major, first of each pair high
 #   scale_q       (numel/64,)            int8   double-quantized absmax of each block of 64
 #   scale_factor  (ceil(numel/64/256),)  fp32   one per group of 256 scales (a partial too)
 #   scale_mean    ()                     fp32   the mean subtracted from the scales
-# Everything is flat, so that sharding (section 5) can split each inner tensor in its own dtype.
+# Everything is flat, so that sharding (section 5) can cut each in its own dtype.
 
 aten = torch.ops.aten
+# The namespace of this module's custom ops: a copy of a section elsewhere gets its own.
+OPS = __name__.replace(".", "_")
 
 
 class NF4Tensor(torch.Tensor):
     """A 4-bit weight (the layout above) as a tensor of its shape and float dtype.
 
-    F.linear, .to(), .cpu()/.cuda(), pin_memory, clone, copy_, torch.save and torch.compile
-    work on it; any other op raises, naming itself.
+    F.linear, .to(), .cpu()/.cuda(), clone, torch.save and torch.compile work on it; any
+    other op raises, naming itself.
     """
 
     INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
 
     @staticmethod
-    def __new__(cls, packed, scale_q, scale_factor, scale_mean, shape, dtype, *blocks, **kw):
-        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=packed.device)
+    def __new__(cls, inner, shape, dtype, *blocks):
+        device = inner[0].device
+        return torch.Tensor._make_wrapper_subclass(cls, shape, dtype=dtype, device=device)
 
-    def __init__(
-        self,
-        packed,
-        scale_q,
-        scale_factor,
-        scale_mean,
-        shape,
-        dtype,
-        block_size=64,
-        scaler_block_size=256,
-    ):
-        self.packed = packed
-        self.scale_q = scale_q
-        self.scale_factor = scale_factor
-        self.scale_mean = scale_mean
+    def __init__(self, inner, shape, dtype, block_size=64, scaler_block_size=256):
+        """inner: quantize_nf4's four tensors; shape and dtype: the weight's."""
+        for name, t in zip(self.INNER, inner):
+            setattr(self, name, t)
         self.block_size = block_size
         self.scaler_block_size = scaler_block_size
 
@@ -484,15 +333,16 @@ class NF4Tensor(torch.Tensor):
         """The inner tensors, in INNER's order."""
         return [getattr(self, name) for name in self.INNER]
 
-    def _with_inner(self, fn):
-        """A new NF4Tensor whose inner tensors are fn(inner); the same shape, dtype, blocks."""
+    def _with_inner(self, fn, dtype=None):
+        """An NF4Tensor of fn(each inner tensor), alike otherwise (dtype: if given)."""
         inner = [fn(t) for t in self.inner()]
-        return NF4Tensor(*inner, self.shape, self.dtype, self.block_size, self.scaler_block_size)
+        blocks = (self.block_size, self.scaler_block_size)
+        return NF4Tensor(inner, self.shape, dtype or self.dtype, *blocks)
 
     def dequantize(self, dtype=None, compile=None):
-        dtype = dtype or self.dtype
         blocks = (self.block_size, self.scaler_block_size)
-        return dequantize_nf4(*self.inner(), *blocks, dtype, compile).view(self.shape)
+        flat = dequantize_nf4(*self.inner(), *blocks, dtype or self.dtype, compile)
+        return flat.view(self.shape)
 
     # torch.compile flattens the subclass into its inner tensors and rebuilds it from them.
     def __tensor_flatten__(self):
@@ -501,9 +351,8 @@ class NF4Tensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        shape, dtype, block_size, scaler_block_size = meta
         tensors = [inner[name] for name in NF4Tensor.INNER]
-        return NF4Tensor(*tensors, shape, dtype, block_size, scaler_block_size)
+        return NF4Tensor(tensors, *meta)
 
     def _stable_hash_for_caching(self):
         """The key torch.compile's cache files this tensor under: its layout, not its data."""
@@ -522,91 +371,61 @@ class NF4Tensor(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is F.linear:  # y = x W^T (+ b), with a gradient for x only
-            x = args[0]
-            weight = args[1]
             bias = args[2] if len(args) > 2 else kwargs.get("bias")
-            y = linear_nf4(x, weight)
+            y = linear_nf4(args[0], args[1])
             return y if bias is None else y + bias
-        # .to(dtype) dequantizes, even to its own dtype: that is how one asks for the dense
-        # weight. .to(device) keeps the data packed.
         if func is torch.Tensor.to:
             device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args[1:], **kwargs)
-            moved = _nf4_to_copy(args[0], device, non_blocking=non_blocking)
-            return moved if dtype is None else moved.dequantize(dtype)
+            return _nf4_to_copy(args[0], device, dtype, non_blocking)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        if func in _NF4_OPS:
-            return _NF4_OPS[func](*args, **(kwargs or {}))
+        if func in NF4_OPS:
+            return NF4_OPS[func](*args, **(kwargs or {}))
         raise NotImplementedError(f"NF4Tensor does not support {func}; call .dequantize() first")
 
 
 def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
-    """A move keeps the data packed; a cast (.float()) dequantizes.
+    """.to(), .cpu(), .cuda(), .half() (aten._to_copy): a move keeps the data packed.
 
-    This is .to(device), and .cpu() or .cuda() as aten._to_copy.
+    A cast dequantizes, as .to(dtype) asks for the dense weight; but a module's parameter
+    is relabeled (its codes kept, dequantizing to the new dtype): nn.Module.to(dtype) and
+    .half() cast every parameter, and a dense copy of every weight is what QLoRA avoids.
     """
+    parameter = isinstance(t, nn.Parameter)
     if device is not None and device != t.device:
-        t = t._with_inner(lambda inner: inner.to(device, non_blocking=non_blocking))
-    if dtype is not None and dtype != t.dtype:
-        return t.dequantize(dtype)
-    return t
+        t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
+    if dtype is None or parameter and dtype == t.dtype:
+        return t
+    if parameter:
+        return t._with_inner(lambda x: x, dtype)
+    return t.dequantize(dtype)  # even to its own dtype: how one asks for the dense weight
 
 
-def _nf4_copy_(dst, src, non_blocking=False):
-    """dst.copy_(src) with an NF4Tensor on either side; nothing is written before all is known.
-
-    Into NF4: from NF4 of the same layout the codes are copied exactly; from another layout
-    (other block sizes) the source is re-quantized into the destination's; from a dense
-    tensor it is quantized. Into a dense tensor: the source is dequantized.
-    """
-    if tuple(src.shape) != tuple(dst.shape):
-        raise ValueError(
-            f"copy_ into a tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}"
-        )
-    if not isinstance(dst, NF4Tensor):
-        return dst.copy_(src.dequantize(dst.dtype), non_blocking=non_blocking)
-    layout = (dst.block_size, dst.scaler_block_size)
-    if not isinstance(src, NF4Tensor):
-        src = to_nf4(src.to(dst.dtype), *layout)
-    elif (src.block_size, src.scaler_block_size) != layout:
-        src = to_nf4(src.dequantize(torch.float32).to(dst.dtype), *layout)
-    for name in NF4Tensor.INNER:
-        getattr(dst, name).copy_(getattr(src, name), non_blocking=non_blocking)
-    return dst
-
-
-def _nf4_is_pinned(t, *_):
-    return all(getattr(t, name).is_pinned() for name in NF4Tensor.INNER)
-
-
-# Every op an NF4Tensor supports; anything else raises, naming the op. A clone copies the
-# codes exactly.
-_NF4_OPS = {
+# Every op an NF4Tensor supports (section 9 adds more); anything else raises, naming it.
+NF4_OPS = {
     aten.detach.default: lambda t: t._with_inner(aten.detach.default),
     aten.alias.default: lambda t: t._with_inner(aten.alias.default),
-    aten.clone.default: lambda t, **_: t._with_inner(torch.clone),
-    aten._pin_memory.default: lambda t, *_: t._with_inner(torch.Tensor.pin_memory),
-    aten.is_pinned.default: _nf4_is_pinned,
+    aten.clone.default: lambda t, **_: t._with_inner(torch.clone),  # the codes, exactly
     aten._to_copy.default: _nf4_to_copy,
-    aten.copy_.default: _nf4_copy_,
 }
 
 
 def to_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     """Quantize a float tensor to an NF4Tensor that reports weight's shape and dtype."""
     inner = quantize_nf4(weight, block_size, scaler_block_size, compile)
-    return NF4Tensor(*inner, weight.shape, weight.dtype, block_size, scaler_block_size)
+    blocks = (block_size, scaler_block_size)
+    return NF4Tensor(inner, weight.shape, weight.dtype, *blocks)
 
 
-# y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the same
-# op with W dequantized again. Saved for backward are the packed inner tensors, never a dense W.
-# It is not an autograd.Function: torch.compile traces through one, and its CSE merges the
-# forward's and the backward's dequantize into one call whose dense result is kept for
-# backward, and QLoRA's saving is gone. A custom op is opaque to the compiler: the two stay apart.
-@torch.library.custom_op("qlora_fsdp::matmul_nf4", mutates_args=())
+# y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the
+# same op with W dequantized again. Saved for backward are the packed inner tensors, never
+# a dense W. It is not an autograd.Function: torch.compile traces through one, and its CSE
+# merges the forward's and the backward's dequantize into one call whose dense result is
+# kept for backward, and QLoRA's saving is gone. A custom op is opaque to the compiler.
+@torch.library.custom_op(f"{OPS}::matmul_nf4", mutates_args=())
 def _matmul_nf4(
     x: torch.Tensor,
     inner: list[torch.Tensor],
@@ -616,11 +435,11 @@ def _matmul_nf4(
 ) -> torch.Tensor:
     """x W^T, (..., in) -> (..., out), if transpose (forward); else x W, (..., out) -> (..., in).
 
-    inner: W's packed, scale_q, scale_factor, scale_mean; sizes: out_features, block_size,
-    scaler_block_size.
+    inner: W's four inner tensors; sizes: out_features, block_size, scaler_block_size.
     """
     out_features, block_size, scaler_block_size = sizes
-    w = dequantize_nf4(*inner, block_size, scaler_block_size, x.dtype, compile)
+    blocks = (block_size, scaler_block_size)
+    w = dequantize_nf4(*inner, *blocks, x.dtype, compile)
     w = w.view(out_features, -1)  # (out, in)
     return x @ (w.T if transpose else w)
 
@@ -664,59 +483,42 @@ torch.serialization.add_safe_globals([NF4Tensor])
 # -----------------------------------------------------------------------------
 # 4. LoRA over a frozen NF4 base (QLoRA)
 # -----------------------------------------------------------------------------
-# Needs: import math, torch, torch.nn as nn, torch.nn.functional as F; from above: NF4Tensor,
-# to_nf4, linear_nf4.
+# Needs: import math, torch, torch.nn as nn, torch.nn.functional as F; from above:
+# NF4Tensor, to_nf4, linear_nf4.
 #
-# y = x W^T + (alpha / rank) * dropout(x) A^T B^T, with W (out, in) frozen in NF4, A (rank, in)
-# and B (out, rank). B starts at zero, so the model starts as the base (Hu et al. 2021). The
-# adapters are fp32, cast to the compute dtype in forward (when sharded: at the all-gather).
+# y = x W^T + (alpha / rank) * dropout(x) A^T B^T, with W (out, in) frozen in NF4, A
+# (rank, in) and B (out, rank). B starts at zero, so the model starts as the base (Hu et
+# al. 2021). The adapters are fp32, cast to the compute dtype in forward (when sharded: at
+# the all-gather).
 
 
 def random_weight(shape, generator=None):
-    """A random base for an (out, in) weight that has no checkpoint: N(0, 1/in).
-
-    It is drawn on the generator's device.
-    """
+    """N(0, 1/in) for an (out, in) weight with no checkpoint, on the generator's device."""
     device = generator.device if generator is not None else None
     return torch.randn(shape, generator=generator, device=device) * shape[-1] ** -0.5
 
 
 def lora_A_init(shape, generator=None):
-    """LoRA's A (rank, in) as nn.Linear and PEFT draw it: kaiming-uniform(a=sqrt(5)).
-
-    That is U(-1/sqrt(in), 1/sqrt(in)).
-    """
+    """LoRA's A (rank, in) as nn.Linear and PEFT draw it, kaiming-uniform(a=sqrt(5)):
+    U(-1/sqrt(in), 1/sqrt(in))."""
     return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
 
 
 class NF4Linear(nn.Module):
-    """A frozen linear layer, y = x W^T (+ bias, optional, frozen), its weight an NF4Tensor.
-
-    The weight is random unless one is passed in (a checkpoint's, from_linear's). compile: as
-    in section 2, for this layer's NF4 kernels (None: COMPILE). nf4=False keeps the weight
-    dense in dtype instead: what an lm_head keeps by default (section 7).
-    """
+    """A frozen linear layer, y = x W^T (+ bias, frozen), W an NF4Tensor: random unless
+    given (a checkpoint's, from_linear's). compile: for its NF4 kernels (section 2)."""
 
     def __init__(
-        self,
-        in_features,
-        out_features,
-        bias=False,
-        dtype=torch.bfloat16,
-        compile=None,
-        weight=None,
-        nf4=True,
+        self, in_features, out_features, bias=False, dtype=torch.bfloat16, compile=None, weight=None
     ):
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        # The per-layer switch for the NF4 kernels (`compile` itself is nn.Module.compile).
+        # The NF4 kernels' switch (`compile` itself is nn.Module.compile).
         self.compile_kernels = compile
         if weight is None:
             weight = random_weight((out_features, in_features))
-        weight = weight.detach().to(dtype)
-        if nf4:
-            weight = to_nf4(weight, compile=compile)
+        weight = to_nf4(weight.detach().to(dtype), compile=compile)
         self.weight = nn.Parameter(weight, requires_grad=False)
         self.bias = None
         if bias:
@@ -724,91 +526,44 @@ class NF4Linear(nn.Module):
             self.bias = nn.Parameter(zeros, requires_grad=False)
 
     @classmethod
-    def from_linear(cls, linear, *, compile=None, **kw):
-        """This class around an existing nn.Linear, with nothing drawn at random.
-
-        Its weight is quantized (reporting its dtype) and its bias kept, both frozen. kw:
-        the rest of the constructor's keywords (LoRALinear's rank, alpha, dropout).
-        """
-        module = cls(
-            linear.in_features,
-            linear.out_features,
-            dtype=linear.weight.dtype,
-            compile=compile,
-            weight=linear.weight,
-            **kw,
-        )
-        module.bias = None
+    def from_linear(cls, linear, *args, compile=None, **kw):
+        """This class around an existing nn.Linear, with nothing drawn at random: its weight
+        quantized (reporting its dtype), its bias kept, both frozen. args, kw: the rest of
+        the constructor's (LoRALinear's rank, alpha, dropout)."""
+        weight = linear.weight
+        shape = (linear.in_features, linear.out_features)
+        module = cls(*shape, *args, dtype=weight.dtype, compile=compile, weight=weight, **kw)
         if linear.bias is not None:
             module.bias = nn.Parameter(linear.bias.detach().clone(), requires_grad=False)
         return module
 
     def forward(self, x):
-        if isinstance(self.weight, NF4Tensor):
-            y = linear_nf4(x, self.weight, self.compile_kernels)
-        else:
-            y = F.linear(x, self.weight.to(x.dtype))
+        y = linear_nf4(x, self.weight, self.compile_kernels)
         return y if self.bias is None else y + self.bias
 
-    def _apply(self, fn, recurse=True):
-        """Module.to(), .cuda(), .half() and the like: the NF4 weight stays packed.
-
-        nn.Module would hand the weight to fn, whose .to(dtype) dequantizes. Here it moves
-        its packed data to fn's device instead and reports fn's dtype, with no dense copy.
-        """
-        if not isinstance(self._parameters.get("weight"), NF4Tensor):
-            return super()._apply(fn, recurse)  # dense, or sharded (off the module)
-        weight = self._parameters.pop("weight")
-        try:
-            super()._apply(fn, recurse)
-        finally:
-            self._parameters["weight"] = weight
-        # What fn makes of an empty tensor of the weight's kind says where it goes.
-        probe = fn(torch.empty(0, dtype=weight.dtype, device=weight.device))
-        moved = weight.detach().to(probe.device)  # stays packed
-        relabeled = NF4Tensor(
-            *moved.inner(), weight.shape, probe.dtype, weight.block_size, weight.scaler_block_size
-        )
-        self._parameters["weight"] = nn.Parameter(relabeled, requires_grad=False)
-        return self
-
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
-        # A dense (Hugging Face) weight is quantized on the way in. This also serves
-        # assign=True, which skips copy_.
+        # A dense weight (a checkpoint's) is quantized on the way in; this also serves
+        # assign=True, which puts the given tensor in place as it is.
         key = prefix + "weight"
-        nf4 = isinstance(self._parameters.get("weight"), NF4Tensor)
-        if nf4 and key in state_dict and not isinstance(state_dict[key], NF4Tensor):
+        if key in state_dict and not isinstance(state_dict[key], NF4Tensor):
             dense = state_dict[key].to(self.weight.dtype)
             state_dict[key] = to_nf4(dense, compile=self.compile_kernels)
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
 
 class LoRALinear(NF4Linear):
-    """QLoRA's layer: NF4Linear's frozen W (and bias) plus trainable fp32 lora_A and lora_B.
+    """QLoRA's layer: NF4Linear's frozen W (and bias) plus trainable fp32 lora_A (rank,
+    in), drawn from torch's global RNG, and lora_B (out, rank), 0."""
 
-    lora_A (rank, in) is drawn as nn.Linear draws a weight (from torch's global RNG), and
-    lora_B (out, rank) is 0, so that the layer starts as the base layer.
-    """
-
-    def __init__(
-        self,
-        in_features,
-        out_features,
-        rank=8,
-        alpha=16.0,
-        dropout=0.0,
-        bias=False,
-        dtype=torch.bfloat16,
-        compile=None,
-        weight=None,
-    ):
+    def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, **kw):
+        """kw: NF4Linear's (bias, dtype, compile, weight)."""
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
-        super().__init__(in_features, out_features, bias, dtype, compile, weight)
+        super().__init__(in_features, out_features, **kw)
         self.rank = rank
         self.scaling = alpha / rank
         self.lora_A = nn.Parameter(lora_A_init((rank, in_features)))  # fp32
-        self.lora_B = nn.Parameter(torch.zeros(out_features, rank, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(out_features, rank))
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x, xA=None):
@@ -824,18 +579,10 @@ class LoRALinear(NF4Linear):
         y = torch.addmm(y2d, xA2d, B.T, alpha=self.scaling).view(y.shape)
         return y if self.bias is None else y + self.bias
 
-    @classmethod
-    def from_linear(cls, linear, rank=8, alpha=16.0, dropout=0.0, *, compile=None):
-        """LoRA over an existing nn.Linear: its weight in NF4, its bias kept, fresh adapters."""
-        return super().from_linear(linear, compile=compile, rank=rank, alpha=alpha, dropout=dropout)
-
     @staticmethod
     def shared_input(x, *layers):
-        """[m(x) for m in layers], for LoRALinears that read the same x (q, k, v; gate, up).
-
-        One x [A_1; A_2]^T matmul serves them all: one pass over x, here and for the
-        gradients. With dropout (a mask per layer) each layer runs alone.
-        """
+        """[m(x) for m in layers] for layers that read the same x (q, k, v; gate, up), with
+        one x [A_1; A_2]^T matmul for all (but with dropout, a mask per layer)."""
         if any(not isinstance(m.dropout, nn.Identity) for m in layers):
             return [m(x) for m in layers]
         A = torch.cat([m.lora_A for m in layers]).to(x.dtype)
@@ -853,55 +600,39 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, itertools, math, time, functools, torch, torch.distributed as dist,
-# torch.nn as nn, torch.nn.functional as F, torch.utils._pytree as pytree; from typing import
-# NamedTuple, Optional.
+# Needs: import contextlib, itertools, math, torch, torch.distributed as dist, torch.nn as
+# nn, torch.nn.functional as F; from typing import NamedTuple, Optional.
 #
-# The model is cut into *units*, as FSDP2's fully_shard cuts it. For Llama they are the
-# embeddings, each block, and the final norm with lm_head; parameters in no unit form the root
-# unit. Every tensor of a unit is flattened and split into `world` pieces of ceil(numel / world)
-# elements, zero padded, and rank r keeps piece r: a frozen tensor's in the dtype it travels
-# in, a trainable one's in an fp32 master, cast at each all-gather. That means each inner
-# tensor of a tensor subclass (an NF4 weight comes apart by __tensor_flatten__), each frozen
-# and each trainable weight. (FSDP2 splits dim 0; a flat split gives the same row-major pieces
-# and works when dim 0 < world.) One collective moves all of a unit's pieces, side by side in
-# one byte buffer, frozen ones first (each padded to 16 bytes), so that each piece starts
-# aligned:
+# The model is cut into *units*, as FSDP2's fully_shard cuts it: for Llama the embeddings,
+# each block, and the final norm with lm_head. Only the unit that runs has its full
+# weights; otherwise each rank holds 1/world of each tensor, its *piece*: the tensor
+# flattened, cut into `world` pieces of ceil(numel / world) elements, zero padded. (FSDP2
+# cuts dim 0; a flat cut gives the same row-major pieces and works when dim 0 < world.)
+# A tensor subclass (an NF4 weight) comes apart into its inner tensors, each cut in its
+# own dtype; a trainable tensor keeps an fp32 master piece, cast at each all-gather. One
+# collective moves a unit's pieces, side by side in one byte buffer:
 #
-#   rank 0 shard bytes  [ q.scale_factor | ... | norm.w | ... | q.packed | ... | q.lora_A | ... ]
-#   rank 1 shard bytes  [ q.scale_factor | ... | norm.w | ... | q.packed | ... | q.lora_A | ... ]
+#   rank r's shard bytes  [ q.scale_factor | ... | norm.w | q.packed | ... | q.lora_A | ... ]
 #        \__ all-gather __/
-#   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's columns into its
-#   (world, shard bytes) block of the unit's full storage -> the full tensors, set on their
-#   modules while the unit is gathered
+#   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's columns into
+#   its (world, shard bytes) block of the unit's full storage -> the full tensors
 #
-# A unit's life, run by hooks on its modules (FSDP2's, written small). Each call of one of its
-# modules is a *use*, followed from its forward into its backward:
-#   pre-forward:   wait for its all-gather (issued early: prefetch), issue the next unit's. The
-#                  inputs pass through an identity autograd function whose backward marks the
-#                  end of this use's backward.
-#   post-forward:  a hook on each output tensor marks the start of this use's backward. Once
-#                  every module of the unit has run, free (the storage resized to 0), except
-#                  the root and the last unit, which backward needs at once.
-#   pre-backward:  all-gather again (if freed), prefetch the previous unit.
-#   post-backward: when no use of the unit is still in its backward (after the recompute), one
-#                  reduce-scatter, in fp32, of the gradients (their mean); free.
-#   end of backward (a callback queued on the autograd engine): units whose inputs needed no
-#                  gradient reduce now. Every reduction is added to the parameters' .grad, so
-#                  that several backward() calls accumulate.
-# Each trainable parameter stays a parameter of its module, under its own name: this rank's
-# fp32 piece, a view into its unit's flat master (FSDP2 gives a DTensor). CPU offload keeps
-# the shards, the masters, their gradients and the optimizer on the host. They are plain
-# tensors, not DTensors, whose dispatch every optimizer op would pay (section 6).
+# A unit's life, run by hooks on its modules (FSDP2's, written small):
+#   pre-forward    wait for its all-gather (issued early: prefetch), issue the next unit's;
+#                  the inputs pass through _PostBackward, whose backward ends the unit's.
+#   post-forward   free (the storage resized to 0), but the last unit, needed at once.
+#   pre-backward   (a hook on the output) all-gather again, prefetch the unit before.
+#   post-backward  one reduce-scatter of the adapters' gradients, in fp32; free.
+#   end of backward  (a callback on the autograd engine) the first block, whose input
+#                  needed no gradient, reduces now; each reduced piece is added to its
+#                  parameter's .grad, so that several backward() calls add up.
+# CPU offload keeps the shards, the masters, their gradients and the optimizer on the host:
+# plain tensors, not DTensors, whose dispatch every optimizer op would pay (section 6).
 
 
 class _Slot:
-    """One tensor of a unit, sharded into `world` pieces of shard_numel elements of `dtype`.
-
-    `dtype` is what the tensor travels and computes in. This rank keeps its piece (`local`:
-    in the unit's shard bytes or, if trainable, a parameter that views the unit's fp32
-    master), and while the unit is gathered the full tensor exists too (`full`).
-    """
+    """One tensor of a unit, cut into `world` pieces of shard_numel elements of `dtype`,
+    the dtype it travels and computes in."""
 
     def __init__(self, name, tensor, dtype, trainable, world, rank):
         self.name = name
@@ -910,27 +641,21 @@ class _Slot:
         self.trainable = trainable
         self.rank = rank
         self.numel = tensor.numel()
-        self.shard_numel = -(-self.numel // world)  # ceil: every rank's piece is this long
+        self.shard_numel = -(-self.numel // world)  # ceil
         if not trainable:
-            # A frozen piece is padded to a multiple of 16 bytes, so that each piece after it
-            # starts 16-byte aligned, as vectorized kernels assume. (A trainable piece cannot
-            # be: the reduce-scatter's chunk-cat fixes its size.)
+            # Padded to 16 bytes, so that the piece after it starts aligned. (A trainable
+            # piece cannot be: the reduce-scatter's chunk-cat fixes its size.)
             per_16_bytes = 16 // math.gcd(16, dtype.itemsize)
             self.shard_numel = -(-self.shard_numel // per_16_bytes) * per_16_bytes
         self.nbytes = self.shard_numel * dtype.itemsize
-        # Set by the unit's layout: where the piece starts in the unit's shard bytes, and for a
-        # trainable slot where it starts in the unit's master.
-        self.offset = None
-        self.start = None
-        # Set when the unit allocates: this rank's piece, the full tensor (a view of the unit's
-        # gathered storage), and the same storage as (world, nbytes) bytes, where the
-        # all-gather's columns land.
-        self.local = None
-        self.full = None
-        self.padded_bytes = None
+        self.offset = None  # where the piece starts in the unit's shard bytes
+        self.start = None  # trainable: where it starts in the unit's master
+        self.local = None  # this rank's piece
+        self.full = None  # the full tensor, a view of the unit's gathered storage
+        self.padded_bytes = None  # the same storage as (world, nbytes) bytes
 
     def piece(self, full):
-        """This rank's piece of a full tensor of this shape (on any device): flat, zero padded."""
+        """This rank's piece of a full tensor of this shape: flat, zero padded."""
         flat = full.detach().reshape(-1)
         begin = self.rank * self.shard_numel
         mine = flat[begin : begin + self.shard_numel]
@@ -938,13 +663,10 @@ class _Slot:
 
 
 class _Param:
-    """A parameter as slots, and the (module, name) places that hold it.
+    """A parameter as slots (a subclass: one per inner tensor), and the (module, name)
+    places that hold it."""
 
-    A plain tensor is one slot; floating, it travels in the compute dtype. A tensor subclass
-    (frozen) is one slot per inner tensor, each in its own dtype, by __tensor_flatten__.
-    """
-
-    def __init__(self, fqn, places, p, compute_dtype, world, rank):
+    def __init__(self, fqn, places, p, fsdp):
         self.fqn = fqn
         self.places = places
         self.shape = tuple(p.shape)
@@ -952,7 +674,7 @@ class _Param:
         self.trainable = p.requires_grad and not self.subclass
         names = [fqn]
         if self.subclass:
-            # What rebuilds it, and never p itself: the unit must not keep the original alive.
+            # What rebuilds it, never p itself: the unit must not keep the original alive.
             self.inner_names, self.flatten_meta = p.__tensor_flatten__()
             self.cls = type(p)
             self.stride = p.stride()
@@ -960,10 +682,11 @@ class _Param:
         self.slots = []
         for name, t in zip(names, self.flatten(p)):
             dtype = t.dtype
-            if compute_dtype is not None and not self.subclass and t.is_floating_point():
-                dtype = compute_dtype
-            self.slots.append(_Slot(name, t, dtype, self.trainable, world, rank))
-        self.value = None  # the full parameter while gathered, rebuilt from the full slots
+            if t.is_floating_point() and not self.subclass:
+                dtype = fsdp.compute_dtype or dtype
+            slot = _Slot(name, t, dtype, self.trainable, fsdp.world, fsdp.rank)
+            self.slots.append(slot)
+        self.value = None  # the full parameter, rebuilt from the full slots
 
     def flatten(self, t):
         if self.subclass:
@@ -971,52 +694,1265 @@ class _Param:
         return [t]
 
     def unflatten(self, tensors):
-        if self.subclass:
-            inner = dict(zip(self.inner_names, tensors))
-            return self.cls.__tensor_unflatten__(inner, self.flatten_meta, self.shape, self.stride)
-        return tensors[0]
+        if not self.subclass:
+            return tensors[0]
+        inner = dict(zip(self.inner_names, tensors))
+        unflatten = self.cls.__tensor_unflatten__
+        return unflatten(inner, self.flatten_meta, self.shape, self.stride)
 
     @torch.no_grad()
     def keep(self, full):
-        """Keep this rank's pieces of a full tensor in this parameter's form (a subclass too)."""
+        """Keep this rank's pieces of a full tensor in this parameter's form."""
         for slot, t in zip(self.slots, self.flatten(full)):
             slot.local.copy_(slot.piece(t))
 
 
 def _layout_order(slot):
-    """The sort key that places a slot in its unit's shard bytes.
-
-    1. Frozen slots first: each is a multiple of 16 bytes, so each starts 16-byte aligned.
-    2. Then the trainable ones, wider dtypes first, so that each starts aligned for its own
-       dtype, and those of one dtype together (the name breaks ties between dtypes of one
-       width): their masters are cast in one run.
-    """
+    """The sort key of a slot in its unit's shard bytes: frozen ones first (each 16 bytes
+    aligned), then the trainable ones by dtype, wider first (each aligned for its dtype;
+    those of one dtype together, for one cast)."""
     return (slot.trainable, -slot.dtype.itemsize, str(slot.dtype))
 
 
 class _AllGather(NamedTuple):
-    """An all-gather in flight: its work (None without a process group), its output buffer."""
+    """An all-gather in flight: its work (None without a process group), its output."""
 
     work: Optional[dist.Work]
     output: torch.Tensor
 
 
 class _Reduction(NamedTuple):
-    """A reduce-scatter in flight. Its input is held here until the collective is done."""
+    """A reduce-scatter of a unit's gradients, and its output (laid out as the master)."""
 
     unit: "ShardedUnit"
-    got: list  # per trainable slot of the unit: whether it had a gradient
-    work: Optional[dist.Work]
+    work: Optional[dist.Work]  # in flight; its input is held until it is done
     output: torch.Tensor
-    input: torch.Tensor
+    input: Optional[torch.Tensor]
 
 
-class _Arrived(NamedTuple):
-    """A unit's reduced gradient shard, waiting to be added to its parameters' .grad."""
+def _collective(out, inp, group, reduce_scatter=False):
+    """Issue an all-gather, out (world * n,) every rank's inp (n,), or a reduce-scatter, out
+    (n,) rank r's piece of the sum or mean of inp (world * n,); return its work."""
+    if not dist.is_initialized():
+        out.copy_(inp)
+        return None
+    # The *_single names are torch 2.13's; the old ones warn there.
+    if reduce_scatter:
+        scatter = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+        op = dist.ReduceOp.AVG if _averages(group) else dist.ReduceOp.SUM
+        return scatter(out, inp, op=op, group=group, async_op=True)
+    gather = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+    return gather(out, inp, group=group, async_op=True)
 
-    unit: "ShardedUnit"
-    got: list
-    grad: torch.Tensor  # laid out as the unit's master
+
+def _averages(group):
+    """Whether a reduce-scatter averages over ranks itself: NCCL's AVG (gloo: SUM only)."""
+    return not dist.is_initialized() or dist.get_backend(group) == "nccl"
+
+
+@contextlib.contextmanager
+def _side(stream):
+    """Issue the `with` body's work on the side `stream`, after all that the compute stream
+    has queued so far. On the CPU (stream None) everything runs in order."""
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(stream.device))
+    with torch.cuda.stream(stream):
+        yield
+
+
+def _to_host(t, stream):
+    """A host copy of t, made on the side stream: pinned, so that it is asynchronous, and
+    t is recorded on the stream, so that its memory is not reused before it is read."""
+    with _side(stream):
+        if t.is_cuda:
+            t.record_stream(stream)
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+        return host.copy_(t, non_blocking=True)
+
+
+class _PostBackward(torch.autograd.Function):
+    """The identity on a unit's inputs; its backward runs once they have their gradients,
+    when the unit's backward is done (FSDP2's RegisterPostBackwardFunction)."""
+
+    @staticmethod
+    def forward(ctx, unit, use, *inputs):
+        ctx.unit = unit
+        ctx.use = use  # section 10's pass through the unit; None here
+        ctx.set_materialize_grads(False)  # no gradient: None, not a tensor of zeros
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        ctx.unit.node_done(ctx.use)
+        return (None, None) + grads
+
+
+class ShardedUnit:
+    """The parameters of some modules (called one after another, once in a forward),
+    sharded; hooks on the modules gather and free them."""
+
+    def __init__(self, fsdp, index, name, modules, params, reshard_after_forward):
+        self.fsdp = fsdp
+        self.index = index  # the place in forward's order
+        self.name = name
+        self.modules = modules
+        self.reshard_after_forward = reshard_after_forward
+        self.params = [_Param(fqn, places, p, fsdp) for fqn, places, p in params]
+        all_slots = [slot for p in self.params for slot in p.slots]
+        self.slots = sorted(all_slots, key=_layout_order)
+        self.adapters = [slot for slot in self.slots if slot.trainable]
+        self._lay_out()
+        self._allocate()
+        self._take_over([p for _, _, p in params])
+        self.gathered = False
+        self.inflight = None  # its all-gather in flight, an _AllGather
+        self.needs_backward = False  # an output needs a gradient: a backward will come
+        self._register_hooks()
+
+    def _lay_out(self):
+        """Each slot's offset in the shard bytes; a trainable one's start in the master."""
+        offset = 0
+        start = 0
+        for slot in self.slots:
+            slot.offset = offset
+            offset += slot.nbytes
+            if slot.trainable:
+                slot.start = start
+                start += slot.shard_numel
+        self.unit_bytes = offset
+        self.master_numel = start
+
+    def _allocate(self):
+        """The shard bytes and fp32 master, and the full tensors as views of one storage."""
+        fsdp = self.fsdp
+        world = fsdp.world
+        device = fsdp.device
+        # Offloaded, the host's tensors are pinned: the GPU copies them asynchronously.
+        on = dict(device=fsdp.store_device, pin_memory=fsdp.offload and device.type == "cuda")
+        self.shard_bytes = torch.zeros(self.unit_bytes, dtype=torch.uint8, **on)
+        # The fp32 master: this rank's trainable pieces, laid out as a row of the
+        # reduce-scatter's input. Its padding stays 0.
+        self.master = torch.zeros(self.master_numel, **on) if self.master_numel else None
+        # The full tensors: (world, shard bytes) blocks of one storage, empty until gathered.
+        flat = torch.empty(world * self.unit_bytes, dtype=torch.uint8, device=device)
+        self.storage = flat.untyped_storage()
+        for slot in self.slots:
+            if slot.trainable:  # a view of the master, a parameter of its own
+                end = slot.start + slot.shard_numel
+                slot.local = nn.Parameter(self.master[slot.start : end])
+            else:
+                end = slot.offset + slot.nbytes
+                slot.local = self.shard_bytes[slot.offset : end].view(slot.dtype)
+            full = torch.empty(0, dtype=slot.dtype, device=device)
+            full.set_(self.storage, world * slot.offset // slot.dtype.itemsize, slot.shape)
+            slot.full = full.requires_grad_(slot.trainable)
+            padded = torch.empty(0, dtype=torch.uint8, device=device)
+            padded.set_(self.storage, world * slot.offset, (world, slot.nbytes))
+            slot.padded_bytes = padded
+        self.storage.resize_(0)
+
+    def _take_over(self, originals):
+        """The parameters give way to this rank's pieces, and to full ones when gathered. A
+        trainable one's piece takes its place on its module, under its name, as with
+        fully_shard: the optimizer steps the pieces. A frozen one leaves its module."""
+        self.places = []
+        for p, original in zip(self.params, originals):
+            if original.device.type != "meta":  # on "meta": see FullyShard.load_full
+                p.keep(original)
+            p.value = p.unflatten([slot.full for slot in p.slots])
+            for module, attr in p.places:
+                module._parameters.pop(attr, None)
+                if p.trainable:
+                    module._parameters[attr] = p.slots[0].local
+                self.places.append((module, attr, p.value))
+
+    def _register_hooks(self):
+        for m in self.modules:
+            m.register_forward_pre_hook(self._pre_forward, prepend=True)
+        self.modules[-1].register_forward_hook(self._post_forward)
+
+    def prefetch(self):
+        """Issue this unit's all-gather, unless it is gathered or in flight already."""
+        fsdp = self.fsdp
+        if self.gathered or self.inflight is not None or not self.slots:
+            return
+        # The receive buffer belongs to the compute stream, which reads and frees it.
+        size = fsdp.world * self.unit_bytes
+        out = torch.empty(size, dtype=torch.uint8, device=fsdp.device)
+        # On the side stream, after the optimizer's last update: the shard's copy to the
+        # GPU (with offload), the masters' cast, the all-gather, overlapping compute.
+        with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
+            send = self.shard_bytes.to(fsdp.device, non_blocking=True)
+            self._cast_masters(send)
+            work = _collective(out, send, fsdp.group)
+        self.inflight = _AllGather(work, out)
+
+    def _cast_masters(self, send):
+        """The fp32 masters into the bytes to send, in the dtype they travel in: one copy
+        per dtype (_layout_order puts them side by side)."""
+        for dtype, run in itertools.groupby(self.adapters, key=lambda slot: slot.dtype):
+            run = list(run)
+            wire = send[run[0].offset : run[-1].offset + run[-1].nbytes].view(dtype)
+            master = self.master[run[0].start : run[-1].start + run[-1].shard_numel]
+            # Offloaded, the pinned fp32 run is copied as it is, then cast on the GPU: a
+            # copy_ that changed both would cast on the host, into pageable memory.
+            wire.copy_(master.to(wire.device, non_blocking=True), non_blocking=True)
+
+    def gather(self):
+        """Set the full tensors on their modules: this unit's all-gather (issued now unless
+        prefetched), every tensor copied out of it in one op."""
+        if self.gathered or not self.slots:
+            return
+        self.prefetch()
+        inflight = self.inflight
+        self.inflight = None
+        self.fsdp.wait(inflight.work, "fsdp::wait_all_gather")
+        world = self.fsdp.world
+        with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
+            self.storage.resize_(world * self.unit_bytes)
+            torch.split_with_sizes_copy(
+                inflight.output.view(world, self.unit_bytes),
+                [slot.nbytes for slot in self.slots],
+                dim=1,
+                out=[slot.padded_bytes for slot in self.slots],
+            )
+        for module, attr, value in self.places:
+            module.__dict__[attr] = value  # as long as the full tensors exist
+        self.gathered = True
+
+    def free(self):
+        if self.inflight is not None:  # a prefetch that will not be used: let it finish
+            self.fsdp.wait(self.inflight.work, "fsdp::wait_all_gather")
+        self.inflight = None
+        self.storage.resize_(0)
+        for module, attr, _ in self.places:
+            module.__dict__.pop(attr, None)
+        self.gathered = False
+
+    def _pre_forward(self, module, args):
+        self.gather()
+        if self.index + 1 < len(self.fsdp.units):
+            self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
+        if module is not self.modules[0] or not torch.is_grad_enabled():
+            return args
+        # The inputs that need a gradient pass through _PostBackward.
+        need = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
+        marked = list(args)
+        if need:
+            outputs = _PostBackward.apply(self, None, *(args[i] for i in need))
+            for i, t in zip(need, outputs):
+                marked[i] = t
+        return tuple(marked)
+
+    def _post_forward(self, module, args, output):
+        if torch.is_grad_enabled() and output.requires_grad:
+            output.register_hook(self._pre_backward)  # the first gradient to arrive
+            self.needs_backward = True
+        # A no-grad forward has no backward to keep the weights for.
+        if self.reshard_after_forward or not torch.is_grad_enabled():
+            self.free()
+        return None
+
+    def _pre_backward(self, grad):
+        self.fsdp.queue_end_of_backward()
+        self.gather()
+        if self.index > 0:
+            previous = self.fsdp.units[self.index - 1]
+            if previous.needs_backward:
+                previous.prefetch()  # the unit whose backward comes next
+
+    def node_done(self, use):
+        """Its _PostBackward node has run: the unit's backward is over."""
+        self.post_backward()
+
+    def post_backward(self):
+        """Reduce-scatter this unit's gradients, free its weights."""
+        self.needs_backward = False
+        if self.adapters:
+            self.fsdp.reduce(self, [slot.full.grad for slot in self.adapters])
+            for slot in self.adapters:
+                slot.full.grad = None
+        self.free()
+
+
+class FullyShard:
+    """Shards a model's units over `group`, as FSDP2's fully_shard does, in plain tensors.
+
+    units: in forward's order, each a module or a list of modules run one after another,
+    once in a forward and once in its backward (section 10's FSDP lifts these limits);
+    every parameter of `model` lies in one. compute_dtype (FSDP2's param_dtype): frozen
+    floating tensors are kept and gathered in it, trainable ones gathered in it from fp32
+    masters; gradients reduce in fp32. offload: shards, masters and AdamW on the host.
+
+        fsdp = FullyShard(model, model.units(), "cuda", torch.bfloat16)
+        optimizer = ForeachAdamW(fsdp.parameters())  # the pieces: make it after sharding
+        model(x, y).backward()  # under torchrun: dist.init_process_group() first
+        fsdp.clip_grad_norm_(1.0)  # over all ranks (torch's would see this rank's pieces)
+        optimizer.step()
+    """
+
+    Unit = ShardedUnit  # section 10's FSDP makes units of its own
+
+    def __init__(self, model, units, device, compute_dtype=None, offload=False, group=None):
+        device = torch.device(device)
+        self.device = device
+        self.compute_dtype = compute_dtype
+        self.offload = offload
+        self.group = group
+        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
+        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
+        self.store_device = torch.device("cpu") if offload else device
+        self.pending = None  # the reduce-scatter in flight, a _Reduction
+        self.arrived = []  # reduced gradient pieces to add at the end of backward
+        self.task = None  # the backward pass whose end is queued
+        # On CUDA the all-gathers and host copies go on a side stream, to overlap compute.
+        self.side_stream = None
+        if device.type == "cuda":
+            self.side_stream = torch.cuda.Stream(device)
+        groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
+        self._make_units(model, groups)
+
+    def _make_units(self, model, groups):
+        """self.units: one per group of modules, holding their parameters."""
+        names = {m: name for name, m in model.named_modules()}
+        found = []  # per group: [(name, [(module, attribute)], parameter)]
+        for group in groups:
+            params = {}
+            for m in group:
+                for prefix, sub in m.named_modules(prefix=names[m]):
+                    for attr, p in sub.named_parameters(recurse=False):
+                        entry = params.setdefault(id(p), (f"{prefix}.{attr}", [], p))
+                        entry[1].append((sub, attr))
+            found.append(list(params.values()))
+        taken = {id(p) for params in found for _, _, p in params}
+        for name, p in model.named_parameters():
+            if id(p) not in taken:
+                raise ValueError(f"FullyShard: parameter {name} is in no unit")
+        self.units = []
+        for i, group in enumerate(groups):
+            name = "+".join(names[m] for m in group)
+            last = i == len(groups) - 1  # needed at once by backward: kept after forward
+            self.units.append(self.Unit(self, i, name, group, found[i], not last))
+        self.all_units = self.units
+        self.trained = [u for u in self.units if u.master is not None]
+        self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
+
+    def parameters(self):
+        """The trainable parameters: this rank's pieces, as model.parameters() gives them."""
+        return [p for _, p in self.named_parameters()]
+
+    def named_parameters(self):
+        """(name, piece) of every trainable parameter, in the order of the units' layouts."""
+        return [(s.name, s.local) for unit in self.trained for s in unit.adapters]
+
+    def queue_end_of_backward(self):
+        """Queue _end_of_backward on the autograd engine, once per backward, from inside it."""
+        task = torch._C._current_graph_task_id()
+        if task != self.task:
+            self.task = task
+            engine = torch.autograd.Variable._execution_engine
+            engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self):
+        """Finish every unit's reduction (one whose inputs needed no gradient starts it now),
+        add it to the pieces' .grad, free every unit."""
+        self.task = None
+        for unit in self.all_units:
+            if unit.needs_backward:
+                unit.post_backward()
+        self._finish_reduction()
+        if self.offload and self.side_stream is not None:
+            self.side_stream.synchronize()  # the host reads these gradients next
+        for arrived in self.arrived:
+            for slot in arrived.unit.adapters:
+                self.add_grad(slot, arrived.output[slot.start : slot.start + slot.shard_numel])
+        self.arrived = []
+        self.reshard()
+
+    def add_grad(self, slot, grad):
+        """A piece's reduced gradient into its .grad: a view of the reduction, or added."""
+        if slot.local.grad is None:
+            slot.local.grad = grad
+        else:
+            slot.local.grad.add_(grad)
+
+    def reduce(self, unit, grads):
+        """Issue unit's reduce-scatter of its gradients, in fp32, one in flight at a time.
+        One chunk-cat builds the input (world, master numel): row r laid out as r's master."""
+        self._finish_reduction()
+        with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
+            f32 = dict(dtype=torch.float32, device=self.device)
+            send = torch.empty(self.world, unit.master_numel, **f32)
+            flat_grads = [g.reshape(-1) for g in grads]
+            torch._chunk_cat(flat_grads, dim=0, num_chunks=self.world, out=send)
+            out = torch.empty(unit.master_numel, **f32)
+            work = _collective(out, send.view(-1), self.group, reduce_scatter=True)
+            self.pending = _Reduction(unit, work, out, send)
+
+    def _finish_reduction(self):
+        """Wait for the reduce-scatter in flight; its piece is added at the end of backward."""
+        if self.pending is None:
+            return
+        pending = self.pending
+        self.pending = None
+        self.wait(pending.work, "fsdp::wait_reduce_scatter")
+        grad = self.reduced(pending.output)
+        if self.offload and grad.is_cuda:  # to the host as soon as it is reduced
+            grad = _to_host(grad, self.side_stream)
+        self.arrived.append(pending._replace(work=None, output=grad, input=None))
+
+    def reduced(self, grad):
+        """A reduce-scatter's output as the mean over ranks, as FSDP2's gradients."""
+        if not _averages(self.group):
+            grad.div_(self.world)  # gloo summed
+        return grad
+
+    def wait(self, work, label):
+        """Wait for a collective. On CUDA the host does not block (nor does NCCL's wait()):
+        the compute stream waits. On the CPU the host waits."""
+        with torch.profiler.record_function(label):
+            if work is not None:
+                # NCCL: the compute stream waits for the collective and for what came
+                # before it on its stream (the shard's copy to the GPU, the masters' cast).
+                work.wait()
+            elif self.side_stream is not None:
+                # No process group: the "collective" was a copy on the side stream.
+                torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
+
+    def clip_grad_norm_(self, max_norm):
+        """torch.nn.utils.clip_grad_norm_ over the whole model, on every rank: the squares of
+        every rank's pieces (the padding is 0) sum to the global norm's square."""
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        squares = torch.nn.utils.get_total_norm(grads).to(self.device) ** 2
+        if dist.is_initialized():
+            dist.all_reduce(squares, group=self.group)
+        norm = squares.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
+        return norm
+
+    def reshard(self):
+        """Free every unit still gathered."""
+        for unit in self.all_units:
+            unit.free()
+
+    def load_full(self, fqn, tensor):
+        """Keep this rank's piece of one full parameter (an NF4 weight as an NF4Tensor)."""
+        self.param_of[fqn][1].keep(tensor)
+
+
+# -----------------------------------------------------------------------------
+# 6. AdamW on torch._foreach_* ops
+# -----------------------------------------------------------------------------
+# Needs: import math, torch.
+#
+# torch.optim.AdamW over FSDP2's DTensors pays Python and DTensor dispatch per tensor per
+# op. The pieces of section 5 are plain tensors (Llama-2-7B: 448 adapter pieces per rank),
+# and each op below is one foreach call over all of them: one kernel launch per op on a
+# GPU. With decoupled weight decay:
+#   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
+#   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
+
+
+class ForeachAdamW(torch.optim.Optimizer):
+    """AdamW on torch._foreach_* ops, equal to torch.optim.AdamW up to rounding."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+        super().__init__(params, defaults)
+
+    def _advance(self, params):
+        """Each parameter's step count moves on by one; a new one gets its state first."""
+        for p in params:
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            # int(): torch's state_dict holds the count as a tensor.
+            state["step"] = int(state["step"]) + 1
+
+    def _chunks(self, params):
+        """Lists of params that share their step count, each stepped in one foreach run.
+
+        A parameter that had no gradient at some step has a smaller count than the others.
+        """
+        chunks = {}
+        for p in params:
+            chunks.setdefault(self.state[p]["step"], []).append(p)
+        return list(chunks.values())
+
+    @torch.no_grad()
+    def step(self):
+        """One update of every parameter that has a gradient."""
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            self._advance(params)
+            for chunk in self._chunks(params):
+                self._update(chunk, group)
+
+    def _update(self, params, group):
+        lr = float(group["lr"])  # a tensor lr too
+        beta1, beta2 = map(float, group["betas"])
+        eps = float(group["eps"])
+        weight_decay = float(group["weight_decay"])
+        step = self.state[params[0]]["step"]
+        grads = [p.grad for p in params]
+        exp_avgs = [self.state[p]["exp_avg"] for p in params]
+        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
+        # The bias corrections of m and of sqrt(v).
+        c1 = 1 - beta1**step
+        c2 = math.sqrt(1 - beta2**step)
+        if weight_decay != 0:
+            torch._foreach_mul_(params, 1 - lr * weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
+        # c2 is folded into the constants, a pass fewer:
+        # m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2).
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_add_(denom, eps * c2)
+        torch._foreach_addcdiv_(params, exp_avgs, denom, -lr * c2 / c1)
+
+
+# -----------------------------------------------------------------------------
+# 7. Llama, module for module as Hugging Face's LlamaForCausalLM
+# -----------------------------------------------------------------------------
+# Needs: import math, torch, torch.nn as nn, torch.nn.functional as F; from dataclasses
+# import dataclass; from typing import Optional; from torch.utils.checkpoint import
+# checkpoint; from above: use_compiled, NF4Tensor, LoRALinear, random_weight.
+
+
+@dataclass
+class LlamaConfig:
+    """A Llama's shape; the field names are those of Hugging Face's config.json."""
+
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_hidden_layers: int = 32
+    num_attention_heads: int = 32
+    num_key_value_heads: Optional[int] = None  # None: as many as attention heads (no GQA)
+    max_position_embeddings: int = 4096
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads
+
+    def __post_init__(self):
+        self.num_key_value_heads = self.num_key_value_heads or self.num_attention_heads
+        self.head_dim = self.head_dim or self.hidden_size // self.num_attention_heads
+
+    def rope_inv_freq(self):
+        """RoPE's frequencies, theta^(-2i/d) for i < d/2 (d: head_dim)."""
+        d = self.head_dim
+        exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
+        return (1.0 / self.rope_theta**exponents).float()
+
+
+# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is the
+# smallest shape that torchao's NF4 can also shard over 2 ranks, to compare against it.
+# The positional fields: vocab_size, hidden_size, intermediate_size, layers, heads, kv
+# heads, context.
+CONFIGS = {
+    "tiny": LlamaConfig(256, 128, 384, 4, 4, 2, 1024),
+    "small": LlamaConfig(256, 256, 768, 4, 4, 4, 1024),
+    "llama2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 4096),
+    "llama2-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 4096),
+    "llama2-70b": LlamaConfig(32000, 8192, 28672, 80, 64, 8, 4096),
+    "llama3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8, 8192, rope_theta=500000.0),
+    "llama3-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8, 8192, rope_theta=500000.0),
+}
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps, dtype):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
+
+    def forward(self, x):
+        # Normalize in fp32, scale in the compute dtype, as Hugging Face does.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+def rope_cos_sin(config, positions, dtype):
+    """cos, sin (*positions.shape, head_dim), Hugging Face's layout: the frequencies twice."""
+    inv_freq = config.rope_inv_freq().to(positions.device)
+    freqs = positions.float()[..., None] * inv_freq  # (..., d/2)
+    emb = torch.cat([freqs, freqs], dim=-1)  # (..., d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def apply_rope(x, cos, sin):
+    """x (B, n_heads, T, head_dim) rotated; rotate_half splits the head dimension in two."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, c, lora):
+        super().__init__()
+        self.n_heads = c.num_attention_heads
+        self.n_kv = c.num_key_value_heads
+        self.head_dim = c.head_dim
+        d = c.hidden_size
+        q_dim = self.n_heads * self.head_dim
+        kv_dim = self.n_kv * self.head_dim
+        self.q_proj = LoRALinear(d, q_dim, **lora)
+        self.k_proj = LoRALinear(d, kv_dim, **lora)
+        self.v_proj = LoRALinear(d, kv_dim, **lora)
+        self.o_proj = LoRALinear(q_dim, d, **lora)
+
+    def forward(self, x, cos, sin, mask=None):
+        """x (B, T, C); mask: where a query may attend, or None (causal)."""
+        B, T, C = x.shape
+        q, k, v = self.project(x)  # (B, T, heads, hd) each
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B, nh, T, hd)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B, nkv, T, hd)
+        v = v.transpose(1, 2)  # (B, nkv, T, hd)
+        y = self.attend(q, k, v, mask)  # (B, nh, T, hd)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
+        return self.o_proj(y)
+
+    def project(self, x):
+        """q, k, v (B, T, heads, head_dim): the projections of x (B, T, C)."""
+        B, T, C = x.shape
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        q, k, v = LoRALinear.shared_input(x, *projections)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
+        return q, k, v
+
+    def attend(self, q, k, v, mask):
+        # Grouped-query attention: each of the nkv heads serves nh / nkv query heads.
+        gqa = self.n_kv != self.n_heads
+        sdpa = F.scaled_dot_product_attention
+        if mask is None:
+            return sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
+        return sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, c, lora):
+        super().__init__()
+        d = c.hidden_size
+        ffn = c.intermediate_size
+        self.gate_proj = LoRALinear(d, ffn, **lora)
+        self.up_proj = LoRALinear(d, ffn, **lora)
+        self.down_proj = LoRALinear(ffn, d, **lora)
+
+    def forward(self, x):
+        # SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)).
+        gate, up = LoRALinear.shared_input(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    # The classes a block is made of; section 11's families put their own here.
+    Attention = LlamaAttention
+    MLP = LlamaMLP
+
+    def __init__(self, c, lora):
+        super().__init__()
+        dtype = lora["dtype"]
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.self_attn = self.Attention(c, lora)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.mlp = self.MLP(c, lora)
+
+    def forward(self, x, cos, sin, checkpointing=False, mask=None):
+        if checkpointing and torch.is_grad_enabled():
+            # Keep only the block's input (B, T, C) and recompute the rest in backward.
+            # This sits inside forward, so that, compiled, the recompute fuses into
+            # backward's kernels.
+            return checkpoint(self.block, x, cos, sin, mask, use_reentrant=False)
+        return self.block(x, cos, sin, mask)
+
+    def block(self, x, cos, sin, mask=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
+
+
+def _cross_entropy_rows(logits, targets, need_grad: bool):
+    """logits (n, V), targets (n,) -> the fp32 sum of the counted rows' losses, and if
+    need_grad its gradient wrt the logits, softmax - onehot (0 on ignored rows).
+
+    Eager, it is made in place on one fp32 copy of the logits (fp32 logits themselves are
+    overwritten); compiled, the passes fuse and neither the copy nor the one-hot is made.
+    """
+    keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
+    # Ignored rows look up class 0 and count 0.
+    t = targets.masked_fill(targets == IGNORE_INDEX, 0)[:, None]
+    x = logits.float()
+    target_logit = x.gather(1, t)
+    m = x.amax(dim=-1, keepdim=True)
+    sumexp = x.sub_(m).exp_().sum(dim=-1, keepdim=True)  # x now holds exp(l - max)
+    loss = torch.where(keep, m + sumexp.log() - target_logit, 0.0).sum()
+    if not need_grad:
+        return loss, None
+    onehot = torch.arange(x.shape[1], device=x.device) == t  # (n, V)
+    grad = x.div_(sumexp).add_(onehot, alpha=-1).mul_(keep)
+    return loss, grad.to(logits.dtype)
+
+
+_cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
+
+
+class _ChunkedCrossEntropy(torch.autograd.Function):
+    """Cross entropy of h W^T against targets, `chunk` rows at a time (sum or mean).
+
+    Llama-2-7B's logits at T=2048 are 131 MB per sequence in bf16, as many their gradient;
+    here one chunk's exist at a time. Forward computes each chunk's loss AND its gradient
+    wrt h, (softmax - onehot) W; backward scales it. (W, frozen, gets no gradient.)
+    """
+
+    @staticmethod
+    def forward(ctx, h, weight, targets, chunk, reduction, compile):
+        # h (N, C), weight (V, C), targets (N,)
+        if isinstance(weight, NF4Tensor):  # an NF4 head (section 11)
+            W = weight.dequantize(h.dtype, compile)
+        else:
+            W = weight.to(h.dtype)
+        need_grad = ctx.needs_input_grad[0]
+        compiled = use_compiled(compile, h)
+        rows = _cross_entropy_rows_compiled if compiled else _cross_entropy_rows
+        grad_h = torch.empty_like(h) if need_grad else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for s in range(0, h.shape[0], chunk):
+            logits = h[s : s + chunk] @ W.T  # (n, V)
+            loss, grad_logits = rows(logits, targets[s : s + chunk], need_grad)
+            del logits
+            total += loss
+            if need_grad:  # (n, C), not (n, V)
+                torch.mm(grad_logits, W, out=grad_h[s : s + chunk])
+            # Freed before the next chunk's logits exist: one chunk alive, not two.
+            del grad_logits
+        # "mean" is over the counted targets; none counted gives 0, not 0/0.
+        ctx.denominator = 1
+        if reduction == "mean":
+            ctx.denominator = (targets != IGNORE_INDEX).sum().clamp(min=1)
+        ctx.save_for_backward(grad_h)
+        return total / ctx.denominator
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        (grad_h,) = ctx.saved_tensors
+        scale = (grad_loss / ctx.denominator).to(grad_h.dtype)
+        return grad_h * scale, None, None, None, None, None
+
+
+LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
+
+
+def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean", compile=None):
+    """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=...),
+    "mean" (0 over no target) or "sum", without the full logits."""
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
+    # Checked here, as F.cross_entropy checks: the compiled kernel's own bounds check
+    # would abort the process from inside a parallel loop.
+    in_range = (targets >= 0) & (targets < weight.shape[0])
+    ok = (in_range | (targets == IGNORE_INDEX)).all()
+    message = "chunked_cross_entropy: a target is outside [0, vocab) and not IGNORE_INDEX"
+    torch._assert_async(ok, message)
+    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction, compile)
+
+
+class LMHead(nn.Module):
+    """lm_head: the logits, or given targets the chunked cross entropy.
+
+    Frozen and dense, as bitsandbytes (through transformers), torchtune and Unsloth keep
+    it: 2% of a 7B model, dense in the loss anyway, and in NF4 it costs accuracy (README).
+    """
+
+    def __init__(self, in_features, out_features, dtype, compile=None):
+        super().__init__()
+        self.compile_kernels = compile
+        weight = random_weight((out_features, in_features)).to(dtype)
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, h, targets=None, reduction="mean"):
+        # h (B, T, C), targets (B, T)
+        if targets is None:
+            return F.linear(h, self.weight)  # (B, T, vocab)
+        h = h.flatten(0, -2)
+        targets = targets.reshape(-1)
+        kw = dict(reduction=reduction, compile=self.compile_kernels)
+        return chunked_cross_entropy(h, self.weight, targets, **kw)
+
+
+class Llama(nn.Module):
+    """LlamaForCausalLM, every projection a LoRALinear over NF4. compile: for the NF4
+    kernels and the loss (section 2)."""
+
+    Block = LlamaDecoderLayer  # section 11's families put their own here
+
+    def __init__(
+        self,
+        config,
+        dtype=torch.bfloat16,
+        lora_rank=8,
+        lora_alpha=16.0,
+        lora_dropout=0.0,
+        compile=None,
+    ):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.checkpointing = True  # activation checkpointing per block
+        lora = dict(rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout)
+        lora.update(dtype=dtype, compile=compile)
+        c = config
+        # A container that gives Hugging Face's "model." names; forward runs it.
+        self.model = nn.Module()
+        embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
+        self.model.embed_tokens = embed.requires_grad_(False)
+        layers = [self.Block(c, lora) for _ in range(c.num_hidden_layers)]
+        self.model.layers = nn.ModuleList(layers)
+        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
+        self.lm_head = LMHead(c.hidden_size, c.vocab_size, dtype, compile)
+
+    def forward(self, tokens, targets=None, reduction="mean", positions=None, mask=None):
+        """tokens (B, T) int64 -> logits (B, T, vocab); or, given targets, the loss.
+
+        The loss is the cross entropy over the targets that count (!= IGNORE_INDEX), their
+        mean or sum. positions (B, T) and mask (B, 1, T, T), as Hugging Face's position_ids
+        and attention_mask, are 0, 1, ... and causal unless given (section 11 packs rows).
+        """
+        h = self.model.embed_tokens(tokens)  # (B, T, C)
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = rope_cos_sin(self.config, positions, h.dtype)  # (T, hd)
+        if positions.dim() == 2:  # (B, T): per row, broadcast over the heads
+            cos = cos[:, None]
+            sin = sin[:, None]
+        for layer in self.model.layers:
+            h = layer(h, cos, sin, self.checkpointing, mask)
+        return self.lm_head(self.model.norm(h), targets, reduction)
+
+    def units(self):
+        """FSDP's units, in forward's order: the embeddings, each block, the norm and head."""
+        m = self.model
+        return [m.embed_tokens, *m.layers, [m.norm, self.lm_head]]
+
+
+# -----------------------------------------------------------------------------
+# 8. Training: a sharded model, batches, one step, the loop over steps
+# -----------------------------------------------------------------------------
+# Needs: import math, os, random, resource, sys, time, numpy as np, torch,
+# torch.distributed as dist; from typing import NamedTuple, Optional; from above: GiB,
+# sections 2-7.
+#
+# One code path serves any number of processes, as nanoGPT's does: torchrun sets RANK,
+# WORLD_SIZE and LOCAL_RANK; a plain `python` run is a world of one. GPUs talk over NCCL,
+# CPUs over gloo. `args`: any object with the fields read (the command line's, or yours).
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def print0(*args, **kwargs):
+    """print, on rank 0 only: it speaks for all."""
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(*args, **kwargs, flush=True)
+
+
+def init_distributed(cuda):
+    """This process's device and, under torchrun, its process group: (device, world, rank)."""
+    device = torch.device("cpu")
+    if cuda:
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    if "RANK" in os.environ and not dist.is_initialized():
+        backend = "nccl" if cuda else "gloo"
+        dist.init_process_group(backend, device_id=device if cuda else None)
+    if not dist.is_initialized():
+        return device, 1, 0
+    return device, dist.get_world_size(), dist.get_rank()
+
+
+def seed_of(*key):
+    """A 63-bit seed of its own for each key, e.g. (seed, "batch", step): a SHA-512 of it."""
+    return random.Random("/".join(map(str, key))).getrandbits(63)
+
+
+def seeded(*key, device="cpu"):
+    """A generator for one use, e.g. seeded(seed, "batch", step): every rank draws alike
+    from it, each key a stream of its own. (A CUDA generator draws other numbers.)"""
+    return torch.Generator(device).manual_seed(seed_of(*key))
+
+
+def initial_weights(shapes, seed, device="cpu"):
+    """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one
+    at a time from generators seeded by name on `device` (the adapters' on the CPU)."""
+    for name, shape in shapes.items():
+        if name.endswith("lora_A"):
+            yield name, lora_A_init(shape, seeded(seed, name))
+        elif name.endswith("lora_B"):  # B = 0: the model starts as the base
+            yield name, torch.zeros(shape)
+        elif "norm" in name:
+            yield name, torch.ones(shape, device=device)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape, device=device)
+        elif "embed_tokens" in name:  # N(0, 1)
+            generator = seeded(seed, name, device=device)
+            yield name, torch.randn(shape, generator=generator, device=device)
+        else:  # the linears: N(0, 1/in)
+            yield name, random_weight(shape, seeded(seed, name, device=device))
+
+
+def load_weights(fsdp, tensors, compile=None):
+    """Each (name, full tensor) into this rank's pieces: a frozen one in the compute dtype
+    (an NF4 weight quantized), a trainable one into its fp32 master as it is."""
+    for name, t in tensors:
+        p = fsdp.param_of[name][1]
+        if not p.trainable:
+            t = t.to(fsdp.device, fsdp.compute_dtype)
+        if p.subclass:  # an NF4 weight
+            t = to_nf4(t, compile=compile)
+        fsdp.load_full(name, t)
+
+
+def build_sharded(config, args, device):
+    """A Llama sharded over the ranks: (model, fsdp). Built on "meta" (shapes, no memory),
+    sharded, then each weight drawn and cut to this rank's piece, one at a time: no rank
+    ever holds the whole model."""
+    dtype = DTYPES[args.dtype]
+    lora = (args.lora_rank, args.lora_alpha, args.lora_dropout)
+    with torch.device("meta"):
+        model = Llama(config, dtype, *lora, compile=args.compile)
+    model.checkpointing = args.checkpointing
+    if args.compile:  # each block's forward, its checkpoint included; hooks stay eager
+        for layer in model.model.layers:
+            layer.forward = torch.compile(layer.forward)
+    units = model.units()
+    fsdp = FullyShard(model, units, device, dtype, offload=args.cpu_offload)
+    shapes = {name: p.shape for name, (_, p) in fsdp.param_of.items()}
+    load_weights(fsdp, initial_weights(shapes, args.seed, device), args.compile)
+    return model, fsdp
+
+
+class Batch(NamedTuple):
+    """This rank's rows of one micro-batch, each (batch_size, seq_len)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor  # IGNORE_INDEX where a prediction does not count
+    documents: Optional[torch.Tensor] = None  # packed rows: a document id per token
+
+
+def get_batch(data, step, micro, args, world, rank, vocab_size):
+    """This rank's Batch of micro-batch `micro` of `step`.
+
+    The global batch depends only on (seed, step) and batch_size x grad_accum x world: rows
+    go in the order (micro, rank, row), so any split sees the same rows. data: token ids
+    (N,) (windows at random places), None (random tokens), or an object whose batch(step,
+    micro, args, world, rank) makes it (section 14's: loss masks, packed documents).
+    """
+    if data is not None and not isinstance(data, np.ndarray):
+        return data.batch(step, micro, args, world, rank)
+    generator = seeded(args.seed, "batch", step)
+    n = args.batch_size * args.grad_accum * world  # rows in the global batch
+    T = args.seq_len
+    first = (micro * world + rank) * args.batch_size
+    rows = slice(first, first + args.batch_size)
+    if data is None:
+        tokens = torch.randint(vocab_size, (n, T + 1), generator=generator)[rows]
+    else:
+        starts = torch.randint(len(data) - T, (n,), generator=generator)[rows]
+        windows = [data[s : s + T + 1].astype(np.int64) for s in starts.tolist()]
+        tokens = torch.from_numpy(np.stack(windows))  # (batch_size, T + 1)
+    return Batch(tokens[:, :-1], tokens[:, 1:])
+
+
+def learning_rate(step, args):
+    """A linear warmup over warmup_steps, then a cosine decay to 10% of lr at `steps`."""
+    warmup = args.warmup_steps
+    if step < warmup:
+        return args.lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
+    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+
+
+def peak_memory_gib(device):
+    """The peak memory, the max over ranks: the GPU memory allocated, or on the CPU the
+    resident set (Linux's VmHWM: section 14 restarts it after step 1)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        peak = int(line.split()[1]) * 1024  # kB
+    t = torch.tensor(peak / GiB, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def train_step(model, fsdp, optimizer, batches, grad_clip, device):
+    """One AdamW step over this rank's micro-batches (Batches), and its loss: the mean over
+    the global batch's counted targets, whatever the split into ranks and micro-batches. A
+    non-finite loss skips the update."""
+    batches = [Batch(*b) for b in batches]
+    # The targets that count, over all ranks: the mean's denominator.
+    count = sum((b.targets != IGNORE_INDEX).sum() for b in batches).to(device)
+    if dist.is_initialized():
+        dist.all_reduce(count)
+    count = max(1, count.item())  # a batch that counts nothing: loss 0, zero gradients
+    loss_sum = torch.zeros((), device=device)
+    for b in batches:
+        b = Batch(*(None if t is None else t.to(device) for t in b))
+        packed = {} if b.documents is None else dict(documents=b.documents)
+        with torch.profiler.record_function("forward"):
+            loss = model(b.inputs, b.targets, "sum", **packed)
+        with torch.profiler.record_function("backward"):
+            # Each unit's gradients are reduce-scattered as its backward ends. The
+            # reduce-scatter averages over ranks, so x world gives the masters d(global
+            # sum); the 1 / count comes after, in fp32.
+            (loss * fsdp.world).backward()
+        loss_sum += loss.detach()
+    if dist.is_initialized():
+        dist.all_reduce(loss_sum)
+    loss = (loss_sum / count).item()  # this also waits for the device
+    if math.isfinite(loss):
+        with torch.profiler.record_function("optimizer"):
+            # d(global sum) -> d(global mean), in fp32.
+            for p in fsdp.parameters():
+                if p.grad is not None:
+                    p.grad.div_(count)
+            if grad_clip > 0:
+                fsdp.clip_grad_norm_(grad_clip)
+            optimizer.step()
+    # Also after a skipped step: the next one starts from no gradient.
+    optimizer.zero_grad(set_to_none=True)
+    return loss
+
+
+class StepRecord(NamedTuple):
+    """What one step did, as the loop logs it."""
+
+    step: int  # steps done, counted from 1
+    loss: float
+    lr: float
+    seconds: float
+    tokens: int  # in the step's global batch
+    mem_gib: Optional[float]  # the peak memory, read on the steps that log
+
+    @property
+    def tokens_per_s(self):
+        return self.tokens / self.seconds
+
+
+def format_step(r, steps, memory="mem"):  # memory: "mem" on a GPU, "rss" on the CPU
+    return (
+        f"step {r.step}/{steps} | loss {r.loss:.4f} | lr {r.lr:.1e} | "
+        f"{r.seconds * 1000:.0f} ms | {r.tokens_per_s:,.0f} tok/s | "
+        f"{memory} {r.mem_gib:.2f} GiB"
+    )
+
+
+def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=None):
+    """The training loop: steps start + 1 to `end` (args.steps), a line every log_every.
+
+    `run` hears of each step, run.after_step(record), and stops the loop by returning True:
+    the command line's evaluates, saves and profiles (section 14).
+    """
+    end = args.steps if end is None else end
+    world = fsdp.world
+    rank = fsdp.rank
+    vocab_size = model.config.vocab_size
+    tokens = args.batch_size * args.grad_accum * world * args.seq_len
+    records = []
+    for step in range(start, end):
+        t0 = time.perf_counter()
+        lr = learning_rate(step, args)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+        # LoRA dropout draws its masks from (seed, rank, step): a resumed run draws alike.
+        torch.manual_seed(seed_of(args.seed, "dropout", rank, step))
+        # This rank's micro-batches of the step's global batch; forward and backward over
+        # each, the gradients reduced, one AdamW update.
+        batches = []
+        for micro in range(args.grad_accum):
+            batches.append(get_batch(data, step, micro, args, world, rank, vocab_size))
+        loss = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
+        seconds = time.perf_counter() - t0
+        if not math.isfinite(loss):
+            raise FloatingPointError(f"loss is {loss} at step {step + 1}; stopped before updating")
+        # Log the step (the line reads the peak memory, a collective: only when it logs).
+        logs = step % args.log_every == 0 or step + 1 == end
+        mem = peak_memory_gib(device) if logs else None
+        record = StepRecord(step + 1, loss, lr, seconds, tokens, mem)
+        records.append(record)
+        if logs:
+            memory = "mem" if device.type == "cuda" else "rss"
+            print0(format_step(record, args.steps, memory))
+        # Evaluate, save, profile: what a real run does between steps.
+        if run is not None and run.after_step(record):
+            break
+    return records
+
+
+# =============================================================================
+# Part II: the product around the lesson. Skip it on a first read.
+# =============================================================================
+# Part II extends Part I's names, by subclassing, wrapping and registering: faster kernels,
+# sharding for any model, the Llama family, packed documents, predicting memory, Hugging
+# Face files, your data, and the command line. Part I never names it.
+
+import argparse
+import bisect
+import dataclasses
+import functools
+import io
+import json
+import logging
+import re
+import resource
+import shlex
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+
+import torch.utils._pytree as pytree
+from torch.nn.attention.flex_attention import (
+    BlockMask,
+    create_block_mask,
+    flex_attention,
+)
+
+# -----------------------------------------------------------------------------
+# 9. Faster NF4: a vectorized bf16 dequantize; copy_ and pinned memory
+# -----------------------------------------------------------------------------
+# Needs: import sys, torch; from above: sections 2-3.
+#
+# Section 2's compiled dequantize looks each code up in the codebook, which Inductor makes a
+# gather, and interleaves the two nibbles, which it makes scalar stores. For bf16 output
+# this kernel gives the same bits in a form it vectorizes:
+#   1. The lookup is a tree of selects between constants.
+#   2. Each byte's two bf16 results, rounded on their bits, are packed into one int32 (the
+#      first in the low half, as little-endian memory orders them), written contiguously,
+#      and viewed as bf16 afterwards.
+
+
+def _nf4_lookup(code):
+    """NF4_VALUES[code] for an integer tensor of codes 0..15, without indexing: bit 0 of the
+    code picks within each pair of values, bit 1 within pairs of pairs, and so on."""
+    values = NF4_VALUES
+    for bit in range(4):
+        take_upper = (code & (1 << bit)) != 0
+        pairs = zip(values[0::2], values[1::2])
+        values = [torch.where(take_upper, hi, lo) for lo, hi in pairs]
+    return values[0]
+
+
+def _bf16_bits(x):
+    """fp32 x -> the 16 bits of x.to(torch.bfloat16), in an int32 (round to nearest even)."""
+    bits = x.view(torch.int32)
+    return ((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16) & 0xFFFF
+
+
+def _dequantize_bf16_pairs(
+    packed, scale_q, scale_factor, scale_mean, block_size: int, scaler_block_size: int
+):
+    """(numel/2,) int32, each the two bf16 values of one packed byte: viewed as bf16, it
+    equals _dequantize's output."""
+    absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)[:, None]
+    byte = packed.view(-1, block_size // 2).int()  # (n_blocks, 32)
+    first = _bf16_bits(_nf4_lookup(byte >> 4) * absmax)  # elements 0, 2, 4, ... of each block
+    second = _bf16_bits(_nf4_lookup(byte & 0xF) * absmax)  # elements 1, 3, 5, ...
+    return (first | (second << 16)).view(-1)
+
+
+_dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=True)
+
+
+# Traced into a bigger compiled graph (a compiled block), the kernel above loses its
+# vectorization to the int32 -> bf16 view. As a custom op it stays one opaque call there,
+# and that call runs the separately compiled kernel.
+@torch.library.custom_op(f"{OPS}::dequantize_nf4_bf16", mutates_args=())
+def _dequantize_bf16(
+    inner: list[torch.Tensor], block_size: int, scaler_block_size: int
+) -> torch.Tensor:
+    """inner: packed, scale_q, scale_factor, scale_mean -> the weight, flat, in bf16."""
+    pairs = _dequantize_bf16_pairs_compiled(*inner, block_size, scaler_block_size)
+    return pairs.view(torch.bfloat16)
+
+
+@_dequantize_bf16.register_fake
+def _(inner, block_size, scaler_block_size):
+    packed = inner[0]
+    return packed.new_empty(2 * packed.numel(), dtype=torch.bfloat16)
+
+
+def _dequantize_bf16_kernel(inner, block_size, scaler_block_size, dtype):
+    return _dequantize_bf16(inner, block_size, scaler_block_size)
+
+
+if sys.byteorder == "little":  # the pairs' layout above
+    DEQUANTIZE_KERNELS[torch.bfloat16] = _dequantize_bf16_kernel
+
+
+def _nf4_copy_(dst, src, non_blocking=False):
+    """dst.copy_(src) with an NF4Tensor on either side; nothing is written before all is known.
+
+    Into NF4: from NF4 of the same layout the codes are copied exactly; from another layout
+    (other block sizes) the source is re-quantized into the destination's, as torchao does;
+    from a dense tensor it is quantized. Into a dense tensor: the source is dequantized.
+    """
+    if tuple(src.shape) != tuple(dst.shape):
+        raise ValueError(
+            f"copy_ into a tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}"
+        )
+    if not isinstance(dst, NF4Tensor):
+        return dst.copy_(src.dequantize(dst.dtype), non_blocking=non_blocking)
+    layout = (dst.block_size, dst.scaler_block_size)
+    if not isinstance(src, NF4Tensor):
+        src = to_nf4(src.to(dst.dtype), *layout)
+    elif (src.block_size, src.scaler_block_size) != layout:
+        src = to_nf4(src.dequantize(torch.float32).to(dst.dtype), *layout)
+    for name in NF4Tensor.INNER:
+        getattr(dst, name).copy_(getattr(src, name), non_blocking=non_blocking)
+    return dst
+
+
+def _nf4_is_pinned(t, *_):
+    return all(x.is_pinned() for x in t.inner())
+
+
+NF4_OPS.update(
+    {
+        aten.copy_.default: _nf4_copy_,
+        aten._pin_memory.default: lambda t, *_: t._with_inner(torch.Tensor.pin_memory),
+        aten.is_pinned.default: _nf4_is_pinned,
+    }
+)
+
+
+# -----------------------------------------------------------------------------
+# 10. Any model: FSDP for any module tree, AdamW as torch's drop-in
+# -----------------------------------------------------------------------------
+# Needs: import contextlib, functools, math, time, torch, torch.distributed as dist,
+# torch.nn as nn, torch.utils._pytree as pytree; from typing import NamedTuple; from above:
+# section 5, section 6.
+#
+# Section 5's FullyShard serves Llama, whose units each run once forward and once backward
+# with tensors in and out. FSDP serves any model, as FSDP2's fully_shard does:
+#   - the parameters in no unit form a root unit, gathered for the model's whole forward;
+#   - a unit's hooks see positional and keyword arguments and any outputs (pytrees);
+#   - a unit's modules may run in any order, some not at all, or alone later: each call is a
+#     *use*, followed from its forward into its backward; the unit's backward is over when
+#     no use is left in it;
+#   - weights gathered or prefetched before an optimizer step are gathered again;
+#   - requires_grad_(False) after wrapping freezes a parameter; one that got no gradient
+#     keeps .grad None;
+#   - reading a sharded parameter outside its unit is a clear error;
+#   - and the state in full, for checkpoints.
 
 
 class _Use:
@@ -1034,76 +1970,6 @@ class _Use:
 
     def done(self):
         return self.nodes > 0 and self.nodes_done == self.nodes
-
-
-def _collective(out, inp, group, reduce_scatter=False):
-    """Issue an all-gather or a reduce-scatter and return its work.
-
-    All-gather: out (world * n,) is every rank's inp (n,), in rank order. Reduce-scatter:
-    out (n,) is rank r's piece of the sum of inp (world * n,). Without a process group it is
-    a copy.
-    """
-    if not dist.is_initialized():
-        out.copy_(inp)
-        return None
-    # The *_single names are torch 2.13's; the old ones warn there.
-    if reduce_scatter:
-        reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
-        op = dist.ReduceOp.AVG if _averages(group) else dist.ReduceOp.SUM
-        return reduce_scatter_single(out, inp, op=op, group=group, async_op=True)
-    all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-    return all_gather_single(out, inp, group=group, async_op=True)
-
-
-def _averages(group):
-    """Whether the reduce-scatter averages over ranks itself: NCCL's AVG (gloo has only SUM)."""
-    return not dist.is_initialized() or dist.get_backend(group) == "nccl"
-
-
-@contextlib.contextmanager
-def _side(stream):
-    """Issue the `with` body's work on the side `stream`.
-
-    It starts after all that the compute stream has queued so far, and overlaps what the
-    compute stream does next. On the CPU (stream None) everything runs in order.
-    """
-    if stream is not None:
-        stream.wait_stream(torch.cuda.current_stream(stream.device))
-    with torch.cuda.stream(stream):
-        yield
-
-
-def _to_host(t, stream):
-    """A host copy of t, made on the side stream.
-
-    A GPU tensor's copy is pinned (so the copy is asynchronous), and t is recorded on the
-    stream, so that its memory is not reused before the copy has read it.
-    """
-    with _side(stream):
-        if t.is_cuda:
-            t.record_stream(stream)
-        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
-        return host.copy_(t, non_blocking=True)
-
-
-class _PostBackward(torch.autograd.Function):
-    """The identity on a unit's inputs: its backward runs once they have their gradients.
-
-    That is when the unit's backward is done (FSDP2's RegisterPostBackwardFunction).
-    """
-
-    @staticmethod
-    def forward(ctx, unit, use, *inputs):
-        ctx.unit = unit
-        ctx.use = use
-        # An input that gets no gradient gets None, not a tensor of zeros.
-        ctx.set_materialize_grads(False)
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads):
-        ctx.unit.node_done(ctx.use)
-        return (None, None) + grads
 
 
 class _Sharded:
@@ -1140,103 +2006,22 @@ def _mark_sharded(module, attr, fqn):
     module._fsdp_sharded[attr] = fqn
 
 
-class ShardedUnit:
-    """The parameters of some modules, sharded; hooks on those modules gather and free them."""
+class AnyUnit(ShardedUnit):
+    """A ShardedUnit of any model (the list above); index -1 is the root unit."""
 
-    def __init__(self, fsdp, index, name, modules, params, reshard_after_forward):
-        self.fsdp = fsdp
-        self.index = index  # the place in forward's order; -1 for the root unit
-        self.name = name
-        self.modules = modules
-        self.reshard_after_forward = reshard_after_forward
-        self.params = []
-        for fqn, places, p in params:
-            self.params.append(_Param(fqn, places, p, fsdp.compute_dtype, fsdp.world, fsdp.rank))
-        all_slots = [slot for p in self.params for slot in p.slots]
-        self.slots = sorted(all_slots, key=_layout_order)
-        self.adapters = [slot for slot in self.slots if slot.trainable]
-        self._lay_out()
-        self._allocate()
-        self._take_over([p for _, _, p in params])
-        # The state that the hooks move through.
-        self.gathered = False
-        self.inflight = None  # its all-gather in flight, an _AllGather
+    def __init__(self, *args):
         self.version = None  # _version() when it was gathered or prefetched
         self.use = None  # the _Use that its modules' calls join, until each of them ran
         self.started = []  # the uses whose backward began and is not over
-        self.needs_backward = False  # an output needs a gradient: a backward will come
-        for m in modules:
+        super().__init__(*args)
+        for p in self.params:
+            for module, attr in p.places:
+                _mark_sharded(module, attr, p.fqn)
+
+    def _register_hooks(self):
+        for m in self.modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)
-
-    def _lay_out(self):
-        """Place each slot: its offset in the shard bytes; a trainable one's start in the master."""
-        offset = 0
-        start = 0
-        for slot in self.slots:
-            slot.offset = offset
-            offset += slot.nbytes
-            if slot.trainable:
-                slot.start = start
-                start += slot.shard_numel
-        self.unit_bytes = offset
-        self.master_numel = start
-
-    def _allocate(self):
-        """This rank's shard bytes and fp32 master, and the full tensors as views of one storage."""
-        fsdp = self.fsdp
-        world = fsdp.world
-        device = fsdp.device
-        # Offloaded to the host, the shards are pinned: the GPU copies from them asynchronously.
-        pin = fsdp.offload and device.type == "cuda"
-        self.shard_bytes = torch.zeros(
-            self.unit_bytes, dtype=torch.uint8, device=fsdp.store_device, pin_memory=pin
-        )
-        # The fp32 master of the trainable tensors: this rank's pieces in one flat tensor, laid
-        # out as a row of the reduce-scatter's input, so that a reduction lands in place and
-        # one cast sends them. Each piece is a parameter of its own (below), a view into it;
-        # the padding stays 0 under AdamW.
-        self.master = None
-        if self.master_numel:
-            self.master = torch.zeros(self.master_numel, device=fsdp.store_device, pin_memory=pin)
-        # Each full tensor is a (world, shard bytes) block of one storage, in slot order. The
-        # storage is empty until the unit is gathered.
-        flat = torch.empty(world * self.unit_bytes, dtype=torch.uint8, device=device)
-        self.storage = flat.untyped_storage()
-        for slot in self.slots:
-            if slot.trainable:
-                # A view shares the master's storage and its version counter: an optimizer
-                # step on the parameter moves the master's version.
-                end = slot.start + slot.shard_numel
-                slot.local = nn.Parameter(self.master[slot.start : end])
-            else:
-                end = slot.offset + slot.nbytes
-                slot.local = self.shard_bytes[slot.offset : end].view(slot.dtype)
-            full = torch.empty(0, dtype=slot.dtype, device=device)
-            full.set_(self.storage, world * slot.offset // slot.dtype.itemsize, slot.shape)
-            slot.full = full.requires_grad_(slot.trainable)
-            padded = torch.empty(0, dtype=torch.uint8, device=device)
-            slot.padded_bytes = padded.set_(self.storage, world * slot.offset, (world, slot.nbytes))
-        self.storage.resize_(0)
-
-    def _take_over(self, originals):
-        """The parameters give way to this rank's pieces, and to full ones when gathered.
-
-        A trainable parameter's piece takes its place on its module, under its name:
-        model.named_parameters() and the optimizer see the pieces, as with fully_shard. A
-        frozen one leaves its module's parameters.
-        """
-        for p, original in zip(self.params, originals):
-            # A model built on "meta" is loaded later (FSDP.load_full).
-            if original.device.type != "meta":
-                p.keep(original)
-            p.value = p.unflatten([slot.full for slot in p.slots])
-            for module, attr in p.places:
-                module._parameters.pop(attr, None)
-                if p.trainable:
-                    module._parameters[attr] = p.slots[0].local
-                _mark_sharded(module, attr, p.fqn)
-        self.places = [(m, attr, p.value) for p in self.params for m, attr in p.places]
 
     def _version(self):
         """Moves whenever this rank's pieces are written (an optimizer step, load_full)."""
@@ -1244,79 +2029,27 @@ class ShardedUnit:
         return self.shard_bytes._version, master_version
 
     def prefetch(self):
-        """Issue this unit's all-gather, unless it is gathered or in flight already.
-
-        It runs asynchronously (on gloo, in a thread).
-        """
-        fsdp = self.fsdp
         if self.gathered or self.inflight is not None or not self.slots:
             return
-        # The receive buffer belongs to the compute stream, which reads and frees it. (Made on
-        # the side stream, its memory could not be reused before the GPU caught up.)
-        out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
-        # On the side stream, after the optimizer's last update: the shard's copy to the GPU
-        # (with offload) and the all-gather, overlapping the previous unit.
-        with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
-            send = self.shard_bytes.to(fsdp.device, non_blocking=True)  # a copy only if offloaded
-            # The fp32 masters, cast into the dtype they travel in: the trainable slots of one
-            # dtype lie side by side in both layouts (_layout_order), so one copy casts them.
-            for dtype, run in itertools.groupby(self.adapters, key=lambda slot: slot.dtype):
-                run = list(run)
-                first = run[0]
-                last = run[-1]
-                wire = send[first.offset : last.offset + last.nbytes].view(dtype)
-                master = self.master[first.start : last.start + last.shard_numel]
-                # Offloaded, the pinned fp32 run is copied as it is, then cast on the GPU: a
-                # copy_ that changed both would cast on the host, into pageable memory.
-                wire.copy_(master.to(fsdp.device, non_blocking=True), non_blocking=True)
-            work = _collective(out, send, fsdp.group)
-            self.inflight = _AllGather(work, out)
+        super().prefetch()
         self.version = self._version()
 
     def gather(self):
-        """Set the full tensors on their modules, from this unit's all-gather.
-
-        The all-gather is issued now unless prefetched, and again if the pieces were written
-        since. Every tensor is copied out of it in one op.
-        """
-        stale = self.version is not None and self.version != self._version()
-        if stale:  # gathered or prefetched before its pieces were written (a step)
-            self.free()
+        if self.version is not None and self.version != self._version():
+            self.free()  # gathered or prefetched before its pieces were written (a step)
         if self.gathered or not self.slots:
             return
-        self.prefetch()
-        inflight = self.inflight
-        self.inflight = None
-        self.fsdp.wait(inflight.work, "fsdp::wait_all_gather")
-        world = self.fsdp.world
-        with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
-            self.storage.resize_(world * self.unit_bytes)
-            torch.split_with_sizes_copy(
-                inflight.output.view(world, self.unit_bytes),
-                [slot.nbytes for slot in self.slots],
-                dim=1,
-                out=[slot.padded_bytes for slot in self.slots],
-            )
+        super().gather()
         # A trainable tensor gets a gradient only while its parameter asks for one.
         for slot in self.adapters:
             slot.full.requires_grad_(slot.local.requires_grad)
-        # The full tensors sit on their modules for as long as they exist.
-        for module, attr, value in self.places:
-            module.__dict__[attr] = value
-        self.gathered = True
 
     def free(self):
-        if self.inflight is not None:  # a prefetch that will not be used: let it finish, drop it
-            self.fsdp.wait(self.inflight.work, "fsdp::wait_all_gather")
-        self.inflight = None
-        self.storage.resize_(0)
-        for module, attr, _ in self.places:
-            module.__dict__.pop(attr, None)
-        self.gathered = False
+        super().free()
         self.version = None
         self.use = None  # what runs next is another forward
 
-    @torch.compiler.disable  # the hooks stay eager under a torch.compile'd model, as FSDP2's do
+    @torch.compiler.disable  # the hooks stay eager under a torch.compile'd model, as FSDP2's
     def _pre_forward(self, module, args, kwargs):
         # A recompute inside backward (a checkpoint around the module) needs the weights
         # only: its backward was set up by the forward it repeats.
@@ -1341,7 +2074,7 @@ class ShardedUnit:
     def _mark_inputs(self, use, args, kwargs):
         """The inputs that need a gradient, passed through a _PostBackward node of `use`."""
         leaves, spec = pytree.tree_flatten((args, kwargs))
-        need = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor) and t.requires_grad]
+        need = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
         if not need:
             return args, kwargs
         use.nodes += 1
@@ -1358,32 +2091,28 @@ class ShardedUnit:
         if torch.is_grad_enabled():
             for t in pytree.tree_leaves(output):
                 # The first gradient to arrive at an output starts the use's backward.
-                if isinstance(t, torch.Tensor) and t.requires_grad:
-                    t.register_hook(functools.partial(self._pre_backward, use))
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(functools.partial(self._use_backward, use))
                     self.needs_backward = True
-        # Once each module has run, the pass is over: free, unless backward needs the unit at
-        # once. A no-grad forward has no backward to keep the weights for. A module that does
-        # not run keeps the unit gathered until the backward is over.
+        # Once each module has run, the pass is over: free, unless backward needs the unit
+        # at once. A module that does not run keeps the unit gathered until backward ends.
         if use.ran.issuperset(self.modules):
             self.use = None
             if self.reshard_after_forward or not torch.is_grad_enabled():
                 self.free()
         return None
 
-    def _pre_backward(self, use, grad):
-        self.fsdp.queue_end_of_backward()
-        self.gather()  # again if another use's backward freed it, or it was freed after forward
-        if use.started:
-            return
-        use.started = True
-        self.started.append(use)
-        if self.index > 0:
-            previous = self.fsdp.units[self.index - 1]
-            if previous.needs_backward:
-                previous.prefetch()  # the unit whose backward comes next
+    def _use_backward(self, use, grad):
+        if not use.started:
+            use.started = True
+            self.started.append(use)
+            self._pre_backward(grad)
+        else:  # again if another use's backward freed it
+            self.gather()
 
     def node_done(self, use):
-        """A _PostBackward node of `use` has run; if no use is left in backward, nor is the unit."""
+        """A _PostBackward node of `use` has run; if no use is left in backward, nor is the
+        unit."""
         use.nodes_done += 1
         if use.started and use.done():
             self.started.remove(use)
@@ -1391,18 +2120,18 @@ class ShardedUnit:
                 self.post_backward()
 
     def post_backward(self):
-        """This unit's backward is done: reduce-scatter its gradients, free its weights."""
         for use in self.started:
             use.started = False  # over for this backward; another may reach it again
         self.started = []
         self.needs_backward = False
         grads = [slot.full.grad for slot in self.adapters]
-        got = [g is not None for g in grads]
-        if any(got):
+        for slot, g in zip(self.adapters, grads):
+            slot.got = g is not None  # none reached it: its .grad stays as it was
+        if any(slot.got for slot in self.adapters):
             filled = []
             for slot, g in zip(self.adapters, grads):
                 filled.append(torch.zeros_like(slot.full) if g is None else g)
-            self.fsdp.reduce(self, filled, got)
+            self.fsdp.reduce(self, filled)
             for slot in self.adapters:
                 slot.full.grad = None
         self.free()
@@ -1418,11 +2147,9 @@ class _Found(NamedTuple):
 
 
 def _collect_params(module, prefix, unit, tops, found):
-    """Record module's parameters and its children's, down to (not into) the units of their own.
-
-    found: id(parameter) -> _Found. A parameter met twice in one unit (tied) gains a place;
-    met in two units it is refused.
-    """
+    """Record module's parameters and its children's, down to (not into) the units of their
+    own. found: id(parameter) -> _Found. A parameter met twice in one unit (tied) gains a
+    place; met in two units it is refused."""
     for attr, p in module._parameters.items():
         if p is None:
             continue
@@ -1438,20 +2165,19 @@ def _collect_params(module, prefix, unit, tops, found):
             _collect_params(child, f"{prefix}{name}.", unit, tops, found)
 
 
-class FSDP:
-    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors.
+class FSDP(FullyShard):
+    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors: section 5's
+    FullyShard for any model (the list above).
 
-    units: in forward's order, modules or lists of modules gathered together; a unit's
-    modules may run in any order, some not at all, or alone later. Parameters in no unit
-    form the root unit; a unit inside a unit is its own; a parameter in two units is
-    refused. compute_dtype (FSDP2's param_dtype): every plain floating parameter is kept and
+    units: in forward's order, modules or lists of modules gathered together; a unit inside
+    a unit is its own; a parameter in two units is refused; every other parameter forms the
+    root unit. compute_dtype (FSDP2's param_dtype): every plain floating parameter is kept and
     gathered in it, and the root's floating inputs are cast to it (cast_forward_inputs); the
     trainable pieces and the gradient reductions are fp32. device: the current GPU, else the
-    CPU. offload: shards, trainable pieces and AdamW on the host. Outside its unit's forward
-    and backward a full parameter does not exist (reading it is an AttributeError), and
-    model.named_parameters() gives each trainable parameter's piece under its own name: a
-    1-D fp32 view into its unit's flat master (FSDP2 gives a DTensor), with a .grad once a
-    gradient reached it, frozen by requires_grad_(False), in any optimizer parameter group:
+    CPU. offload: shards, trainable pieces and AdamW on the host. model.named_parameters()
+    gives each trainable parameter's piece under its own name: a 1-D fp32 view into its
+    unit's flat master (FSDP2 gives a DTensor), with a .grad once a gradient reached it,
+    frozen by requires_grad_(False), in any optimizer parameter group:
 
         model = nn.Sequential(nn.Embedding(1000, 64), *(Block(64) for _ in range(4)),
                               nn.Linear(64, 1000))
@@ -1466,10 +2192,11 @@ class FSDP:
             optimizer.zero_grad()
         adapters = fsdp.full_adapters()  # {name: full fp32 tensor}, on every rank
 
-    Units may return tensors in tuples, lists and dicts, and a unit's forward may be
-    torch.compile'd. For checkpoints (collectives): full_adapters(of=...), e.g.
+    For checkpoints (collectives): full_adapters(of=...), e.g.
     of=lambda m: optimizer.state[m]["exp_avg"], full_base(), load_full().
     """
+
+    Unit = AnyUnit
 
     def __init__(
         self,
@@ -1486,24 +2213,10 @@ class FSDP:
         device = torch.device(device)
         if device == torch.device("cuda"):
             device = torch.device("cuda", torch.cuda.current_device())
-        self.device = device
-        self.compute_dtype = compute_dtype
-        self.offload = offload
-        self.group = group
         self.cast_forward_inputs = cast_forward_inputs
-        self.world = dist.get_world_size(group) if dist.is_initialized() else 1
-        self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.store_device = torch.device("cpu") if offload else device
-        self.time_waits = False  # record each wait for a collective (the loop reads them)
+        self.time_waits = False  # record each wait for a collective (the run reads them)
         self.waits = []  # (start, end) of each wait, while time_waits
-        self.pending = None  # the reduce-scatter in flight, a _Reduction
-        self.arrived = []  # reduced gradient shards to add at the end of backward, _Arrived
-        self.task = None  # the backward pass whose end is queued
-        # On CUDA the all-gathers and host copies go on a side stream, to overlap compute; the
-        # CPU runs them in order.
-        self.side_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
-        self._make_units(model, groups)
+        super().__init__(model, units, device, compute_dtype, offload, group)
         # Buffers are not sharded: they move to the device, as FSDP2 moves them.
         for module in model.modules():
             for key, buffer in module._buffers.items():
@@ -1516,8 +2229,8 @@ class FSDP:
         outside = [type(m).__name__ for m in tops if m not in names]
         if outside:
             raise ValueError(f"FSDP: a unit's {outside[0]} is not a submodule of the model")
-        # The root's parameters, then each unit's. The walk stops at each unit's modules, so a
-        # unit's parameters are never the root's; one found in two units is refused.
+        # The root's parameters, then each unit's. The walk stops at each unit's modules,
+        # so a unit's parameters are never the root's; one found in two units is refused.
         found = {}
         _collect_params(model, "", -1, tops, found)
         for i, group in enumerate(groups):
@@ -1526,25 +2239,16 @@ class FSDP:
         params = {i: [] for i in range(-1, len(groups))}
         for entry in found.values():
             params[entry.unit].append((entry.fqn, entry.places, entry.param))
-        self.root = ShardedUnit(self, -1, "root", [model], params[-1], reshard_after_forward=False)
+        self.root = self.Unit(self, -1, "root", [model], params[-1], False)
         self.units = []
         for i, group in enumerate(groups):
             name = "+".join(names[m] for m in group)
             # The last unit is needed at once by backward: it keeps its weights after forward.
             last = i == len(groups) - 1
-            unit = ShardedUnit(self, i, name, group, params[i], reshard_after_forward=not last)
-            self.units.append(unit)
+            self.units.append(self.Unit(self, i, name, group, params[i], not last))
         self.all_units = [self.root] + self.units
         self.trained = [u for u in self.all_units if u.master is not None]
         self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
-
-    def parameters(self):
-        """The trainable parameters: this rank's pieces, as model.parameters() gives them."""
-        return [p for _, p in self.named_parameters()]
-
-    def named_parameters(self):
-        """(name, piece) of every trainable parameter, in the order of the units' layouts."""
-        return [(slot.name, slot.local) for unit in self.trained for slot in unit.adapters]
 
     def cast_inputs(self, args, kwargs):
         """The root's floating-point inputs in compute_dtype (FSDP2's cast_forward_inputs)."""
@@ -1557,70 +2261,16 @@ class FSDP:
 
         return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
-    def queue_end_of_backward(self):
-        """Queue _end_of_backward on the autograd engine, once per backward pass, from inside it."""
-        task = torch._C._current_graph_task_id()
-        if task != self.task:
-            self.task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
     def _end_of_backward(self):
-        """Finish every unit's reduction, add it to the masters' .grad, and free every unit.
-
-        Units whose inputs needed no gradient, and the root, have had no post-backward: they
-        reduce now. With offload the reductions are copied to pinned host memory, then one
-        wait covers them all.
-        """
-        self.task = None
+        # A unit whose use did not see its backward start (the root's gradients) reduces too.
         for unit in self.all_units:
-            has_grads = any(slot.full.grad is not None for slot in unit.adapters)
-            if unit.started or has_grads:
-                unit.post_backward()
-        self._finish_reduction()
-        if self.offload and self.side_stream is not None:
-            self.side_stream.synchronize()  # the host reads these gradients next
-        for arrived in self.arrived:
-            for slot, got in zip(arrived.unit.adapters, arrived.got):
-                if not got:  # no gradient reached it: its .grad stays as it was (None)
-                    continue
-                grad = arrived.grad[slot.start : slot.start + slot.shard_numel]
-                if slot.local.grad is None:
-                    slot.local.grad = grad  # a view of the reduction's output
-                else:
-                    slot.local.grad.add_(grad)
-        self.arrived = []
-        self.reshard()
+            if any(slot.full.grad is not None for slot in unit.adapters):
+                unit.needs_backward = True
+        super()._end_of_backward()
 
-    def reduce(self, unit, grads, got):
-        """Issue unit's reduce-scatter of its gradients, in fp32. One is in flight at a time.
-
-        One chunk-cat builds the input, (world, master numel): row r in the layout of rank r's
-        master. The ranks' rows are averaged (NCCL) or summed, then divided by world (gloo).
-        """
-        self._finish_reduction()
-        with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
-            numel = unit.master_numel
-            send = torch.empty(self.world, numel, dtype=torch.float32, device=self.device)
-            flat_grads = [g.reshape(-1) for g in grads]
-            torch._chunk_cat(flat_grads, dim=0, num_chunks=self.world, out=send)
-            out = torch.empty(numel, dtype=torch.float32, device=self.device)
-            work = _collective(out, send.view(-1), self.group, reduce_scatter=True)
-            self.pending = _Reduction(unit, got, work, out, send)
-
-    def _finish_reduction(self):
-        """Wait for the reduce-scatter in flight; its shard is added at the end of backward."""
-        if self.pending is None:
-            return
-        pending = self.pending
-        self.pending = None
-        self.wait(pending.work, "fsdp::wait_reduce_scatter")
-        grad = pending.output
-        if not _averages(self.group):
-            grad.div_(self.world)  # the sum over ranks becomes their mean, as FSDP2's gradients
-        # With offload, it goes to the host as soon as it is reduced.
-        if self.offload and grad.is_cuda:
-            grad = _to_host(grad, self.side_stream)
-        self.arrived.append(_Arrived(pending.unit, pending.got, grad))
+    def add_grad(self, slot, grad):
+        if slot.got:  # no gradient reached it: its .grad stays as it was (None)
+            super().add_grad(slot, grad)
 
     def _now(self):
         """A point in time: a CUDA event on the compute stream, or the host's clock."""
@@ -1631,22 +2281,11 @@ class FSDP:
         return event
 
     def wait(self, work, label):
-        """Wait for a collective (the all-gathers run on the side stream).
-
-        On CUDA the host does not block (nor does NCCL's wait()): the compute stream waits,
-        timed by events on it. On the CPU the host waits.
-        """
-        with torch.profiler.record_function(label):
-            start = self._now() if self.time_waits else None
-            if work is not None:
-                # NCCL: the compute stream waits for the collective and for what came before it
-                # on its stream (the shard's copy to the GPU, the masters' cast).
-                work.wait()
-            elif self.side_stream is not None:
-                # No process group: the "collective" was a copy on the side stream.
-                torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
-            if self.time_waits:
-                self.waits.append((start, self._now()))
+        """As FullyShard's, timed (on CUDA by events on the compute stream) if time_waits."""
+        start = self._now() if self.time_waits else None
+        super().wait(work, label)
+        if self.time_waits:
+            self.waits.append((start, self._now()))
 
     def take_comm_wait_s(self):
         """Seconds waited on collectives since the last call (the device has synchronized)."""
@@ -1666,6 +2305,8 @@ class FSDP:
         norm, which scales every shard: for p-norms the sum of |g|^p, for inf the max.
         """
         norm_type = float(norm_type)
+        if norm_type == 2.0:
+            return super().clip_grad_norm_(max_norm)
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         local = torch.nn.utils.get_total_norm(grads, norm_type).to(self.device)
         if norm_type == math.inf:
@@ -1679,11 +2320,6 @@ class FSDP:
             norm = powered ** (1.0 / norm_type)
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
         return norm
-
-    def reshard(self):
-        """Free every unit still gathered."""
-        for unit in self.all_units:
-            unit.free()
 
     # The state in full, for checkpoints. These are collectives: every rank gets (or gives)
     # all of it.
@@ -1717,11 +2353,9 @@ class FSDP:
         An NF4 weight comes as an NF4Tensor. A trainable one's piece goes into its parameter,
         or into of(parameter) (an AdamW moment).
         """
-        unit, p = self.param_of[fqn]
         if of is None:
-            p.keep(tensor)
-            return
-        slot = p.slots[0]
+            return super().load_full(fqn, tensor)
+        slot = self.param_of[fqn][1].slots[0]
         of(slot.local).copy_(slot.piece(tensor))
 
     def full_base(self):
@@ -1751,22 +2385,8 @@ class FSDP:
         return masters + sum(unit.shard_bytes.nbytes for unit in self.all_units)
 
 
-# -----------------------------------------------------------------------------
-# 6. AdamW on torch._foreach_* ops
-# -----------------------------------------------------------------------------
-# Needs: import math, torch; from typing import NamedTuple.
-#
-# torch.optim.AdamW over FSDP2's DTensors pays Python and DTensor dispatch per tensor per op.
-# FSDP above hands over one flat shard per unit (Llama-2-7B: 32 tensors, not 448), and each op
-# is one foreach call over all of them. With decoupled weight decay:
-#   p <- p (1 - lr wd);  m <- b1 m + (1 - b1) g;  v <- b2 v + (1 - b2) g^2
-#   p <- p - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
-# On the CPU these 7 passes over p, g, m and v take a cache-sized chunk of tensors at a time, so
-# that later passes find them in cache. On a GPU all tensors form one chunk: one kernel launch
-# per pass.
-ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; a device absent: one chunk
-# torch.optim.AdamW's other keywords at their defaults: what this AdamW implements. (foreach
-# may also be True.)
+# torch.optim.AdamW's other keywords at their defaults: what AdamW implements. (foreach may
+# also be True.)
 TORCH_ADAMW = dict(
     amsgrad=False,
     maximize=False,
@@ -1776,32 +2396,29 @@ TORCH_ADAMW = dict(
     fused=None,
     decoupled_weight_decay=True,
 )
+# On the CPU, AdamW's passes over p, g, m and v take a cache-sized chunk of parameters at a
+# time, so that later passes find them in cache; on a GPU all form one chunk, one kernel
+# launch per pass.
+ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; a device absent: one
 
 
-class _AdamChunk(NamedTuple):
-    """Parameters stepped together: they share their step count and fit in one chunk."""
-
-    step: int
-    params: list
-
-
-class AdamW(torch.optim.Optimizer):
-    """torch.optim.AdamW on torch._foreach_* ops, equal to it up to floating-point rounding.
+class AdamW(ForeachAdamW):
+    """Section 6's AdamW as a drop-in for torch.optim.AdamW: equal to it up to rounding.
 
     It takes torch's keywords at their defaults (TORCH_ADAMW; any other value is refused, by
-    name), loads torch's state_dicts and gives its own to torch, and takes a tensor lr. It has
-    no sparse or complex support.
+    name) and a closure, loads torch's state_dicts and gives its own to torch, and takes a
+    tensor lr. It has no sparse or complex support.
     """
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kw):
         unknown = sorted(set(kw) - set(TORCH_ADAMW))
         if unknown:
             raise TypeError(f"AdamW got an unexpected keyword argument {unknown[0]!r}")
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        defaults.update(TORCH_ADAMW)
-        defaults.update(kw)
-        super().__init__(params, defaults)
+        super().__init__(params, lr, betas, eps, weight_decay)
+        self.defaults.update(TORCH_ADAMW, **kw)
         for group in self.param_groups:
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
             self._check(group)
 
     @staticmethod
@@ -1817,34 +2434,6 @@ class AdamW(torch.optim.Optimizer):
                     f"AdamW: {key}={value!r} is not implemented here (torch.optim.AdamW has it)"
                 )
 
-    def _advance(self, params):
-        """Each parameter's step count moves on by one; a new one gets its state first."""
-        for p in params:
-            state = self.state[p]
-            if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            # int(): torch's state_dict holds the count as a tensor.
-            state["step"] = int(state["step"]) + 1
-
-    def _chunks(self, params):
-        """Runs of about ADAM_CHUNK_BYTES of params that share their step count.
-
-        A parameter that had no gradient at some step has a smaller count than the others.
-        """
-        chunks = []
-        nbytes = math.inf
-        for p in params:
-            state = self.state[p]
-            chunk_bytes = ADAM_CHUNK_BYTES.get(p.device.type, math.inf)
-            if nbytes >= chunk_bytes or state["step"] != chunks[-1].step:
-                chunks.append(_AdamChunk(state["step"], []))
-                nbytes = 0
-            chunks[-1].params.append(p)
-            nbytes += p.nbytes
-        return chunks
-
     @torch.no_grad()
     def step(self, closure=None):
         """One update of every parameter that has a gradient. closure: as torch.optim's."""
@@ -1857,76 +2446,50 @@ class AdamW(torch.optim.Optimizer):
             params = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse or p.is_complex() for p in params):
                 raise RuntimeError("AdamW does not support sparse gradients or complex parameters")
-            lr = float(group["lr"])
-            beta1 = float(group["betas"][0])
-            beta2 = float(group["betas"][1])
-            eps = float(group["eps"])
-            weight_decay = float(group["weight_decay"])
-            self._advance(params)
-            for chunk in self._chunks(params):
-                self._update(chunk, lr, beta1, beta2, eps, weight_decay)
+        super().step()
         return loss
 
-    def _update(self, chunk, lr, beta1, beta2, eps, weight_decay):
-        params = chunk.params
-        grads = [p.grad for p in params]
-        exp_avgs = [self.state[p]["exp_avg"] for p in params]
-        exp_avg_sqs = [self.state[p]["exp_avg_sq"] for p in params]
-        # The bias corrections of m and of sqrt(v).
-        c1 = 1 - beta1**chunk.step
-        c2 = math.sqrt(1 - beta2**chunk.step)
-        if weight_decay != 0:
-            torch._foreach_mul_(params, 1 - lr * weight_decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1 - beta2)
-        # c2 is folded into the constants, a pass fewer:
-        # m / (sqrt(v) / c2 + eps) = c2 m / (sqrt(v) + eps c2).
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_add_(denom, eps * c2)
-        torch._foreach_addcdiv_(params, exp_avgs, denom, -lr * c2 / c1)
+    def _chunks(self, params):
+        """Runs of about ADAM_CHUNK_BYTES of params that share their step count."""
+        chunks = []
+        nbytes = math.inf
+        step = None
+        for p in params:
+            chunk_bytes = ADAM_CHUNK_BYTES.get(p.device.type, math.inf)
+            if nbytes >= chunk_bytes or self.state[p]["step"] != step:
+                chunks.append([])
+                nbytes = 0
+                step = self.state[p]["step"]
+            chunks[-1].append(p)
+            nbytes += p.nbytes
+        return chunks
 
 
 # -----------------------------------------------------------------------------
-# 7. Llama, module for module as Hugging Face's LlamaForCausalLM
+# 11. The Llama family, and packed documents
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, math, torch, torch.nn as nn, torch.nn.functional as F; from dataclasses
-# import dataclass; from typing import NamedTuple, Optional; from torch.nn.attention.flex_attention
-# import create_block_mask, flex_attention; from torch.utils.checkpoint import checkpoint; from
-# above: use_compiled, NF4Tensor, NF4Linear, LoRALinear.
+# Needs: import dataclasses, math, torch, torch.nn as nn; from dataclasses import dataclass;
+# from typing import NamedTuple, Optional; from torch.nn.attention.flex_attention import
+# BlockMask, create_block_mask, flex_attention; from above: sections 1-7.
+#
+# The family people fine-tune is Llama with a few deltas, as transformers' modular files
+# write them (modular_qwen2.py is essentially Qwen2Attention(LlamaAttention) with biases):
+# Mistral sets head_dim and may set sliding_window; Qwen2 gives q, k and v a bias; Qwen3
+# sets head_dim and RMS-normalizes each head of q and k before RoPE; Llama 3.1 scales RoPE's
+# long wavelengths. Packed rows (several documents in one) pass a document mask and
+# positions through Part I's Llama.
 
 
 @dataclass
-class LlamaConfig:
-    """A Llama's shape; the field names are those of Hugging Face's config.json.
+class FamilyConfig(LlamaConfig):
+    """LlamaConfig with the family's deltas (the field names are config.json's)."""
 
-    The family people fine-tune is Llama with a few deltas (transformers' modeling files):
-    Mistral sets head_dim and may set sliding_window; Qwen2 gives q, k and v a bias; Qwen3
-    sets head_dim and RMS-normalizes each head of q and k before RoPE.
-    """
-
-    vocab_size: int = 32000
-    hidden_size: int = 4096
-    intermediate_size: int = 11008
-    num_hidden_layers: int = 32
-    num_attention_heads: int = 32
-    num_key_value_heads: Optional[int] = None  # None: as many as attention heads (no GQA)
-    max_position_embeddings: int = 4096
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
     rope_scaling: Optional[dict] = None  # Llama 3.1: {"rope_type": "llama3", "factor": 8.0, ...}
     tie_word_embeddings: bool = False
     model_type: str = "llama"  # or "mistral", "qwen2", "qwen3"
-    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads
     attention_bias: bool = False  # a bias on q, k, v and o (Llama's, Qwen3's option)
     mlp_bias: bool = False  # a bias on gate, up and down (Llama's option)
     sliding_window: Optional[int] = None  # Mistral: attend to this many tokens back at most
-
-    def __post_init__(self):
-        if self.num_key_value_heads is None:
-            self.num_key_value_heads = self.num_attention_heads
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
 
     @property
     def qkv_bias(self):
@@ -1936,70 +2499,97 @@ class LlamaConfig:
     def qk_norm(self):
         return self.model_type == "qwen3"  # q_norm and k_norm over each head
 
-
-# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is the
-# smallest shape that torchao's NF4 can also shard over 2 ranks, to compare against it.
-# The positional fields: vocab_size, hidden_size, intermediate_size, layers, heads, kv heads,
-# context.
-CONFIGS = {
-    "tiny": LlamaConfig(256, 128, 384, 4, 4, 2, 1024),
-    "small": LlamaConfig(256, 256, 768, 4, 4, 4, 1024),
-    "llama2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 4096),
-    "llama2-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 4096),
-    "llama2-70b": LlamaConfig(32000, 8192, 28672, 80, 64, 8, 4096),
-    "llama3-8b": LlamaConfig(128256, 4096, 14336, 32, 32, 8, 8192, rope_theta=500000.0),
-    "llama3-70b": LlamaConfig(128256, 8192, 28672, 80, 64, 8, 8192, rope_theta=500000.0),
-}
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim, eps, dtype):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype), requires_grad=False)
-
-    def forward(self, x):
-        # Normalize in fp32, scale in the compute dtype, as Hugging Face does.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+    def rope_inv_freq(self):
+        """LlamaConfig's, with Llama 3.1's frequency-dependent scaling if configured."""
+        scaling = self.rope_scaling or {}
+        if scaling.get("rope_type", scaling.get("type")) != "llama3":
+            return super().rope_inv_freq()
+        d = self.head_dim
+        inv_freq = 1.0 / self.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        # Long wavelengths are slowed down by `factor`, short ones kept, and the band
+        # between them blended smoothly.
+        factor = scaling["factor"]
+        low = scaling.get("low_freq_factor", 1.0)
+        high = scaling.get("high_freq_factor", 4.0)
+        old_len = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        return torch.where(mid, blended, scaled).float()
 
 
-def rope_inv_freq(config):
-    """theta^(-2i/d) for i < d/2, with Llama 3.1's frequency-dependent scaling if configured."""
-    d = config.head_dim
-    exponents = torch.arange(0, d, 2, dtype=torch.float64) / d
-    inv_freq = 1.0 / (config.rope_theta**exponents)
-    scaling = config.rope_scaling or {}
-    if scaling.get("rope_type", scaling.get("type")) != "llama3":
-        return inv_freq.float()
-    # Llama 3.1: long wavelengths are slowed down by `factor`, short ones kept, and the band
-    # between them blended smoothly.
-    factor = scaling["factor"]
-    low = scaling.get("low_freq_factor", 1.0)
-    high = scaling.get("high_freq_factor", 4.0)
-    old_len = scaling.get("original_max_position_embeddings", 8192)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_len / wavelen - low) / (high - low)
-    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-    mid = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(mid, blended, scaled).float()
+def as_family(config):
+    """config as a FamilyConfig (a plain LlamaConfig is the family's Llama)."""
+    if isinstance(config, FamilyConfig):
+        return config
+    return FamilyConfig(**dataclasses.asdict(config))
 
 
-def rope_cos_sin(config, T, device, dtype):
-    """cos, sin of shape (T, head_dim) in Hugging Face's layout: the frequencies twice."""
-    inv_freq = rope_inv_freq(config).to(device)
-    positions = torch.arange(T, device=device, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq)  # (T, d/2)
-    emb = torch.cat([freqs, freqs], dim=-1)  # (T, d)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+def count_family_params(config, lora_rank=8):
+    """count_params, with the family's biases and Qwen3's q_norm and k_norm."""
+    c = as_family(config)
+    counts = count_params(c, lora_rank)
+    shapes = linear_shapes(c)
+    q_out = shapes["self_attn.q_proj"][0]
+    kv_out = shapes["self_attn.k_proj"][0]
+    per_block = c.qkv_bias * (q_out + 2 * kv_out) + c.attention_bias * c.hidden_size
+    per_block += c.mlp_bias * (2 * c.intermediate_size + c.hidden_size)
+    per_block += c.qk_norm * 2 * c.head_dim
+    return counts._replace(dense=counts.dense + c.num_hidden_layers * per_block)
 
 
-def apply_rope(x, cos, sin):
-    """x (B, n_heads, T, head_dim) rotated; rotate_half splits the head dimension in two."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+def _add_bias(linear, dtype):
+    """A frozen zero bias on a layer that has none (a checkpoint's comes later)."""
+    zeros = torch.zeros(linear.out_features, dtype=dtype)
+    linear.bias = nn.Parameter(zeros, requires_grad=False)
+
+
+class FamilyAttention(LlamaAttention):
+    """LlamaAttention with the family's biases, Qwen3's q_norm and k_norm, and packed rows'
+    document masks (flex_attention's block mask on CUDA)."""
+
+    def __init__(self, c, lora):
+        super().__init__(c, lora)
+        dtype = lora["dtype"]
+        if c.qkv_bias:
+            for projection in (self.q_proj, self.k_proj, self.v_proj):
+                _add_bias(projection, dtype)
+        if c.attention_bias:
+            _add_bias(self.o_proj, dtype)
+        self.qk_norm = c.qk_norm
+        if self.qk_norm:  # Qwen3
+            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
+
+    def project(self, x):
+        q, k, v = super().project(x)  # (B, T, heads, hd)
+        if self.qk_norm:  # each head normalized over its head_dim, before RoPE
+            q = self.q_norm(q)
+            k = self.k_norm(k)
+        return q, k, v
+
+    def attend(self, q, k, v, mask):
+        if isinstance(mask, BlockMask):
+            gqa = self.n_kv != self.n_heads
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return super().attend(q, k, v, mask)
+
+
+class FamilyMLP(LlamaMLP):
+    """LlamaMLP with Llama's optional biases (mlp_bias)."""
+
+    def __init__(self, c, lora):
+        super().__init__(c, lora)
+        if c.mlp_bias:
+            for projection in (self.gate_proj, self.up_proj, self.down_proj):
+                _add_bias(projection, lora["dtype"])
+
+
+class FamilyDecoderLayer(LlamaDecoderLayer):
+    Attention = FamilyAttention
+    MLP = FamilyMLP
 
 
 class DocumentMask(NamedTuple):
@@ -2030,206 +2620,16 @@ def document_mask(documents):
     return DocumentMask(positions, (same & causal)[:, None], None)
 
 
-class LlamaAttention(nn.Module):
-    def __init__(self, c, lora):
-        super().__init__()
-        self.n_heads = c.num_attention_heads
-        self.n_kv = c.num_key_value_heads
-        self.head_dim = c.head_dim
-        q_dim = self.n_heads * self.head_dim
-        kv_dim = self.n_kv * self.head_dim
-        self.q_proj = LoRALinear(c.hidden_size, q_dim, bias=c.qkv_bias, **lora)
-        self.k_proj = LoRALinear(c.hidden_size, kv_dim, bias=c.qkv_bias, **lora)
-        self.v_proj = LoRALinear(c.hidden_size, kv_dim, bias=c.qkv_bias, **lora)
-        self.o_proj = LoRALinear(q_dim, c.hidden_size, bias=c.attention_bias, **lora)
-        self.qk_norm = c.qk_norm
-        if self.qk_norm:  # Qwen3
-            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, lora["dtype"])
-            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, lora["dtype"])
+class CausalLM(Llama):
+    """Llama and its family (Mistral, Qwen2, Qwen3) as transformers' <Family>ForCausalLM.
 
-    def forward(self, x, cos, sin, mask=None):
-        """x (B, T, C); mask: a DocumentMask for packed rows, or None (causal)."""
-        B, T, C = x.shape
-        q, k, v = LoRALinear.shared_input(x, self.q_proj, self.k_proj, self.v_proj)
-        q = q.view(B, T, self.n_heads, self.head_dim)  # (B, T, nh, hd)
-        k = k.view(B, T, self.n_kv, self.head_dim)  # (B, T, nkv, hd)
-        if self.qk_norm:  # each head normalized over its head_dim, before RoPE
-            q = self.q_norm(q)
-            k = self.k_norm(k)
-        q = q.transpose(1, 2)  # (B, nh, T, hd)
-        k = k.transpose(1, 2)  # (B, nkv, T, hd)
-        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)  # (B, nkv, T, hd)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        # Grouped-query attention: each of the nkv heads serves nh / nkv query heads.
-        gqa = self.n_kv != self.n_heads
-        if mask is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        elif mask.block_mask is not None:
-            y = flex_attention(q, k, v, block_mask=mask.block_mask, enable_gqa=gqa)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.dense, enable_gqa=gqa)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh * hd)
-        return self.o_proj(y)
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, c, lora):
-        super().__init__()
-        d = c.hidden_size
-        ffn = c.intermediate_size
-        self.gate_proj = LoRALinear(d, ffn, bias=c.mlp_bias, **lora)
-        self.up_proj = LoRALinear(d, ffn, bias=c.mlp_bias, **lora)
-        self.down_proj = LoRALinear(ffn, d, bias=c.mlp_bias, **lora)
-
-    def forward(self, x):
-        # SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)).
-        gate, up = LoRALinear.shared_input(x, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)
-
-
-class LlamaDecoderLayer(nn.Module):
-    def __init__(self, c, lora):
-        super().__init__()
-        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
-        self.self_attn = LlamaAttention(c, lora)
-        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps, lora["dtype"])
-        self.mlp = LlamaMLP(c, lora)
-
-    def forward(self, x, cos, sin, checkpointing=False, mask=None):
-        if checkpointing and torch.is_grad_enabled():
-            # Keep only the block's input (B, T, C) and recompute the rest in backward. This
-            # sits inside forward, so that, compiled, the recompute fuses into backward's
-            # kernels.
-            return checkpoint(self.block, x, cos, sin, mask, use_reentrant=False)
-        return self.block(x, cos, sin, mask)
-
-    def block(self, x, cos, sin, mask=None):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask)
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default ignore_index)
-
-
-def _cross_entropy_rows(logits, targets, need_grad: bool):
-    """logits (n, V), targets (n,) -> the summed loss of the counted rows, and its gradient.
-
-    The loss is fp32. The gradient wrt the logits (if need_grad) is softmax - onehot, zero on
-    ignored rows, in logits' dtype. Eager, it is made in place on one fp32 copy of the logits
-    (fp32 logits themselves are overwritten) and the one-hot is a bool; compiled, the passes
-    fuse (max, sum of exp, gradient) and neither is made.
-    """
-    keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
-    # Ignored rows look up class 0 and count 0.
-    t = targets.masked_fill(targets == IGNORE_INDEX, 0)[:, None]
-    x = logits.float()
-    target_logit = x.gather(1, t)
-    m = x.amax(dim=-1, keepdim=True)
-    sumexp = x.sub_(m).exp_().sum(dim=-1, keepdim=True)  # x now holds exp(l - max)
-    loss = torch.where(keep, m + sumexp.log() - target_logit, 0.0).sum()
-    if not need_grad:
-        return loss, None
-    onehot = torch.arange(x.shape[1], device=x.device) == t  # (n, V)
-    grad = x.div_(sumexp).add_(onehot, alpha=-1).mul_(keep)
-    return loss, grad.to(logits.dtype)
-
-
-_cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
-
-
-class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross entropy of h W^T against targets, `chunk` rows at a time.
-
-    It gives the sum over the counted targets, or their mean. The full logits of Llama-2-7B
-    at T=2048 are 131 MB per sequence in bf16, and as many for their gradient; here only one
-    chunk's exist at a time. Forward computes each chunk's loss AND its gradient wrt h,
-    (softmax - onehot) W, and backward just scales it. (The weight gets no gradient: lm_head
-    is frozen.)
+    nf4_head: the lm_head in NF4 too. forward's documents (B, T): rows packed with
+    documents, an id per token (see document_mask); each document is then as if it ran
+    alone, from position 0. offload_activations: an OffloadedInputs (section 12) whose
+    blocks' inputs wait on the host.
     """
 
-    @staticmethod
-    def forward(ctx, h, weight, targets, chunk, reduction, compile):
-        # h (N, C), weight (V, C), targets (N,)
-        if isinstance(weight, NF4Tensor):
-            W = weight.dequantize(h.dtype, compile)
-        else:
-            W = weight.to(h.dtype)
-        need_grad = ctx.needs_input_grad[0]
-        compiled = use_compiled(compile, h)
-        rows = _cross_entropy_rows_compiled if compiled else _cross_entropy_rows
-        grad_h = torch.empty_like(h) if need_grad else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
-        for s in range(0, h.shape[0], chunk):
-            logits = h[s : s + chunk] @ W.T  # (n, V)
-            loss, grad_logits = rows(logits, targets[s : s + chunk], need_grad)
-            del logits
-            total += loss
-            if need_grad:
-                torch.mm(grad_logits, W, out=grad_h[s : s + chunk])  # (n, C), not (n, V)
-            # Freed before the next chunk's logits exist: one chunk alive, not two.
-            del grad_logits
-        # "mean" is over the counted targets; none counted gives 0, not 0/0.
-        ctx.denominator = 1
-        if reduction == "mean":
-            ctx.denominator = (targets != IGNORE_INDEX).sum().clamp(min=1)
-        ctx.save_for_backward(grad_h)
-        return total / ctx.denominator
-
-    @staticmethod
-    def backward(ctx, grad_loss):
-        (grad_h,) = ctx.saved_tensors
-        scale = (grad_loss / ctx.denominator).to(grad_h.dtype)
-        return grad_h * scale, None, None, None, None, None
-
-
-LOSS_CHUNK = 1024  # rows of logits alive at once in the loss
-
-
-def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean", compile=None):
-    """F.cross_entropy(h @ weight.T, targets, ignore_index=IGNORE_INDEX, reduction=reduction).
-
-    For reduction "mean" or "sum", without the full logits. A mean over no target is 0, and a
-    target outside [0, vocab) raises.
-    """
-    if reduction not in ("mean", "sum"):
-        raise ValueError(f"reduction must be 'mean' or 'sum', got {reduction!r}")
-    # Checked here, as F.cross_entropy checks: the compiled kernel's own bounds check would
-    # abort the process from inside a parallel loop.
-    in_range = (targets >= 0) & (targets < weight.shape[0])
-    ok = (in_range | (targets == IGNORE_INDEX)).all()
-    message = "chunked_cross_entropy: a target is outside [0, vocab) and not IGNORE_INDEX"
-    torch._assert_async(ok, message)
-    return _ChunkedCrossEntropy.apply(h, weight, targets, chunk, reduction, compile)
-
-
-class LMHead(NF4Linear):
-    """lm_head, frozen: the logits, or given targets the chunked cross entropy (never all logits).
-
-    Its weight stays dense in the model's dtype unless nf4=True, as bitsandbytes (through
-    transformers), torchtune and Unsloth keep it: it is 2% of a 7B model, its dense copy exists
-    in the loss anyway, and in NF4 it costs measurable accuracy (README).
-    """
-
-    def forward(self, h, targets=None, reduction="mean"):
-        # h (B, T, C), targets (B, T)
-        if targets is None:
-            return super().forward(h)  # (B, T, vocab)
-        return chunked_cross_entropy(
-            h.flatten(0, -2),
-            self.weight,
-            targets.reshape(-1),
-            reduction=reduction,
-            compile=self.compile_kernels,
-        )
-
-
-class Llama(nn.Module):
-    """LlamaForCausalLM (and its family's) with every projection a LoRALinear over NF4.
-
-    The lm_head is frozen, dense unless nf4_head. compile: for the NF4 kernels and the loss
-    (section 2).
-    """
+    Block = FamilyDecoderLayer
 
     def __init__(
         self,
@@ -2241,35 +2641,14 @@ class Llama(nn.Module):
         compile=None,
         nf4_head=False,
     ):
-        super().__init__()
-        self.config = config
-        self.dtype = dtype
-        self.checkpointing = True  # activation checkpointing per block
-        # Saved-tensors hooks with start(x), such as --offload_activations' OffloadedInputs
-        # (section 9): each checkpointed block's input then waits on the host.
+        config = as_family(config)
+        super().__init__(config, dtype, lora_rank, lora_alpha, lora_dropout, compile)
         self.offload_activations = None
-        lora = dict(
-            rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout, dtype=dtype, compile=compile
-        )
-        c = config
-        # A container that gives Hugging Face's "model." names; forward runs it.
-        self.model = nn.Module()
-        embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.model.embed_tokens = embed.requires_grad_(False)
-        layers = [LlamaDecoderLayer(c, lora) for _ in range(c.num_hidden_layers)]
-        self.model.layers = nn.ModuleList(layers)
-        self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
-        self.lm_head = LMHead(
-            c.hidden_size, c.vocab_size, dtype=dtype, compile=compile, nf4=nf4_head
-        )
+        if nf4_head:
+            weight = to_nf4(self.lm_head.weight.detach(), compile=compile)
+            self.lm_head.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, tokens, targets=None, reduction="mean", documents=None):
-        """tokens (B, T) int64 -> logits (B, T, vocab); or, given targets, the cross entropy.
-
-        The loss is over the targets that count (!= IGNORE_INDEX): their mean, or with
-        reduction="sum" their sum. documents (B, T): rows packed with documents, an id per
-        token (see document_mask); each document is then as if it ran alone, from position 0.
-        """
         T = tokens.shape[1]
         window = self.config.sliding_window
         if window is not None and T > window:  # Mistral v0.1: each token sees 4096 back at most
@@ -2277,138 +2656,31 @@ class Llama(nn.Module):
                 f"sequences of {T} tokens exceed the model's sliding_window of {window}, which "
                 f"this implementation does not follow"
             )
-        h = self.model.embed_tokens(tokens)  # (B, T, C)
-        cos, sin = rope_cos_sin(self.config, T, tokens.device, h.dtype)  # (T, hd)
-        mask = None
-        if documents is not None:
-            mask = document_mask(documents)
-            cos = cos[mask.positions][:, None]  # (B, 1, T, hd): each token at its position
-            sin = sin[mask.positions][:, None]
-        # With offload, each checkpointed block input waits in host memory for its backward.
-        parking = None
-        if self.checkpointing and torch.is_grad_enabled():
-            parking = self.offload_activations
-        for layer in self.model.layers:
-            with parking.start(h) if parking else contextlib.nullcontext():
-                h = layer(h, cos, sin, self.checkpointing, mask)
-        if parking:
-            parking.start(None)  # so that the hooks don't keep the last block's input alive
-        return self.lm_head(self.model.norm(h), targets, reduction)
-
-    def units(self):
-        """FSDP's units, in execution order: the embeddings, each block, the norm with lm_head."""
-        return [self.model.embed_tokens, *self.model.layers, [self.model.norm, self.lm_head]]
+        if self.offload_activations is not None:
+            self.offload_activations.start(None)  # a new forward: a new chain of inputs
+        if documents is None:
+            return super().forward(tokens, targets, reduction)
+        packed = document_mask(documents)
+        mask = packed.dense if packed.block_mask is None else packed.block_mask
+        return super().forward(tokens, targets, reduction, packed.positions, mask)
 
 
 # -----------------------------------------------------------------------------
-# 8. Training: batches, one step, the loop over steps
+# 12. Fitting in memory: parked activations, the predicted peak, --fit
 # -----------------------------------------------------------------------------
-# Needs: import math, os, random, resource, sys, time, numpy as np, torch, torch.distributed as
-# dist; from typing import NamedTuple, Optional; from above: GiB, IGNORE_INDEX.
+# Needs: import argparse, math, os, re, torch, torch.distributed as dist; from dataclasses import
+# dataclass; from typing import NamedTuple, Optional; from above: section 1, section 5,
+# section 7, section 8, section 10, section 11.
 #
-# One code path serves any number of processes, as nanoGPT's does: torchrun sets RANK,
-# WORLD_SIZE and LOCAL_RANK; a plain `python` run is a world of one. GPUs talk over NCCL, CPUs
-# over gloo. `args` is any object with the fields read (the command line's, or your own).
 
 
-def print0(*args, **kwargs):
-    """print, on rank 0 only: it speaks for all."""
-    if not dist.is_initialized() or dist.get_rank() == 0:
-        print(*args, **kwargs, flush=True)
+class UserError(Exception):
+    """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
 
 
-def init_distributed(cuda):
-    """This process's device and, under torchrun, its process group: (device, world, rank)."""
-    device = torch.device("cpu")
-    if cuda:
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-        torch.cuda.set_device(device)
-    if "RANK" in os.environ and not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
-        dist.init_process_group(backend, device_id=device if cuda else None)
-    if not dist.is_initialized():
-        return device, 1, 0
-    return device, dist.get_world_size(), dist.get_rank()
-
-
-def seed_of(*key):
-    """A 63-bit seed of its own for each key, e.g. (seed, "batch", step): a SHA-512 of it."""
-    return random.Random("/".join(map(str, key))).getrandbits(63)
-
-
-def seeded(*key, device="cpu"):
-    """A generator for one use, e.g. seeded(seed, "batch", step).
-
-    Every rank draws the same numbers from it, and each key is a stream of its own. A CUDA
-    generator draws other numbers than the CPU's, about 1000x as fast.
-    """
-    return torch.Generator(device).manual_seed(seed_of(*key))
-
-
-class TokenData(NamedTuple):
-    """A token stream: ids (N,) of any integer dtype, and loss_mask (N,) bool or None.
-
-    The prediction of token i counts where loss_mask[i] is true; token 0 is never a target.
-    """
-
-    ids: np.ndarray
-    loss_mask: Optional[np.ndarray]
-
-
-def sequences(data, starts, T):
-    """(inputs, targets), each (len(starts), T) int64: the T + 1 tokens from each start.
-
-    A target at position i counts where loss_mask[i] is true; elsewhere it is IGNORE_INDEX.
-    """
-    starts = list(starts)
-    rows = [data.ids[s : s + T + 1].astype(np.int64) for s in starts]
-    tokens = torch.from_numpy(np.stack(rows))  # (n, T + 1)
-    inputs = tokens[:, :-1]
-    targets = tokens[:, 1:]
-    if data.loss_mask is not None:
-        masks = [data.loss_mask[s + 1 : s + T + 1] for s in starts]
-        counted = torch.from_numpy(np.stack(masks))
-        targets = targets.masked_fill(~counted, IGNORE_INDEX)
-    return inputs, targets
-
-
-class Batch(NamedTuple):
-    """This rank's rows of one micro-batch, each (batch_size, seq_len)."""
-
-    inputs: torch.Tensor
-    targets: torch.Tensor  # IGNORE_INDEX where a prediction does not count
-    documents: Optional[torch.Tensor] = None  # packed rows: a document id per token
-
-
-def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """This rank's Batch of micro-batch `micro`.
-
-    The step's global batch depends only on (seed, step) and batch_size x grad_accum x world:
-    rows go in the order (micro, rank, row), so any split of the batch sees the same rows.
-    data: TokenData (windows at random places), None (random tokens), or any object whose
-    batch(step, micro, args, world, rank) makes the Batch (packed documents, section 11).
-    """
-    if data is not None and not isinstance(data, TokenData):
-        return data.batch(step, micro, args, world, rank)
-    generator = seeded(args.seed, "batch", step)
-    n = args.batch_size * args.grad_accum * world  # rows in the global batch
-    T = args.seq_len
-    first = (micro * world + rank) * args.batch_size
-    rows = slice(first, first + args.batch_size)
-    if data is None:
-        tokens = torch.randint(vocab_size, (n, T + 1), generator=generator)[rows]
-        return Batch(tokens[:, :-1], tokens[:, 1:])
-    starts = torch.randint(len(data.ids) - T, (n,), generator=generator)[rows]
-    return Batch(*sequences(data, starts.tolist(), T))
-
-
-def learning_rate(step, args):
-    """A linear warmup over warmup_steps, then a cosine decay to 10% of lr at `steps`."""
-    warmup = args.warmup_steps
-    if step < warmup:
-        return args.lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, args.steps - warmup))
-    return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
+def require(ok, message):
+    if not ok:
+        raise UserError(message)
 
 
 def proc_bytes(path, key):
@@ -2423,185 +2695,27 @@ def proc_bytes(path, key):
     return None
 
 
-def peak_memory_gib(device, reserved=False):
-    """The peak since reset_peak_memory, the max over ranks.
-
-    On CUDA it is the GPU memory allocated (or reserved); on the CPU the resident set
-    (Linux's VmHWM; elsewhere the process's whole peak).
-    """
-    if device.type == "cuda":
-        if reserved:
-            peak = torch.cuda.max_memory_reserved(device)
-        else:
-            peak = torch.cuda.max_memory_allocated(device)
-    else:
-        peak = proc_bytes("/proc/self/status", "VmHWM")
-        if peak is None:  # getrusage's ru_maxrss cannot be reset; macOS gives bytes, not KiB
-            unit = 1 if sys.platform == "darwin" else 1024
-            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    t = torch.tensor(peak / GiB, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+def fmt_bytes(n):
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n:.0f} B"
 
 
-def reset_peak_memory(device):
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        return
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # Linux: VmHWM starts again from the resident set now
-    except OSError:
-        pass
-
-
-class StepResult(NamedTuple):
-    loss: float  # the mean over the global batch's counted targets
-    optimizer_seconds: float
-
-
-def train_step(model, fsdp, optimizer, batches, grad_clip, device):
-    """One AdamW step over this rank's micro-batches [Batch, or (inputs, targets)].
-
-    The loss is the mean over the global batch's counted targets, whatever the split into
-    ranks and micro-batches. A non-finite loss skips the update.
-    """
-    batches = [Batch(*b) for b in batches]
-    # The targets that count, over all ranks: the mean's denominator.
-    count = sum((b.targets != IGNORE_INDEX).sum() for b in batches).to(device)
-    if dist.is_initialized():
-        dist.all_reduce(count)
-    count = max(1, count.item())  # a batch that counts nothing: loss 0 and zero gradients
-    loss_sum = torch.zeros((), device=device)
-    for b in batches:
-        b = Batch(*(None if t is None else t.to(device) for t in b))  # on the device
-        with torch.profiler.record_function("forward"):
-            loss = model(b.inputs, b.targets, reduction="sum", documents=b.documents)
-        with torch.profiler.record_function("backward"):
-            # Each unit's gradients are reduce-scattered as its backward ends. The
-            # reduce-scatter averages over ranks, so x world gives the masters d(global sum);
-            # the 1 / count comes after, in fp32.
-            (loss * fsdp.world).backward()
-        loss_sum += loss.detach()
-    if dist.is_initialized():
-        dist.all_reduce(loss_sum)
-    loss = (loss_sum / count).item()  # this also waits for the device
-    t0 = time.perf_counter()
-    if math.isfinite(loss):
-        with torch.profiler.record_function("optimizer"):
-            # d(global sum) -> d(global mean), in fp32.
-            for p in fsdp.parameters():
-                if p.grad is not None:
-                    p.grad.div_(count)
-            if grad_clip > 0:
-                fsdp.clip_grad_norm_(grad_clip)
-            optimizer.step()
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-    # Also after a skipped step: the next one starts from no gradient.
-    optimizer.zero_grad(set_to_none=True)
-    return StepResult(loss, time.perf_counter() - t0)
-
-
-class StepRecord(NamedTuple):
-    """What one step did, as the loop logs it."""
-
-    step: int  # steps done, counted from 1
-    loss: float
-    lr: float
-    seconds: float
-    comm_wait_seconds: float  # of those, waiting for late all-gathers and reduce-scatters
-    optimizer_seconds: float
-    tokens: int  # in the step's global batch
-    mem_gib: Optional[float]  # the peak memory, read on the steps that log
-
-    @property
-    def tokens_per_s(self):
-        return self.tokens / self.seconds
-
-
-def format_step(r, steps, memory="mem"):  # memory: "mem" on a GPU, "rss" on the CPU
-    return (
-        f"step {r.step}/{steps} | loss {r.loss:.4f} | lr {r.lr:.1e} | "
-        f"{r.seconds * 1000:.0f} ms | {r.tokens_per_s:,.0f} tok/s | {memory} {r.mem_gib:.2f} GiB"
-    )
-
-
-def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=None):
-    """The training loop: steps start + 1 to `end` (args.steps), a log line every log_every.
-
-    `run`, any object with after_step(record) -> bool, hears of each step: the command line's
-    evaluates, saves and profiles, and any can stop the loop by returning True. Returns the
-    StepRecords.
-    """
-    end = args.steps if end is None else end
-    fsdp.time_waits = True  # each step's record says how long it waited for collectives
-    world = fsdp.world
-    rank = fsdp.rank
-    vocab_size = model.config.vocab_size
-    tokens = args.batch_size * args.grad_accum * world * args.seq_len
-    records = []
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        lr = learning_rate(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # LoRA dropout draws its masks from (seed, rank, step): a resumed run draws the same.
-        torch.manual_seed(seed_of(args.seed, "dropout", rank, step))
-        # This rank's micro-batches of the step's global batch.
-        batches = []
-        for micro in range(args.grad_accum):
-            batches.append(get_batch(data, step, micro, args, world, rank, vocab_size))
-        # Forward and backward over each, the gradients reduced, one AdamW update.
-        result = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
-        seconds = time.perf_counter() - t0
-        if not math.isfinite(result.loss):
-            raise FloatingPointError(
-                f"loss is {result.loss} at step {step + 1}; stopped before updating"
-            )
-        # Log the step (the line reads the peak memory, a collective: only when it logs).
-        logs = step % args.log_every == 0 or step + 1 == end
-        mem = peak_memory_gib(device) if logs else None
-        record = StepRecord(
-            step=step + 1,
-            loss=result.loss,
-            lr=lr,
-            seconds=seconds,
-            comm_wait_seconds=fsdp.take_comm_wait_s(),  # the step is done: so are its events
-            optimizer_seconds=result.optimizer_seconds,
-            tokens=tokens,
-            mem_gib=mem,
+def format_budget(name, budget):
+    """Section 1's memory_budget, as a table."""
+    n_params = budget.n_params / 1e6
+    n_lora = budget.n_lora / 1e6
+    rows = [
+        f"memory before activations, {name} "
+        f"({n_params:,.1f} M params, {n_lora:,.2f} M LoRA params):"
+    ]
+    for label, b in (("full fine-tune, bf16", budget.full_bf16), ("QLoRA, NF4 base", budget.qlora)):
+        rows.append(
+            f"  {label:<21} params {fmt_bytes(b.params):>9} + grads {fmt_bytes(b.grads):>9}"
+            f" + Adam {fmt_bytes(b.optimizer):>9} = {fmt_bytes(b.total()):>9}"
         )
-        records.append(record)
-        if logs:
-            print0(format_step(record, args.steps, "mem" if device.type == "cuda" else "rss"))
-        # Evaluate, save, profile: what a real run does between steps (Part II).
-        if run is not None and run.after_step(record):
-            break
-    return records
-
-
-# =============================================================================
-# Part II: what a real run needs around the loop. Skip it on a first read.
-# =============================================================================
-
-# -----------------------------------------------------------------------------
-# 9. Fitting in memory: parked activations, the predicted peak, --fit
-# -----------------------------------------------------------------------------
-# Needs: import argparse, math, os, re, torch, torch.distributed as dist; from dataclasses import
-# dataclass; from typing import NamedTuple, Optional; from above: GiB, NF4_BITS_PER_PARAM,
-# linear_shapes, count_params, _side, _to_host, ADAM_CHUNK_BYTES, LOSS_CHUNK, print0, proc_bytes.
-#
-
-
-class UserError(Exception):
-    """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
-
-
-def require(ok, message):
-    if not ok:
-        raise UserError(message)
+    return "\n".join(rows)
 
 
 # Activations that wait on the host: --offload_activations, the tier --fit tries after
@@ -2645,6 +2759,20 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
         if x is None:
             self.last = None  # the chain of parked inputs ends
         return self
+
+    def around(self, forward):
+        """A block's forward(x, cos, sin, checkpointing, mask) that parks x while it runs."""
+
+        def parked(x, cos, sin, checkpointing=False, mask=None):
+            if not (checkpointing and torch.is_grad_enabled()):
+                return forward(x, cos, sin, checkpointing, mask)
+            try:
+                with self.start(x):
+                    return forward(x, cos, sin, checkpointing, mask)
+            finally:
+                self.input = None  # the hooks keep no block input alive
+
+        return parked
 
     def _pack(self, t):
         x = self.input
@@ -2887,7 +3015,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     flags = StepFlags(**kw)
     elt = dtype_bytes
     tokens = batch_size * seq_len
-    counts = count_params(config, lora_rank)
+    counts = count_family_params(config, lora_rank)
     state = _state_rows(counts, world, elt, flags.nf4_head)
     # All-gathers: two block units at a time, the one being computed and the next one's
     # receive buffer (prefetched after the copy-out, whose receive buffer is gone by then).
@@ -3095,11 +3223,10 @@ def check_fits(args, config, world, device):
 
 
 # -----------------------------------------------------------------------------
-# 10. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
+# 13. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
 # -----------------------------------------------------------------------------
 # Needs: import io, json, math, os, re, shutil, functools, numpy as np, torch, torch.distributed as
-# dist; from dataclasses import fields; from typing import NamedTuple; from above: linear_shapes,
-# random_weight, lora_A_init, LlamaConfig, print0, seeded, UserError, require, Llama.
+# dist; from dataclasses import fields; from typing import NamedTuple; from above: sections 1-12.
 #
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]},
@@ -3282,7 +3409,9 @@ def _family(d, where):
 
 def _config_kwargs(d, where):
     """LlamaConfig's keywords from a config.json dict, in the transformers 4 or 5 layout."""
-    kwargs = {f.name: d[f.name] for f in fields(LlamaConfig) if d.get(f.name) is not None}
+    kwargs = {
+        f.name: d[f.name] for f in dataclasses.fields(FamilyConfig) if d.get(f.name) is not None
+    }
     kwargs["model_type"] = _family(d, where)
     # transformers 5 moved the RoPE settings under one key.
     rope = d.get("rope_parameters")
@@ -3352,7 +3481,7 @@ def _check_config(c, d, where):
 
 
 def config_from_hf(d, where="config.json"):
-    """LlamaConfig from a Hugging Face config.json dict (transformers 4 or 5 layout).
+    """FamilyConfig from a Hugging Face config.json dict (transformers 4 or 5 layout).
 
     Llama, Mistral, Qwen2 and Qwen3 are taken. Every field this file uses is checked for its
     type and range; a field it does not follow (a sliding window in use) is refused.
@@ -3361,14 +3490,15 @@ def config_from_hf(d, where="config.json"):
     sizes = "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads"
     for key in sizes.split():
         require(_is_count(kwargs.get(key)), f"{where}: {key} is missing or not a positive integer")
-    c = LlamaConfig(**kwargs)
+    c = FamilyConfig(**kwargs)
     _check_config(c, d, where)
     return c
 
 
 def config_to_hf(config, dtype):
     """config.json for this config's family, as transformers writes it."""
-    d = {f.name: getattr(config, f.name) for f in fields(LlamaConfig)}
+    config = as_family(config)
+    d = {f.name: getattr(config, f.name) for f in dataclasses.fields(FamilyConfig)}
     d.update(
         architectures=[ARCHITECTURES[config.model_type]],
         torch_dtype=str(dtype).split(".")[-1],
@@ -3392,6 +3522,7 @@ def hf_shapes(config, layer=None):
 
     Block `layer`'s tensors, or with none the others (the embeddings, the final norm, lm_head).
     """
+    config = as_family(config)
     d = config.hidden_size
     if layer is None:
         return {
@@ -3442,6 +3573,7 @@ def load_checkpoint(path, config):
     Every header is checked against config.json first: a mismatch is refused before anything
     of its size exists.
     """
+    config = as_family(config)
     files = [SafetensorsFile(os.path.join(path, n)) for n in _checkpoint_files(path)]
     # name -> (file, its name there). Old checkpoints also store RoPE's constants.
     sources = {}
@@ -3479,28 +3611,6 @@ def load_checkpoint(path, config):
     return Checkpoint(tensors, nbytes)
 
 
-def initial_weights(shapes, seed, device="cpu"):
-    """(name, full tensor) of parameters that have no checkpoint, as the modules draw them.
-
-    One at a time, each from a seeded generator on `device`: alike at any world size on one
-    kind of device. The adapters are drawn on the CPU, alike everywhere.
-    """
-    for name, shape in shapes.items():
-        if name.endswith("lora_A"):
-            yield name, lora_A_init(shape, seeded(seed, name))
-        elif name.endswith("lora_B"):  # B = 0: the model starts as the base
-            yield name, torch.zeros(shape)
-        elif "norm" in name:
-            yield name, torch.ones(shape, device=device)
-        elif name.endswith(".bias"):
-            yield name, torch.zeros(shape, device=device)
-        elif "embed_tokens" in name:  # N(0, 1)
-            generator = seeded(seed, name, device=device)
-            yield name, torch.randn(shape, generator=generator, device=device)
-        else:  # the linears: N(0, 1/in)
-            yield name, random_weight(shape, seeded(seed, name, device=device))
-
-
 def from_pretrained(
     path,
     dtype=torch.bfloat16,
@@ -3523,16 +3633,20 @@ def from_pretrained(
     device = torch.device(device or "cpu")
     checkpoint = load_checkpoint(path, config)  # every header checked
     with torch.device("meta"):
-        model = Llama(config, dtype, lora_rank, lora_alpha, lora_dropout, nf4_head=nf4_head)
+        model = CausalLM(config, dtype, lora_rank, lora_alpha, lora_dropout, nf4_head=nf4_head)
+    nf4 = {n for n, p in model.named_parameters() if isinstance(p, NF4Tensor)}
     for name, t in checkpoint.tensors:
-        model.load_state_dict({name: t.to(device, dtype)}, strict=False, assign=True)
+        t = t.to(device, dtype)
+        if name in nf4:  # NF4Linear quantizes its own; an NF4 lm_head is quantized here
+            t = to_nf4(t)
+        model.load_state_dict({name: t}, strict=False, assign=True)
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
     drawn = {n: t.to(device) for n, t in initial_weights(adapters, seed)}
     model.load_state_dict(drawn, strict=False, assign=True)
     return model
 
 
-# Llama's (section 7): it needs this section's reader.
+# Llama's (section 7), as the API has it: registered here, where the reader is.
 Llama.from_pretrained = staticmethod(from_pretrained)
 
 # PEFT's adapter format: what peft.PeftModel.from_pretrained(base, DIR) loads.
@@ -3768,11 +3882,11 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 
 
 # -----------------------------------------------------------------------------
-# 11. A run: data files, evaluation, metrics, progress, set-up and summary
+# 14. A run: data files, evaluation, metrics, progress, set-up and summary
 # -----------------------------------------------------------------------------
 # Needs: import bisect, json, math, os, resource, shlex, signal, sys, tempfile, threading, time,
 # numpy as np, torch, torch.distributed as dist; from typing import NamedTuple, Optional; from
-# above: GiB, section 1, section 3, sections 5-10.
+# above: GiB, sections 1-13.
 
 
 def eos_id(args):
@@ -3792,10 +3906,42 @@ def eos_id(args):
     return eos
 
 
+class TokenData(NamedTuple):
+    """A token stream, ids (N,) of any integer dtype, and loss_mask (N,) bool or None: the
+    prediction of token i counts where loss_mask[i] is true (token 0 is never a target)."""
+
+    ids: np.ndarray
+    loss_mask: Optional[np.ndarray]
+
+    def batch(self, step, micro, args, world, rank):
+        """get_batch's windows of the ids; with a loss mask, the same windows of it mask the
+        targets (the same draws pick them)."""
+        inputs, targets, _ = get_batch(self.ids, step, micro, args, world, rank, None)
+        if self.loss_mask is None:
+            return Batch(inputs, targets)
+        _, counted, _ = get_batch(self.loss_mask, step, micro, args, world, rank, None)
+        return Batch(inputs, targets.masked_fill(~counted.bool(), IGNORE_INDEX))
+
+
+def sequences(data, starts, T):
+    """(inputs, targets), each (len(starts), T) int64: the T + 1 tokens from each start; a
+    target that does not count is IGNORE_INDEX."""
+    starts = list(starts)
+    rows = [data.ids[s : s + T + 1].astype(np.int64) for s in starts]
+    tokens = torch.from_numpy(np.stack(rows))  # (n, T + 1)
+    inputs = tokens[:, :-1]
+    targets = tokens[:, 1:]
+    if data.loss_mask is not None:
+        masks = [data.loss_mask[s + 1 : s + T + 1] for s in starts]
+        counted = torch.from_numpy(np.stack(masks))
+        targets = targets.masked_fill(~counted, IGNORE_INDEX)
+    return inputs, targets
+
+
 def model_config(args):
-    """(name, LlamaConfig): --checkpoint's (named after its directory), else --model's."""
+    """(name, FamilyConfig): --checkpoint's (named after its directory), else --model's."""
     if not args.checkpoint:
-        return args.model, CONFIGS[args.model]
+        return args.model, as_family(CONFIGS[args.model])
     require(os.path.isdir(args.checkpoint), f"--checkpoint {args.checkpoint}: no such directory")
     path = os.path.join(args.checkpoint, "config.json")
     name = os.path.basename(os.path.normpath(args.checkpoint))
@@ -4150,48 +4296,45 @@ def progress(items, what, total, nbytes):
 def build(args, config, device, checkpoint=None):
     """The model, sharded, with its base made one weight at a time: (model, fsdp).
 
-    Model (on meta) -> units -> real, zeroed shards; then each base weight is made (read
-    from load_checkpoint's `checkpoint`, or drawn), quantized and cut to this rank's piece,
-    one at a time: no two unsharded weights are ever alive.
+    As section 8's build_sharded, for the family, the flags, and a checkpoint's weights
+    (load_checkpoint's `checkpoint`, every tensor checked finite) or drawn ones.
     """
-    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
+    dtype = DTYPES[args.dtype]
+    lora = (args.lora_rank, args.lora_alpha, args.lora_dropout)
     with torch.device("meta"):
-        model = Llama(
-            config,
-            dtype,
-            args.lora_rank,
-            args.lora_alpha,
-            args.lora_dropout,
-            compile=args.compile,
-            nf4_head=args.nf4_head,
-        )
+        model = CausalLM(config, dtype, *lora, compile=args.compile, nf4_head=args.nf4_head)
     model.checkpointing = args.checkpointing
-    if args.compile:  # each block's forward, its checkpoint included; the sharding hooks stay eager
-        for layer in model.model.layers:
-            layer.forward = torch.compile(layer.forward)
-    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
     if args.offload_activations:
         # A stream of its own: a wait for a collective (on FSDP's side stream) must not wait
         # for these copies too.
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
         model.offload_activations = OffloadedInputs(side)
+    for layer in model.model.layers:
+        forward = layer.forward
+        if args.compile:  # each block's forward, its checkpoint included; hooks stay eager
+            forward = torch.compile(forward)
+        if model.offload_activations is not None:  # outside the compiled code
+            forward = model.offload_activations.around(forward)
+        layer.forward = forward
+    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
     shapes = fsdp.base_shapes()
     what = f"loading {args.checkpoint}"
     if checkpoint is None:  # a random base, drawn in fp32
         what = "drawing a random base"
         nbytes = 4 * sum(map(math.prod, shapes.values()))
         checkpoint = Checkpoint(initial_weights(shapes, args.seed, device), nbytes)
-    for name, t in progress(checkpoint.tensors, what, len(shapes), checkpoint.nbytes):
-        t = t.to(device, dtype)
-        require(
-            t.isfinite().all(), f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN"
-        )
-        if fsdp.param_of[name][1].subclass:  # an NF4 weight (the head's only with --nf4_head)
-            t = to_nf4(t, compile=args.compile)
-        fsdp.load_full(name, t)
-    for name, t in initial_weights(fsdp.adapter_shapes(), args.seed):
-        fsdp.load_full(name, t)
+    tensors = progress(_finite(checkpoint.tensors, args), what, len(shapes), checkpoint.nbytes)
+    load_weights(fsdp, tensors, args.compile)
+    load_weights(fsdp, initial_weights(fsdp.adapter_shapes(), args.seed), args.compile)
     return model, fsdp
+
+
+def _finite(tensors, args):
+    """The (name, tensor) stream, each tensor checked for inf and NaN."""
+    for name, t in tensors:
+        finite = t.isfinite().all()
+        require(finite, f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN")
+        yield name, t
 
 
 def configure_cuda_allocator():
@@ -4206,12 +4349,31 @@ def configure_cuda_allocator():
     (settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
 
 
+def reset_peak_memory(device):
+    """peak_memory_gib counts from now: CUDA's peak statistics, or Linux's VmHWM."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # Linux: VmHWM starts again from the resident set now
+    except OSError:
+        pass
+
+
+class StepTimes(NamedTuple):
+    """Of a step's seconds, those spent waiting for collectives and in the optimizer."""
+
+    comm_wait: float
+    optimizer: float
+
+
 class Run:
     """What a real run does between the loop's steps (section 8).
 
     It writes --out's metrics.jsonl, traces steps 3-5 with --profile, keeps step 1's peaks
     apart from the steady state's, evaluates --val_data and saves checkpoints when they are
-    due, and gathers what the summary reports.
+    due, and gathers what the summary reports, with each step's StepTimes.
     """
 
     def __init__(self, setup, model, fsdp, optimizer, start, end):
@@ -4235,13 +4397,33 @@ class Run:
         if self.args.out and fsdp.rank == 0:
             self.metrics, self.history = open_metrics(self.args.out, start)
         self.profiler = self._start_profiler() if self.args.profile else None
+        self.times = []  # StepTimes of each step
+        self.optimizer_seconds = 0.0  # of the step in progress
+        fsdp.time_waits = True
+        optimizer.register_step_pre_hook(self._optimizer_starts)
+        optimizer.register_step_post_hook(self._optimizer_ends)
         self.signal = None  # SIGINT or SIGTERM, once received (Signals sets it)
         self.interrupted = None  # the signal all ranks stopped for
         self.compiling = None  # the Event that stops step 1's "still compiling" lines
 
+    def _optimizer_starts(self, optimizer, args, kwargs):
+        self.optimizer_seconds = -time.perf_counter()
+
+    def _optimizer_ends(self, optimizer, args, kwargs):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        self.optimizer_seconds += time.perf_counter()
+
     def peaks(self):
         """(allocated, reserved) peaks since the last reset, in GiB (on a CPU: the RSS, twice)."""
-        return peak_memory_gib(self.device), peak_memory_gib(self.device, reserved=True)
+        allocated = peak_memory_gib(self.device)
+        if self.device.type != "cuda":
+            return allocated, allocated
+        reserved = torch.tensor(torch.cuda.max_memory_reserved(self.device) / GiB)
+        if dist.is_initialized():
+            reserved = reserved.to(self.device)
+            dist.all_reduce(reserved, op=dist.ReduceOp.MAX)
+        return allocated, reserved.item()
 
     def record(self, **fields):
         """A line of metrics.jsonl, on disk at once (a crashed run keeps what it logged)."""
@@ -4278,6 +4460,9 @@ class Run:
         self.in_hook = True
         self.step = r.step
         self.records.append(r)
+        # The step is done: so are its collectives' events.
+        self.times.append(StepTimes(self.fsdp.take_comm_wait_s(), self.optimizer_seconds))
+        self.optimizer_seconds = 0.0
         if self.profiler is not None:
             self.profiler.step()
             # On CUDA, the allocator's history over steps 3-5 (Python stacks only: cheap).
@@ -4402,9 +4587,10 @@ class Run:
         records = self.records
         # Medians over the steps after the first (which compiles), in ms.
         timed = records[1:] or records
+        times = self.times[1:] or self.times
         step_ms = float(np.median([r.seconds for r in timed])) * 1000
-        wait_ms = float(np.median([r.comm_wait_seconds for r in timed])) * 1000
-        optim_ms = float(np.median([r.optimizer_seconds for r in timed])) * 1000
+        wait_ms = float(np.median([t.comm_wait for t in times])) * 1000
+        optim_ms = float(np.median([t.optimizer for t in times])) * 1000
         tokens = records[-1].tokens
         losses, val_losses = self.curves()
         summary = dict(
@@ -4589,7 +4775,8 @@ def prepare(args):
     s = set_up(args)
     args = s.args
     check_writable(args, s.rank)
-    print0(format_budget(s.name, memory_budget(s.config, args.lora_rank, args.nf4_head)))
+    counts = count_family_params(s.config, args.lora_rank)
+    print0(format_budget(s.name, memory_budget(counts, args.nf4_head)))
     model, fsdp = build(args, s.config, s.device, s.checkpoint)
     # The peaks of training, not of loading (--estimate has both): what loading left cached
     # goes back first.
@@ -4680,10 +4867,10 @@ def fine_tune(args):
 
 
 # -----------------------------------------------------------------------------
-# 12. The command line
+# 15. The command line
 # -----------------------------------------------------------------------------
 # Needs: import argparse, json, math, os, signal, sys, time, torch, torch.distributed as dist;
-# from above: GiB, section 1, sections 7-9, section 11.
+# from above: GiB, sections 1-14.
 
 
 def _fit_value(v):
@@ -4815,7 +5002,8 @@ def estimate(args):
         cuda = torch.cuda.is_available() and args.device != "cpu"
         args = fit(args, world, config, torch.device("cuda" if cuda else "cpu"))
     est = predicted_memory(args, world, config)
-    print0(format_budget(name, memory_budget(config, args.lora_rank, args.nf4_head)))
+    counts = count_family_params(config, args.lora_rank)
+    print0(format_budget(name, memory_budget(counts, args.nf4_head)))
     print0(format_estimate(name, est, world))
     summary = dict(model=name, world_size=world)
     for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):
@@ -4877,6 +5065,29 @@ def main(argv=None):
         dist.barrier()
         dist.destroy_process_group()
     return summary
+
+
+def torchrun(argv=None):
+    """torchrun with argv (its flags, then this file and its flags), as run.sh launches it.
+
+    Its report of a failed rank is cut to one line (the rank has said what went wrong, in a
+    line of its own), and the exit code is the rank's; Ctrl-C's is 128 + the signal (the
+    ranks say where they stopped).
+    """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.run import main as torchrun_main
+
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # said below
+    try:
+        torchrun_main(sys.argv[1:] if argv is None else argv)
+    except ChildFailedError as e:
+        rank, failure = e.get_first_failure()
+        code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        print(f"torchrun: rank {rank} exited with code {code}", file=sys.stderr)
+        sys.exit(code)
+    except SignalException as e:
+        sys.exit(128 + e.sigval)
 
 
 if __name__ == "__main__":
