@@ -6,15 +6,12 @@ processes the way PyTorch's FSDP2 does it, written out by hand on torch.distribu
 talk "Slaying OOMs with PyTorch FSDP and torchao" (Mark Saroufim, Jane Xu) turned into code.
 
 Part I is the lesson: one path, plain Llama with QLoRA on its seven projections, sharded and
-trained, one lesson per section, ending with the training loop. Each section needs only torch
-and the sections above it (its first comment says what), so it can be lifted out alone.
-
+trained, ending with the training loop. Each section needs only torch and the sections above it
+(its first comment says what), so it can be lifted out alone.
    1. memory accounting      2. NF4 quantization      3. NF4 tensor subclass    4. LoRA
    5. sharding and offload   6. foreach AdamW         7. Llama                  8. training
-
 Part II extends Part I's names for the product (subclasses, wrappers, registrations); Part I
 never names it. Skip it on a first read.
-
    9. faster NF4             10. any model            11. the Llama family, packing
   12. predicting the peak    13. Hugging Face files   14. a run       15. the command line
 
@@ -119,17 +116,16 @@ class MemoryBudget(NamedTuple):
     qlora: StateBytes
 
 
-def memory_budget(counts, nf4_head=False):
+def memory_budget(counts):
     """count_params' counts -> the bytes of full bf16 fine-tuning and of QLoRA."""
     total = counts.linear + counts.head + counts.dense
-    in_nf4 = counts.linear + (counts.head if nf4_head else 0)
-    nf4 = in_nf4 * NF4_BITS_PER_PARAM / 8
     # Everything trains in bf16: weights, gradients, two moments.
     full = StateBytes(params=2 * total, grads=2 * total, optimizer=4 * total)
     # An NF4 base, the rest of it in bf16, and fp32 adapters, alone with gradients and
     # moments.
+    nf4 = counts.linear * NF4_BITS_PER_PARAM / 8
     qlora = StateBytes(
-        params=nf4 + 2 * (total - in_nf4) + 4 * counts.lora,
+        params=nf4 + 2 * (total - counts.linear) + 4 * counts.lora,
         grads=4 * counts.lora,
         optimizer=8 * counts.lora,
     )
@@ -184,13 +180,10 @@ def _quantize_blocks(w, block_size: int):
 
 
 def _double_quantize(absmax, scaler_block_size: int):
-    """The fp32 block scales to int8 by torchao's scheme: scale_q (n_blocks,) int8,
-    scale_factor (n_groups,) fp32, scale_mean () fp32.
-
-    Subtract the global mean, then per group of 256 scales (a partial last one zero padded)
-    q = round(s * factor), factor = 127 / absmax(group). (torchao's 128 clips each group's
-    largest scale by a step; 127 never clips.)
-    """
+    """The fp32 block scales to int8 by torchao's scheme: subtract the global mean, then per
+    group of 256 scales (a partial last one zero padded) q = round(s * factor), factor = 127 /
+    absmax(group) (torchao's 128 clips each group's largest scale by a step; 127 never does).
+    Returns scale_q (n_blocks,) int8, scale_factor (n_groups,) fp32, scale_mean () fp32."""
     n = absmax.numel()
     mean = absmax.mean()
     padded = F.pad(absmax - mean, (0, -n % scaler_block_size))
@@ -241,10 +234,8 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     flat = weight.detach().reshape(-1)
     # In chunks of whole blocks: a big matrix never has a whole fp32 copy.
     step = max(block_size, QUANT_CHUNK // block_size * block_size)
-    chunks = []
     with torch.no_grad():
-        for start in range(0, n, step):
-            chunks.append(kernel(flat[start : start + step], block_size))
+        chunks = [kernel(flat[i : i + step], block_size) for i in range(0, n, step)]
     packed = torch.cat([codes for codes, _ in chunks])
     absmax = torch.cat([scales for _, scales in chunks])
     # An inf or NaN anywhere reaches every block through the scales' mean.
@@ -265,20 +256,15 @@ def dequantize_nf4(
     dtype=torch.bfloat16,
     compile=None,
 ):
-    """quantize_nf4's four tensors -> the weight, flat, of `dtype`.
-
-    Compiled, one fused kernel. Eager, at most half the weight at a time, so that no
-    temporary (int32 codes, fp32 values) outgrows the output.
-    """
+    """quantize_nf4's four tensors -> the weight, flat, of `dtype`: compiled, one fused
+    kernel; eager, at most half the weight at a time, so that no temporary outgrows it."""
     inner = [packed, scale_q, scale_factor, scale_mean]
     blocks = (block_size, scaler_block_size)
     with torch.no_grad():  # frozen weights are never part of the autograd graph
-        if use_compiled(compile, packed):
-            kernel = DEQUANTIZE_KERNELS.get(dtype, _dequantize_compiled)
-            return kernel(inner, *blocks, dtype)
-        if torch.compiler.is_compiling():  # traced whole into an outer graph
-            kernel = DEQUANTIZE_KERNELS.get(dtype, _dequantize)
-            return kernel(inner, *blocks, dtype)
+        outer = torch.compiler.is_compiling()  # traced whole into an outer graph
+        if outer or use_compiled(compile, packed):
+            kernel = _dequantize if outer else _dequantize_compiled
+            return DEQUANTIZE_KERNELS.get(dtype, kernel)(inner, *blocks, dtype)
         absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
         out = torch.empty(packed.numel() * 2, dtype=dtype, device=packed.device)
         step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)  # blocks
@@ -309,11 +295,8 @@ OPS = __name__.replace(".", "_")
 
 
 class NF4Tensor(torch.Tensor):
-    """A 4-bit weight (the layout above) as a tensor of its shape and float dtype.
-
-    F.linear, .to(), .cpu()/.cuda(), clone, torch.save and torch.compile work on it; any
-    other op raises, naming itself.
-    """
+    """A 4-bit weight (the layout above) as a tensor of its shape and float dtype: F.linear,
+    .to(), .cpu()/.cuda(), clone, torch.save and torch.compile work; other ops raise."""
 
     INNER = ("packed", "scale_q", "scale_factor", "scale_mean")
 
@@ -330,11 +313,9 @@ class NF4Tensor(torch.Tensor):
         self.scaler_block_size = scaler_block_size
 
     def inner(self):
-        """The inner tensors, in INNER's order."""
         return [getattr(self, name) for name in self.INNER]
 
-    def _with_inner(self, fn, dtype=None):
-        """An NF4Tensor of fn(each inner tensor), alike otherwise (dtype: if given)."""
+    def _with_inner(self, fn, dtype=None):  # fn(each inner tensor), the rest alike
         inner = [fn(t) for t in self.inner()]
         blocks = (self.block_size, self.scaler_block_size)
         return NF4Tensor(inner, self.shape, dtype or self.dtype, *blocks)
@@ -362,10 +343,8 @@ class NF4Tensor(torch.Tensor):
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     def __repr__(self):
-        return (
-            f"NF4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, "
-            f"device={self.device}, block_size={self.block_size})"
-        )
+        blocks = f"block_size={self.block_size}"
+        return f"NF4Tensor(shape={tuple(self.shape)}, dtype={self.dtype}, {blocks})"
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -388,12 +367,9 @@ class NF4Tensor(torch.Tensor):
 
 
 def _nf4_to_copy(t, device=None, dtype=None, non_blocking=False, **_):
-    """.to(), .cpu(), .cuda(), .half() (aten._to_copy): a move keeps the data packed.
-
-    A cast dequantizes, as .to(dtype) asks for the dense weight; but a module's parameter
-    is relabeled (its codes kept, dequantizing to the new dtype): nn.Module.to(dtype) and
-    .half() cast every parameter, and a dense copy of every weight is what QLoRA avoids.
-    """
+    """.to(), .cpu(), .cuda(), .half(): a move keeps the data packed; a cast dequantizes
+    (.to(dtype) asks for the dense weight), but a module's parameter is relabeled, its codes
+    kept: nn.Module.to(dtype) casts every one, and a dense copy is what QLoRA avoids."""
     parameter = isinstance(t, nn.Parameter)
     if device is not None and device != t.device:
         t = t._with_inner(lambda x: x.to(device, non_blocking=non_blocking))
@@ -433,10 +409,7 @@ def _matmul_nf4(
     transpose: bool,
     compile: Optional[bool],
 ) -> torch.Tensor:
-    """x W^T, (..., in) -> (..., out), if transpose (forward); else x W, (..., out) -> (..., in).
-
-    inner: W's four inner tensors; sizes: out_features, block_size, scaler_block_size.
-    """
+    """x W^T (..., in) -> (..., out) if transpose, else x W; sizes: out, the block sizes."""
     out_features, block_size, scaler_block_size = sizes
     blocks = (block_size, scaler_block_size)
     w = dequantize_nf4(*inner, *blocks, x.dtype, compile)
@@ -499,8 +472,7 @@ def random_weight(shape, generator=None):
 
 
 def lora_A_init(shape, generator=None):
-    """LoRA's A (rank, in) as nn.Linear and PEFT draw it, kaiming-uniform(a=sqrt(5)):
-    U(-1/sqrt(in), 1/sqrt(in))."""
+    """LoRA's A (rank, in) as PEFT draws it: kaiming-uniform(a=sqrt(5)), U(+-1/sqrt(in))."""
     return (torch.rand(shape, generator=generator) * 2 - 1) / math.sqrt(shape[-1])
 
 
@@ -520,10 +492,8 @@ class NF4Linear(nn.Module):
             weight = random_weight((out_features, in_features))
         weight = to_nf4(weight.detach().to(dtype), compile=compile)
         self.weight = nn.Parameter(weight, requires_grad=False)
-        self.bias = None
-        if bias:
-            zeros = torch.zeros(out_features, dtype=dtype)
-            self.bias = nn.Parameter(zeros, requires_grad=False)
+        zeros = torch.zeros(out_features, dtype=dtype)
+        self.bias = nn.Parameter(zeros, requires_grad=False) if bias else None
 
     @classmethod
     def from_linear(cls, linear, *args, compile=None, **kw):
@@ -579,17 +549,6 @@ class LoRALinear(NF4Linear):
         y = torch.addmm(y2d, xA2d, B.T, alpha=self.scaling).view(y.shape)
         return y if self.bias is None else y + self.bias
 
-    @staticmethod
-    def shared_input(x, *layers):
-        """[m(x) for m in layers] for layers that read the same x (q, k, v; gate, up), with
-        one x [A_1; A_2]^T matmul for all (but with dropout, a mask per layer)."""
-        if any(not isinstance(m.dropout, nn.Identity) for m in layers):
-            return [m(x) for m in layers]
-        A = torch.cat([m.lora_A for m in layers]).to(x.dtype)
-        xA = F.linear(x, A)  # (..., sum of the ranks)
-        parts = xA.split([m.rank for m in layers], dim=-1)
-        return [m(x, part) for m, part in zip(layers, parts)]
-
     def merged_weight(self, dtype=torch.float32):
         """W + (alpha/rank) B A, dense: what to export for serving without adapters."""
         delta = self.lora_B.float() @ self.lora_A.float()
@@ -605,11 +564,10 @@ class LoRALinear(NF4Linear):
 #
 # The model is cut into *units*, as FSDP2's fully_shard cuts it: for Llama the embeddings,
 # each block, and the final norm with lm_head. Only the unit that runs has its full
-# weights; otherwise each rank holds 1/world of each tensor, its *piece*: the tensor
-# flattened, cut into `world` pieces of ceil(numel / world) elements, zero padded. (FSDP2
-# cuts dim 0; a flat cut gives the same row-major pieces and works when dim 0 < world.)
-# A tensor subclass (an NF4 weight) comes apart into its inner tensors, each cut in its
-# own dtype; a trainable tensor keeps an fp32 master piece, cast at each all-gather. One
+# weights; otherwise each rank holds its *piece* of each tensor: the tensor flattened and
+# cut into `world` pieces of ceil(numel / world), zero padded (FSDP2 cuts dim 0: the same
+# row-major pieces). An NF4 weight comes apart into its inner tensors, each cut in its own
+# dtype; a trainable tensor keeps an fp32 master piece, cast at each all-gather. One
 # collective moves a unit's pieces, side by side in one byte buffer:
 #
 #   rank r's shard bytes  [ q.scale_factor | ... | norm.w | q.packed | ... | q.lora_A | ... ]
@@ -631,8 +589,7 @@ class LoRALinear(NF4Linear):
 
 
 class _Slot:
-    """One tensor of a unit, cut into `world` pieces of shard_numel elements of `dtype`,
-    the dtype it travels and computes in."""
+    """One tensor of a unit, cut into `world` pieces of shard_numel elements of `dtype`."""
 
     def __init__(self, name, tensor, dtype, trainable, world, rank):
         self.name = name
@@ -648,11 +605,14 @@ class _Slot:
             per_16_bytes = 16 // math.gcd(16, dtype.itemsize)
             self.shard_numel = -(-self.shard_numel // per_16_bytes) * per_16_bytes
         self.nbytes = self.shard_numel * dtype.itemsize
-        self.offset = None  # where the piece starts in the unit's shard bytes
-        self.start = None  # trainable: where it starts in the unit's master
-        self.local = None  # this rank's piece
-        self.full = None  # the full tensor, a view of the unit's gathered storage
-        self.padded_bytes = None  # the same storage as (world, nbytes) bytes
+        # Set by the unit: where the piece starts in its shard bytes (and if trainable, in its
+        # master); this rank's piece; the full tensor, a view of the gathered storage, and the
+        # same storage as (world, nbytes) bytes.
+        self.offset = None
+        self.start = None
+        self.local = None
+        self.full = None
+        self.padded_bytes = None
 
     def piece(self, full):
         """This rank's piece of a full tensor of this shape: flat, zero padded."""
@@ -663,8 +623,7 @@ class _Slot:
 
 
 class _Param:
-    """A parameter as slots (a subclass: one per inner tensor), and the (module, name)
-    places that hold it."""
+    """A parameter as slots (a subclass: one per inner tensor), and the places holding it."""
 
     def __init__(self, fqn, places, p, fsdp):
         self.fqn = fqn
@@ -708,31 +667,25 @@ class _Param:
 
 
 def _layout_order(slot):
-    """The sort key of a slot in its unit's shard bytes: frozen ones first (each 16 bytes
-    aligned), then the trainable ones by dtype, wider first (each aligned for its dtype;
-    those of one dtype together, for one cast)."""
+    """Frozen slots first (each 16 bytes aligned), then trainable ones by dtype, wider first
+    (each aligned; those of one dtype together, for one cast)."""
     return (slot.trainable, -slot.dtype.itemsize, str(slot.dtype))
 
 
 class _AllGather(NamedTuple):
-    """An all-gather in flight: its work (None without a process group), its output."""
-
-    work: Optional[dist.Work]
+    work: Optional[dist.Work]  # in flight (None without a process group)
     output: torch.Tensor
 
 
 class _Reduction(NamedTuple):
-    """A reduce-scatter of a unit's gradients, and its output (laid out as the master)."""
-
     unit: "ShardedUnit"
     work: Optional[dist.Work]  # in flight; its input is held until it is done
-    output: torch.Tensor
+    output: torch.Tensor  # a reduce-scatter's: laid out as the unit's master
     input: Optional[torch.Tensor]
 
 
 def _collective(out, inp, group, reduce_scatter=False):
-    """Issue an all-gather, out (world * n,) every rank's inp (n,), or a reduce-scatter, out
-    (n,) rank r's piece of the sum or mean of inp (world * n,); return its work."""
+    """Issue an all-gather (out: every rank's inp) or a reduce-scatter; return its work."""
     if not dist.is_initialized():
         out.copy_(inp)
         return None
@@ -752,8 +705,7 @@ def _averages(group):
 
 @contextlib.contextmanager
 def _side(stream):
-    """Issue the `with` body's work on the side `stream`, after all that the compute stream
-    has queued so far. On the CPU (stream None) everything runs in order."""
+    """The `with` body's work on the side `stream`, after what the compute stream queued."""
     if stream is not None:
         stream.wait_stream(torch.cuda.current_stream(stream.device))
     with torch.cuda.stream(stream):
@@ -761,8 +713,7 @@ def _side(stream):
 
 
 def _to_host(t, stream):
-    """A host copy of t, made on the side stream: pinned, so that it is asynchronous, and
-    t is recorded on the stream, so that its memory is not reused before it is read."""
+    """A host copy of t, pinned and on the side stream (t recorded there: not reused early)."""
     with _side(stream):
         if t.is_cuda:
             t.record_stream(stream)
@@ -771,8 +722,7 @@ def _to_host(t, stream):
 
 
 class _PostBackward(torch.autograd.Function):
-    """The identity on a unit's inputs; its backward runs once they have their gradients,
-    when the unit's backward is done (FSDP2's RegisterPostBackwardFunction)."""
+    """The identity on a unit's inputs, whose backward ends the unit's (FSDP2's too)."""
 
     @staticmethod
     def forward(ctx, unit, use, *inputs):
@@ -857,7 +807,7 @@ class ShardedUnit:
         fully_shard: the optimizer steps the pieces. A frozen one leaves its module."""
         self.places = []
         for p, original in zip(self.params, originals):
-            if original.device.type != "meta":  # on "meta": see FullyShard.load_full
+            if original.device.type != "meta":  # on "meta": loaded later (section 14)
                 p.keep(original)
             p.value = p.unflatten([slot.full for slot in p.slots])
             for module, attr in p.places:
@@ -888,8 +838,7 @@ class ShardedUnit:
         self.inflight = _AllGather(work, out)
 
     def _cast_masters(self, send):
-        """The fp32 masters into the bytes to send, in the dtype they travel in: one copy
-        per dtype (_layout_order puts them side by side)."""
+        """The fp32 masters into the bytes to send, one cast per dtype (side by side)."""
         for dtype, run in itertools.groupby(self.adapters, key=lambda slot: slot.dtype):
             run = list(run)
             wire = send[run[0].offset : run[-1].offset + run[-1].nbytes].view(dtype)
@@ -899,8 +848,7 @@ class ShardedUnit:
             wire.copy_(master.to(wire.device, non_blocking=True), non_blocking=True)
 
     def gather(self):
-        """Set the full tensors on their modules: this unit's all-gather (issued now unless
-        prefetched), every tensor copied out of it in one op."""
+        """The full tensors on their modules, copied out of the unit's all-gather in one op."""
         if self.gathered or not self.slots:
             return
         self.prefetch()
@@ -1006,9 +954,8 @@ class FullyShard:
         self.arrived = []  # reduced gradient pieces to add at the end of backward
         self.task = None  # the backward pass whose end is queued
         # On CUDA the all-gathers and host copies go on a side stream, to overlap compute.
-        self.side_stream = None
-        if device.type == "cuda":
-            self.side_stream = torch.cuda.Stream(device)
+        cuda = device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(device) if cuda else None
         groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
         self._make_units(model, groups)
 
@@ -1054,8 +1001,7 @@ class FullyShard:
             engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self):
-        """Finish every unit's reduction (one whose inputs needed no gradient starts it now),
-        add it to the pieces' .grad, free every unit."""
+        """Finish every unit's reduction, add it to the pieces' .grad, free every unit."""
         self.task = None
         for unit in self.all_units:
             if unit.needs_backward:
@@ -1077,8 +1023,8 @@ class FullyShard:
             slot.local.grad.add_(grad)
 
     def reduce(self, unit, grads):
-        """Issue unit's reduce-scatter of its gradients, in fp32, one in flight at a time.
-        One chunk-cat builds the input (world, master numel): row r laid out as r's master."""
+        """Issue unit's fp32 reduce-scatter, one at a time; its input (world, master numel),
+        row r laid out as rank r's master, made by one chunk-cat."""
         self._finish_reduction()
         with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
             f32 = dict(dtype=torch.float32, device=self.device)
@@ -1108,8 +1054,7 @@ class FullyShard:
         return grad
 
     def wait(self, work, label):
-        """Wait for a collective. On CUDA the host does not block (nor does NCCL's wait()):
-        the compute stream waits. On the CPU the host waits."""
+        """Wait for a collective: on CUDA the compute stream waits, on the CPU the host."""
         with torch.profiler.record_function(label):
             if work is not None:
                 # NCCL: the compute stream waits for the collective and for what came
@@ -1120,8 +1065,7 @@ class FullyShard:
                 torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
 
     def clip_grad_norm_(self, max_norm):
-        """torch.nn.utils.clip_grad_norm_ over the whole model, on every rank: the squares of
-        every rank's pieces (the padding is 0) sum to the global norm's square."""
+        """clip_grad_norm_ over all ranks' pieces: their squares sum to the norm's square."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
         squares = torch.nn.utils.get_total_norm(grads).to(self.device) ** 2
         if dist.is_initialized():
@@ -1134,10 +1078,6 @@ class FullyShard:
         """Free every unit still gathered."""
         for unit in self.all_units:
             unit.free()
-
-    def load_full(self, fqn, tensor):
-        """Keep this rank's piece of one full parameter (an NF4 weight as an NF4Tensor)."""
-        self.param_of[fqn][1].keep(tensor)
 
 
 # -----------------------------------------------------------------------------
@@ -1165,11 +1105,8 @@ class ForeachAdamW(torch.optim.Optimizer):
         for p in params:
             state = self.state[p]
             if not state:
-                state["step"] = 0
-                state["exp_avg"] = torch.zeros_like(p)
-                state["exp_avg_sq"] = torch.zeros_like(p)
-            # int(): torch's state_dict holds the count as a tensor.
-            state["step"] = int(state["step"]) + 1
+                state.update(step=0, exp_avg=torch.zeros_like(p), exp_avg_sq=torch.zeros_like(p))
+            state["step"] = int(state["step"]) + 1  # torch's state_dict holds it as a tensor
 
     def _chunks(self, params):
         """Lists of params that share their step count, each stepped in one foreach run.
@@ -1248,13 +1185,11 @@ class LlamaConfig:
         return (1.0 / self.rope_theta**exponents).float()
 
 
-# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024). `small` is the
-# smallest shape that torchao's NF4 can also shard over 2 ranks, to compare against it.
-# The positional fields: vocab_size, hidden_size, intermediate_size, layers, heads, kv
-# heads, context.
+# One line per size (Llama 2: Touvron et al. 2023; Llama 3: Meta 2024), the fields vocab_size,
+# hidden_size, intermediate_size, layers, heads, kv heads, context.
 CONFIGS = {
     "tiny": LlamaConfig(256, 128, 384, 4, 4, 2, 1024),
-    "small": LlamaConfig(256, 256, 768, 4, 4, 4, 1024),
+    "small": LlamaConfig(256, 256, 768, 4, 4, 4, 1024),  # the smallest torchao shards in 2
     "llama2-7b": LlamaConfig(32000, 4096, 11008, 32, 32, 32, 4096),
     "llama2-13b": LlamaConfig(32000, 5120, 13824, 40, 40, 40, 4096),
     "llama2-70b": LlamaConfig(32000, 8192, 28672, 80, 64, 8, 4096),
@@ -1318,11 +1253,9 @@ class LlamaAttention(nn.Module):
     def project(self, x):
         """q, k, v (B, T, heads, head_dim): the projections of x (B, T, C)."""
         B, T, C = x.shape
-        projections = (self.q_proj, self.k_proj, self.v_proj)
-        q, k, v = LoRALinear.shared_input(x, *projections)
-        q = q.view(B, T, self.n_heads, self.head_dim)
-        k = k.view(B, T, self.n_kv, self.head_dim)
-        v = v.view(B, T, self.n_kv, self.head_dim)
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv, self.head_dim)
         return q, k, v
 
     def attend(self, q, k, v, mask):
@@ -1345,8 +1278,7 @@ class LlamaMLP(nn.Module):
 
     def forward(self, x):
         # SwiGLU (Shazeer 2020): down(silu(gate(x)) * up(x)).
-        gate, up = LoRALinear.shared_input(x, self.gate_proj, self.up_proj)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -1379,12 +1311,8 @@ IGNORE_INDEX = -100  # a target that does not count (F.cross_entropy's default i
 
 
 def _cross_entropy_rows(logits, targets, need_grad: bool):
-    """logits (n, V), targets (n,) -> the fp32 sum of the counted rows' losses, and if
-    need_grad its gradient wrt the logits, softmax - onehot (0 on ignored rows).
-
-    Eager, it is made in place on one fp32 copy of the logits (fp32 logits themselves are
-    overwritten); compiled, the passes fuse and neither the copy nor the one-hot is made.
-    """
+    """logits (n, V), targets (n,) -> the fp32 sum of the counted rows' losses and, if
+    need_grad, its gradient softmax - onehot (0 on ignored rows), made in place."""
     keep = (targets != IGNORE_INDEX)[:, None]  # (n, 1)
     # Ignored rows look up class 0 and count 0.
     t = targets.masked_fill(targets == IGNORE_INDEX, 0)[:, None]
@@ -1404,12 +1332,10 @@ _cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
-    """Cross entropy of h W^T against targets, `chunk` rows at a time (sum or mean).
-
-    Llama-2-7B's logits at T=2048 are 131 MB per sequence in bf16, as many their gradient;
-    here one chunk's exist at a time. Forward computes each chunk's loss AND its gradient
-    wrt h, (softmax - onehot) W; backward scales it. (W, frozen, gets no gradient.)
-    """
+    """Cross entropy of h W^T, `chunk` rows at a time. Llama-2-7B's logits at T=2048 are
+    131 MB per sequence in bf16, as many their gradient; here one chunk's exist at a time.
+    Forward makes each chunk's loss AND gradient wrt h, (softmax - onehot) W; backward
+    scales it. (W, frozen, gets no gradient.)"""
 
     @staticmethod
     def forward(ctx, h, weight, targets, chunk, reduction, compile):
@@ -1464,11 +1390,9 @@ def chunked_cross_entropy(h, weight, targets, chunk=LOSS_CHUNK, reduction="mean"
 
 
 class LMHead(nn.Module):
-    """lm_head: the logits, or given targets the chunked cross entropy.
-
-    Frozen and dense, as bitsandbytes (through transformers), torchtune and Unsloth keep
-    it: 2% of a 7B model, dense in the loss anyway, and in NF4 it costs accuracy (README).
-    """
+    """lm_head: the logits, or the chunked cross entropy. Frozen and dense, as bitsandbytes
+    (through transformers), torchtune and Unsloth keep it: 2% of a 7B, dense in the loss
+    anyway, and in NF4 it costs accuracy (README)."""
 
     def __init__(self, in_features, out_features, dtype, compile=None):
         super().__init__()
@@ -1510,20 +1434,17 @@ class Llama(nn.Module):
         c = config
         # A container that gives Hugging Face's "model." names; forward runs it.
         self.model = nn.Module()
-        embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype)
-        self.model.embed_tokens = embed.requires_grad_(False)
+        embed = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype).requires_grad_(False)
+        self.model.embed_tokens = embed
         layers = [self.Block(c, lora) for _ in range(c.num_hidden_layers)]
         self.model.layers = nn.ModuleList(layers)
         self.model.norm = RMSNorm(c.hidden_size, c.rms_norm_eps, dtype)
         self.lm_head = LMHead(c.hidden_size, c.vocab_size, dtype, compile)
 
     def forward(self, tokens, targets=None, reduction="mean", positions=None, mask=None):
-        """tokens (B, T) int64 -> logits (B, T, vocab); or, given targets, the loss.
-
-        The loss is the cross entropy over the targets that count (!= IGNORE_INDEX), their
-        mean or sum. positions (B, T) and mask (B, 1, T, T), as Hugging Face's position_ids
-        and attention_mask, are 0, 1, ... and causal unless given (section 11 packs rows).
-        """
+        """tokens (B, T) int64 -> logits (B, T, vocab); or, given targets, the mean (or sum) of
+        the cross entropy over those that count. positions (B, T) and mask (B, 1, T, T), as
+        Hugging Face's position_ids and attention_mask: 0, 1, ... and causal if not given."""
         h = self.model.embed_tokens(tokens)  # (B, T, C)
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -1544,9 +1465,8 @@ class Llama(nn.Module):
 # -----------------------------------------------------------------------------
 # 8. Training: a sharded model, batches, one step, the loop over steps
 # -----------------------------------------------------------------------------
-# Needs: import math, os, random, resource, sys, time, numpy as np, torch,
-# torch.distributed as dist; from typing import NamedTuple, Optional; from above: GiB,
-# sections 2-7.
+# Needs: import math, os, random, time, numpy as np, torch, torch.distributed as dist; from
+# typing import NamedTuple, Optional; from above: sections 2-7.
 #
 # One code path serves any number of processes, as nanoGPT's does: torchrun sets RANK,
 # WORLD_SIZE and LOCAL_RANK; a plain `python` run is a world of one. GPUs talk over NCCL,
@@ -1568,11 +1488,15 @@ def init_distributed(cuda):
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
         torch.cuda.set_device(device)
     if "RANK" in os.environ and not dist.is_initialized():
-        backend = "nccl" if cuda else "gloo"
-        dist.init_process_group(backend, device_id=device if cuda else None)
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+    return (device, *world_and_rank())
+
+
+def world_and_rank():
+    """The number of processes and this one's rank: (1, 0) without a process group."""
     if not dist.is_initialized():
-        return device, 1, 0
-    return device, dist.get_world_size(), dist.get_rank()
+        return 1, 0
+    return dist.get_world_size(), dist.get_rank()
 
 
 def seed_of(*key):
@@ -1586,53 +1510,21 @@ def seeded(*key, device="cpu"):
     return torch.Generator(device).manual_seed(seed_of(*key))
 
 
-def initial_weights(shapes, seed, device="cpu"):
-    """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one
-    at a time from generators seeded by name on `device` (the adapters' on the CPU)."""
-    for name, shape in shapes.items():
-        if name.endswith("lora_A"):
-            yield name, lora_A_init(shape, seeded(seed, name))
-        elif name.endswith("lora_B"):  # B = 0: the model starts as the base
-            yield name, torch.zeros(shape)
-        elif "norm" in name:
-            yield name, torch.ones(shape, device=device)
-        elif name.endswith(".bias"):
-            yield name, torch.zeros(shape, device=device)
-        elif "embed_tokens" in name:  # N(0, 1)
-            generator = seeded(seed, name, device=device)
-            yield name, torch.randn(shape, generator=generator, device=device)
-        else:  # the linears: N(0, 1/in)
-            yield name, random_weight(shape, seeded(seed, name, device=device))
-
-
-def load_weights(fsdp, tensors, compile=None):
-    """Each (name, full tensor) into this rank's pieces: a frozen one in the compute dtype
-    (an NF4 weight quantized), a trainable one into its fp32 master as it is."""
-    for name, t in tensors:
-        p = fsdp.param_of[name][1]
-        if not p.trainable:
-            t = t.to(fsdp.device, fsdp.compute_dtype)
-        if p.subclass:  # an NF4 weight
-            t = to_nf4(t, compile=compile)
-        fsdp.load_full(name, t)
-
-
-def build_sharded(config, args, device):
-    """A Llama sharded over the ranks: (model, fsdp). Built on "meta" (shapes, no memory),
-    sharded, then each weight drawn and cut to this rank's piece, one at a time: no rank
-    ever holds the whole model."""
+def build_sharded(config, args, device, state_dict=None):
+    """A Llama sharded over the ranks: (model, fsdp). Every rank builds the same model (one
+    seed), or loads `state_dict` (a checkpoint's), and keeps its pieces. (Section 14 builds
+    on "meta" and loads one weight at a time, for a model too big for a rank's memory.)"""
+    torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
     lora = (args.lora_rank, args.lora_alpha, args.lora_dropout)
-    with torch.device("meta"):
-        model = Llama(config, dtype, *lora, compile=args.compile)
+    model = Llama(config, dtype, *lora, compile=args.compile)
+    if state_dict is not None:
+        model.load_state_dict(state_dict, assign=True)  # NF4Linear quantizes its weights
     model.checkpointing = args.checkpointing
     if args.compile:  # each block's forward, its checkpoint included; hooks stay eager
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
-    units = model.units()
-    fsdp = FullyShard(model, units, device, dtype, offload=args.cpu_offload)
-    shapes = {name: p.shape for name, (_, p) in fsdp.param_of.items()}
-    load_weights(fsdp, initial_weights(shapes, args.seed, device), args.compile)
+    fsdp = FullyShard(model, model.units(), device, dtype, offload=args.cpu_offload)
     return model, fsdp
 
 
@@ -1645,13 +1537,10 @@ class Batch(NamedTuple):
 
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
-    """This rank's Batch of micro-batch `micro` of `step`.
-
-    The global batch depends only on (seed, step) and batch_size x grad_accum x world: rows
-    go in the order (micro, rank, row), so any split sees the same rows. data: token ids
-    (N,) (windows at random places), None (random tokens), or an object whose batch(step,
-    micro, args, world, rank) makes it (section 14's: loss masks, packed documents).
-    """
+    """This rank's Batch of micro-batch `micro` of `step`: rows in the order (micro, rank,
+    row) of a global batch that depends only on (seed, step), so any split sees the same
+    rows. data: token ids (windows at random places), None (random tokens), or an object
+    whose batch(step, micro, args, world, rank) makes it (section 14's)."""
     if data is not None and not isinstance(data, np.ndarray):
         return data.batch(step, micro, args, world, rank)
     generator = seeded(args.seed, "batch", step)
@@ -1677,21 +1566,6 @@ def learning_rate(step, args):
     return args.lr * (0.1 + 0.45 * (1 + math.cos(math.pi * progress)))
 
 
-def peak_memory_gib(device):
-    """The peak memory, the max over ranks: the GPU memory allocated, or on the CPU the
-    resident set (Linux's VmHWM: section 14 restarts it after step 1)."""
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device)
-    else:
-        with open("/proc/self/status") as f:
-            line = next(line for line in f if line.startswith("VmHWM:"))
-        peak = int(line.split()[1]) * 1024  # kB
-    t = torch.tensor(peak / GiB, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
-
-
 def train_step(model, fsdp, optimizer, batches, grad_clip, device):
     """One AdamW step over this rank's micro-batches (Batches), and its loss: the mean over
     the global batch's counted targets, whatever the split into ranks and micro-batches. A
@@ -1710,9 +1584,9 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
             loss = model(b.inputs, b.targets, "sum", **packed)
         with torch.profiler.record_function("backward"):
             # Each unit's gradients are reduce-scattered as its backward ends. The
-            # reduce-scatter averages over ranks, so x world gives the masters d(global
-            # sum); the 1 / count comes after, in fp32.
-            (loss * fsdp.world).backward()
+            # reductions average over ranks, so x world gives the masters d(global sum);
+            # the 1 / count comes after, in fp32.
+            (loss * world_and_rank()[0]).backward()
         loss_sum += loss.detach()
     if dist.is_initialized():
         dist.all_reduce(loss_sum)
@@ -1739,30 +1613,20 @@ class StepRecord(NamedTuple):
     lr: float
     seconds: float
     tokens: int  # in the step's global batch
-    mem_gib: Optional[float]  # the peak memory, read on the steps that log
-
-    @property
-    def tokens_per_s(self):
-        return self.tokens / self.seconds
 
 
-def format_step(r, steps, memory="mem"):  # memory: "mem" on a GPU, "rss" on the CPU
+def format_step(r, steps):
     return (
         f"step {r.step}/{steps} | loss {r.loss:.4f} | lr {r.lr:.1e} | "
-        f"{r.seconds * 1000:.0f} ms | {r.tokens_per_s:,.0f} tok/s | "
-        f"{memory} {r.mem_gib:.2f} GiB"
+        f"{r.seconds * 1000:.0f} ms | {r.tokens / r.seconds:,.0f} tok/s"
     )
 
 
 def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=None):
     """The training loop: steps start + 1 to `end` (args.steps), a line every log_every.
-
-    `run` hears of each step, run.after_step(record), and stops the loop by returning True:
-    the command line's evaluates, saves and profiles (section 14).
-    """
+    `run` (section 14's) hears of each step and logs, evaluates, saves: True stops it."""
     end = args.steps if end is None else end
-    world = fsdp.world
-    rank = fsdp.rank
+    world, rank = world_and_rank()
     vocab_size = model.config.vocab_size
     tokens = args.batch_size * args.grad_accum * world * args.seq_len
     records = []
@@ -1782,16 +1646,11 @@ def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=Non
         seconds = time.perf_counter() - t0
         if not math.isfinite(loss):
             raise FloatingPointError(f"loss is {loss} at step {step + 1}; stopped before updating")
-        # Log the step (the line reads the peak memory, a collective: only when it logs).
-        logs = step % args.log_every == 0 or step + 1 == end
-        mem = peak_memory_gib(device) if logs else None
-        record = StepRecord(step + 1, loss, lr, seconds, tokens, mem)
+        record = StepRecord(step + 1, loss, lr, seconds, tokens)
         records.append(record)
-        if logs:
-            memory = "mem" if device.type == "cuda" else "rss"
-            print0(format_step(record, args.steps, memory))
-        # Evaluate, save, profile: what a real run does between steps.
-        if run is not None and run.after_step(record):
+        if run is None and (step % args.log_every == 0 or step + 1 == end):
+            print0(format_step(record, args.steps))
+        if run is not None and run.after_step(record):  # it logs, evaluates, saves, profiles
             break
     return records
 
@@ -2353,10 +2212,11 @@ class FSDP(FullyShard):
         An NF4 weight comes as an NF4Tensor. A trainable one's piece goes into its parameter,
         or into of(parameter) (an AdamW moment).
         """
+        p = self.param_of[fqn][1]
         if of is None:
-            return super().load_full(fqn, tensor)
-        slot = self.param_of[fqn][1].slots[0]
-        of(slot.local).copy_(slot.piece(tensor))
+            p.keep(tensor)
+            return
+        of(p.slots[0].local).copy_(p.slots[0].piece(tensor))
 
     def full_base(self):
         """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time.
@@ -2468,9 +2328,10 @@ class AdamW(ForeachAdamW):
 # -----------------------------------------------------------------------------
 # 11. The Llama family, and packed documents
 # -----------------------------------------------------------------------------
-# Needs: import dataclasses, math, torch, torch.nn as nn; from dataclasses import dataclass;
-# from typing import NamedTuple, Optional; from torch.nn.attention.flex_attention import
-# BlockMask, create_block_mask, flex_attention; from above: sections 1-7.
+# Needs: import dataclasses, math, torch, torch.nn as nn, torch.nn.functional as F; from
+# dataclasses import dataclass; from typing import NamedTuple, Optional; from
+# torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention; from
+# above: sections 1-7.
 #
 # The family people fine-tune is Llama with a few deltas, as transformers' modular files
 # write them (modular_qwen2.py is essentially Qwen2Attention(LlamaAttention) with biases):
@@ -2527,8 +2388,9 @@ def as_family(config):
     return FamilyConfig(**dataclasses.asdict(config))
 
 
-def count_family_params(config, lora_rank=8):
-    """count_params, with the family's biases and Qwen3's q_norm and k_norm."""
+def count_family_params(config, lora_rank=8, nf4_head=False):
+    """count_params, with the family's biases and Qwen3's q_norm and k_norm (and an NF4 head
+    counted with the NF4 projections)."""
     c = as_family(config)
     counts = count_params(c, lora_rank)
     shapes = linear_shapes(c)
@@ -2537,7 +2399,22 @@ def count_family_params(config, lora_rank=8):
     per_block = c.qkv_bias * (q_out + 2 * kv_out) + c.attention_bias * c.hidden_size
     per_block += c.mlp_bias * (2 * c.intermediate_size + c.hidden_size)
     per_block += c.qk_norm * 2 * c.head_dim
-    return counts._replace(dense=counts.dense + c.num_hidden_layers * per_block)
+    counts = counts._replace(dense=counts.dense + c.num_hidden_layers * per_block)
+    if nf4_head:
+        counts = counts._replace(linear=counts.linear + counts.head, head=0)
+    return counts
+
+
+def shared_input(x, *layers):
+    """[m(x) for m in layers] for LoRALinears that read the same x (q, k, v; gate, up), with
+    one x [A_1; A_2]^T matmul for all: one pass over x, here and for the gradients. (With
+    dropout, a mask per layer: each layer runs alone.)"""
+    if any(not isinstance(m.dropout, nn.Identity) for m in layers):
+        return [m(x) for m in layers]
+    A = torch.cat([m.lora_A for m in layers]).to(x.dtype)
+    xA = F.linear(x, A)  # (..., sum of the ranks)
+    parts = xA.split([m.rank for m in layers], dim=-1)
+    return [m(x, part) for m, part in zip(layers, parts)]
 
 
 def _add_bias(linear, dtype):
@@ -2548,7 +2425,7 @@ def _add_bias(linear, dtype):
 
 class FamilyAttention(LlamaAttention):
     """LlamaAttention with the family's biases, Qwen3's q_norm and k_norm, and packed rows'
-    document masks (flex_attention's block mask on CUDA)."""
+    document masks (flex_attention's block mask on CUDA); q, k and v share x A^T."""
 
     def __init__(self, c, lora):
         super().__init__(c, lora)
@@ -2564,7 +2441,11 @@ class FamilyAttention(LlamaAttention):
             self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
 
     def project(self, x):
-        q, k, v = super().project(x)  # (B, T, heads, hd)
+        B, T, C = x.shape
+        q, k, v = shared_input(x, self.q_proj, self.k_proj, self.v_proj)
+        q = q.view(B, T, self.n_heads, self.head_dim)
+        k = k.view(B, T, self.n_kv, self.head_dim)
+        v = v.view(B, T, self.n_kv, self.head_dim)
         if self.qk_norm:  # each head normalized over its head_dim, before RoPE
             q = self.q_norm(q)
             k = self.k_norm(k)
@@ -2578,13 +2459,17 @@ class FamilyAttention(LlamaAttention):
 
 
 class FamilyMLP(LlamaMLP):
-    """LlamaMLP with Llama's optional biases (mlp_bias)."""
+    """LlamaMLP with Llama's optional biases (mlp_bias), gate and up sharing x A^T."""
 
     def __init__(self, c, lora):
         super().__init__(c, lora)
         if c.mlp_bias:
             for projection in (self.gate_proj, self.up_proj, self.down_proj):
                 _add_bias(projection, lora["dtype"])
+
+    def forward(self, x):
+        gate, up = shared_input(x, self.gate_proj, self.up_proj)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class FamilyDecoderLayer(LlamaDecoderLayer):
@@ -2669,7 +2554,7 @@ class CausalLM(Llama):
 # 12. Fitting in memory: parked activations, the predicted peak, --fit
 # -----------------------------------------------------------------------------
 # Needs: import argparse, math, os, re, torch, torch.distributed as dist; from dataclasses import
-# dataclass; from typing import NamedTuple, Optional; from above: section 1, section 5,
+# dataclass; from typing import NamedTuple, Optional; from above: GiB, section 1, section 5,
 # section 7, section 8, section 10, section 11.
 #
 
@@ -4293,6 +4178,37 @@ def progress(items, what, total, nbytes):
     )
 
 
+def initial_weights(shapes, seed, device="cpu"):
+    """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one
+    at a time from generators seeded by name on `device` (the adapters' on the CPU)."""
+    for name, shape in shapes.items():
+        if name.endswith("lora_A"):
+            yield name, lora_A_init(shape, seeded(seed, name))
+        elif name.endswith("lora_B"):  # B = 0: the model starts as the base
+            yield name, torch.zeros(shape)
+        elif "norm" in name:
+            yield name, torch.ones(shape, device=device)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape, device=device)
+        elif "embed_tokens" in name:  # N(0, 1)
+            generator = seeded(seed, name, device=device)
+            yield name, torch.randn(shape, generator=generator, device=device)
+        else:  # the linears: N(0, 1/in)
+            yield name, random_weight(shape, seeded(seed, name, device=device))
+
+
+def load_weights(fsdp, tensors, compile=None):
+    """Each (name, full tensor) into this rank's pieces: a frozen one in the compute dtype
+    (an NF4 weight quantized), a trainable one into its fp32 master as it is."""
+    for name, t in tensors:
+        p = fsdp.param_of[name][1]
+        if not p.trainable:
+            t = t.to(fsdp.device, fsdp.compute_dtype)
+        if p.subclass:  # an NF4 weight
+            t = to_nf4(t, compile=compile)
+        fsdp.load_full(name, t)
+
+
 def build(args, config, device, checkpoint=None):
     """The model, sharded, with its base made one weight at a time: (model, fsdp).
 
@@ -4347,6 +4263,21 @@ def configure_cuda_allocator():
     # torch 2.13's name; the older one warns there.
     settings = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     (settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
+
+
+def peak_memory_gib(device):
+    """The peak memory since reset_peak_memory, the max over ranks: the GPU memory
+    allocated, or on the CPU the resident set (Linux's VmHWM)."""
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        with open("/proc/self/status") as f:
+            line = next(line for line in f if line.startswith("VmHWM:"))
+        peak = int(line.split()[1]) * 1024  # kB
+    t = torch.tensor(peak / GiB, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
 
 
 def reset_peak_memory(device):
@@ -4468,14 +4399,18 @@ class Run:
             # On CUDA, the allocator's history over steps 3-5 (Python stacks only: cheap).
             if self.profiler.step_num == 2 and self.device.type == "cuda":
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-        if r.mem_gib is not None:
+        # The step's line, with the peak memory (a collective: only on the steps that log).
+        if (r.step - 1) % self.args.log_every == 0 or r.step == self.end:
+            mem = peak_memory_gib(self.device)
+            memory = "mem" if self.device.type == "cuda" else "rss"
+            print0(f"{format_step(r, self.args.steps)} | {memory} {mem:.2f} GiB")
             self.record(
                 step=r.step,
                 loss=r.loss,
                 lr=r.lr,
                 ms=round(r.seconds * 1000, 2),
-                tokens_per_s=round(r.tokens_per_s, 1),
-                mem_gib=round(r.mem_gib, 4),
+                tokens_per_s=round(r.tokens / r.seconds, 1),
+                mem_gib=round(mem, 4),
             )
         if r.step == self.start + 1:
             if self.compiling is not None:
@@ -4775,8 +4710,8 @@ def prepare(args):
     s = set_up(args)
     args = s.args
     check_writable(args, s.rank)
-    counts = count_family_params(s.config, args.lora_rank)
-    print0(format_budget(s.name, memory_budget(counts, args.nf4_head)))
+    counts = count_family_params(s.config, args.lora_rank, args.nf4_head)
+    print0(format_budget(s.name, memory_budget(counts)))
     model, fsdp = build(args, s.config, s.device, s.checkpoint)
     # The peaks of training, not of loading (--estimate has both): what loading left cached
     # goes back first.
@@ -5002,8 +4937,8 @@ def estimate(args):
         cuda = torch.cuda.is_available() and args.device != "cpu"
         args = fit(args, world, config, torch.device("cuda" if cuda else "cpu"))
     est = predicted_memory(args, world, config)
-    counts = count_family_params(config, args.lora_rank)
-    print0(format_budget(name, memory_budget(counts, args.nf4_head)))
+    counts = count_family_params(config, args.lora_rank, args.nf4_head)
+    print0(format_budget(name, memory_budget(counts)))
     print0(format_estimate(name, est, world))
     summary = dict(model=name, world_size=world)
     for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):
