@@ -3496,6 +3496,37 @@ def load_checkpoint(path, config):
     return Checkpoint(tensors, nbytes)
 
 
+def initial_weights(shapes, seed, device="cpu"):
+    """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one
+    at a time from generators seeded by name on `device` (the adapters' on the CPU)."""
+    for name, shape in shapes.items():
+        if name.endswith("lora_A"):
+            yield name, lora_A_init(shape, seeded(seed, name))
+        elif name.endswith("lora_B"):  # B = 0: the model starts as the base
+            yield name, torch.zeros(shape)
+        elif "norm" in name:
+            yield name, torch.ones(shape, device=device)
+        elif name.endswith(".bias"):
+            yield name, torch.zeros(shape, device=device)
+        elif "embed_tokens" in name:  # N(0, 1)
+            generator = seeded(seed, name, device=device)
+            yield name, torch.randn(shape, generator=generator, device=device)
+        else:  # the linears: N(0, 1/in)
+            yield name, random_weight(shape, seeded(seed, name, device=device))
+
+
+def load_weights(fsdp, tensors, compile=None):
+    """Each (name, full tensor) into this rank's pieces: a frozen one in the compute dtype
+    (an NF4 weight quantized), a trainable one into its fp32 master as it is."""
+    for name, t in tensors:
+        p = fsdp.param_of[name][1]
+        if not p.trainable:
+            t = t.to(fsdp.device, fsdp.compute_dtype)
+        if p.subclass:  # an NF4 weight
+            t = to_nf4(t, compile=compile)
+        fsdp.load_full(name, t)
+
+
 def from_pretrained(
     path,
     dtype=torch.bfloat16,
@@ -4176,37 +4207,6 @@ def progress(items, what, total, nbytes):
         f"{what}: {n:,} tensors, {fmt_bytes(done)} in {seconds:.1f} s "
         f"({fmt_bytes(done / seconds)}/s)"
     )
-
-
-def initial_weights(shapes, seed, device="cpu"):
-    """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one
-    at a time from generators seeded by name on `device` (the adapters' on the CPU)."""
-    for name, shape in shapes.items():
-        if name.endswith("lora_A"):
-            yield name, lora_A_init(shape, seeded(seed, name))
-        elif name.endswith("lora_B"):  # B = 0: the model starts as the base
-            yield name, torch.zeros(shape)
-        elif "norm" in name:
-            yield name, torch.ones(shape, device=device)
-        elif name.endswith(".bias"):
-            yield name, torch.zeros(shape, device=device)
-        elif "embed_tokens" in name:  # N(0, 1)
-            generator = seeded(seed, name, device=device)
-            yield name, torch.randn(shape, generator=generator, device=device)
-        else:  # the linears: N(0, 1/in)
-            yield name, random_weight(shape, seeded(seed, name, device=device))
-
-
-def load_weights(fsdp, tensors, compile=None):
-    """Each (name, full tensor) into this rank's pieces: a frozen one in the compute dtype
-    (an NF4 weight quantized), a trainable one into its fp32 master as it is."""
-    for name, t in tensors:
-        p = fsdp.param_of[name][1]
-        if not p.trainable:
-            t = t.to(fsdp.device, fsdp.compute_dtype)
-        if p.subclass:  # an NF4 weight
-            t = to_nf4(t, compile=compile)
-        fsdp.load_full(name, t)
 
 
 def build(args, config, device, checkpoint=None):
