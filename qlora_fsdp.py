@@ -13,7 +13,7 @@ trained, ending with the training loop. Each section needs only torch and the se
 Part II extends Part I's names for the product (subclasses, wrappers, registrations); Part I
 never names it. Skip it on a first read.
    9. faster NF4             10. any model            11. the Llama family, packing
-  12. predicting the peak    13. Hugging Face files   14. a run       15. the command line
+  12. predicting the peak    13. Hugging Face files   14. your data   15. a run   16. the CLI
 
 Run it (more in the README and --help):
   torchrun --nproc_per_node 2 qlora_fsdp.py     # the tiny model on this file's bytes, CPU
@@ -807,7 +807,7 @@ class ShardedUnit:
         fully_shard: the optimizer steps the pieces. A frozen one leaves its module."""
         self.places = []
         for p, original in zip(self.params, originals):
-            if original.device.type != "meta":  # on "meta": loaded later (section 14)
+            if original.device.type != "meta":  # on "meta": loaded later (section 15)
                 p.keep(original)
             p.value = p.unflatten([slot.full for slot in p.slots])
             for module, attr in p.places:
@@ -1512,7 +1512,7 @@ def seeded(*key, device="cpu"):
 
 def build_sharded(config, args, device, state_dict=None):
     """A Llama sharded over the ranks: (model, fsdp). Every rank builds the same model (one
-    seed), or loads `state_dict` (a checkpoint's), and keeps its pieces. (Section 14 builds
+    seed), or loads `state_dict` (a checkpoint's), and keeps its pieces. (Section 15 builds
     on "meta" and loads one weight at a time, for a model too big for a rank's memory.)"""
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
@@ -1540,7 +1540,7 @@ def get_batch(data, step, micro, args, world, rank, vocab_size):
     """This rank's Batch of micro-batch `micro` of `step`: rows in the order (micro, rank,
     row) of a global batch that depends only on (seed, step), so any split sees the same
     rows. data: token ids (windows at random places), None (random tokens), or an object
-    whose batch(step, micro, args, world, rank) makes it (section 14's)."""
+    whose batch(step, micro, args, world, rank) makes it (section 15's)."""
     if data is not None and not isinstance(data, np.ndarray):
         return data.batch(step, micro, args, world, rank)
     generator = seeded(args.seed, "batch", step)
@@ -1624,7 +1624,7 @@ def format_step(r, steps):
 
 def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=None):
     """The training loop: steps start + 1 to `end` (args.steps), a line every log_every.
-    `run` (section 14's) hears of each step and logs, evaluates, saves: True stops it."""
+    `run` (section 15's) hears of each step and logs, evaluates, saves: True stops it."""
     end = args.steps if end is None else end
     world, rank = world_and_rank()
     vocab_size = model.config.vocab_size
@@ -1665,6 +1665,7 @@ def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=Non
 import argparse
 import bisect
 import dataclasses
+import datetime
 import functools
 import io
 import json
@@ -3798,7 +3799,517 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 
 
 # -----------------------------------------------------------------------------
-# 14. A run: data files, evaluation, metrics, progress, set-up and summary
+# 14. Your data: text, JSONL and chats, tokenized by the checkpoint's own tokenizer
+# -----------------------------------------------------------------------------
+# Needs: import datetime, functools, hashlib, json, os, re, time, numpy as np; from typing
+# import NamedTuple, Optional; from above: UserError, require, read_json, get_batch, Batch,
+# IGNORE_INDEX.
+#
+# With --checkpoint, a data file is plain text (one example: the whole file) or .jsonl, one
+# example a line, as TRL's SFTTrainer, torchtune and axolotl take them:
+#   {"text": "..."}                                  every token counts
+#   {"prompt": "...", "completion": "..."}           the completion and its EOS count
+#   {"messages": [{"role": ..., "content": ...}]}    the assistant turns count
+# The checkpoint's tokenizer.json runs in the `tokenizers` library (its own threads) and its
+# chat template in jinja2, as transformers runs them: the ids are PreTrainedTokenizerFast's and
+# apply_chat_template's. A file is tokenized once: the result is cached under a hash of the
+# file and the tokenizer (--tokenize_to writes it where you say).
+
+
+def _json_if_any(path):
+    """The JSON object in path; {} where there is no such file."""
+    return read_json(path) if os.path.isfile(path) else {}
+
+
+# The special tokens transformers hands a chat template (its SPECIAL_TOKENS_ATTRIBUTES).
+SPECIAL_TOKENS = "bos_token eos_token unk_token sep_token pad_token cls_token mask_token".split()
+# The checkpoint's files that decide what a data file tokenizes to: they key the cache.
+TOKENIZER_FILES = (
+    "tokenizer.json tokenizer_config.json special_tokens_map.json chat_template.jinja "
+    "config.json generation_config.json"
+).split()
+CACHE_VERSION = 1  # bump when a rule below changes what a file tokenizes to
+PROGRESS_S = 10.0  # seconds between progress lines (here and in a run)
+TOKENIZE_BATCH = 1024  # examples per encode_batch call: enough to keep its threads busy
+PIECE = 1 << 20  # characters: a longer text is encoded in pieces of about this size
+
+
+# Chat templates, rendered as transformers renders them (utils/chat_template_utils.py)
+
+
+@functools.lru_cache(maxsize=None)
+def _compile(template):
+    """The template in transformers' jinja2 sandbox, with its tojson filter and globals."""
+    try:
+        import jinja2
+        import jinja2.ext
+        import jinja2.sandbox
+    except ImportError:
+        raise UserError("chat templates need jinja2: pip install jinja2") from None
+
+    class Generation(jinja2.ext.Extension):
+        """{% generation %} marks replies for transformers' own masks; here it renders as is."""
+
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            call = self.call_method("_body")
+            return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+        def _body(self, caller):
+            return caller()
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # jinja2's own tojson escapes non-ASCII and HTML characters; transformers' does not.
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    def strftime_now(format):
+        return datetime.datetime.now().strftime(format)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env.from_string(template)
+
+
+def _read_chat_template(checkpoint_dir, config):
+    """(template or None, its file): chat_template.jinja (transformers 5), else the config's."""
+    path = os.path.join(checkpoint_dir, "chat_template.jinja")
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            return f.read(), path
+    path = os.path.join(checkpoint_dir, "tokenizer_config.json")
+    template = config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}, ...]
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        require("default" in named, f"{path}: chat_template is a list with no 'default'")
+        template = named["default"]
+    require(template is None or isinstance(template, str), f"{path}: chat_template is no string")
+    return template, path
+
+
+# The tokenizer: tokenizer.json, the special tokens, the chat template
+
+LINE_START = re.compile(r"\n(?=\S)")  # a newline before a line's first visible character
+
+
+def _prefix(backend):
+    """The ids the post-processor puts before a text (a BOS, or none), or None.
+
+    None where it puts some after the text too, or where a text's start changes its ids (a
+    prefix space, Llama 2's "▁"): then a text cannot be encoded in pieces.
+    """
+    bare = backend.encode("foo\nbar", add_special_tokens=False).ids
+    parts = backend.encode("foo\n", add_special_tokens=False).ids
+    parts += backend.encode("bar", add_special_tokens=False).ids
+    full = backend.encode("foo\nbar", add_special_tokens=True).ids
+    head = len(full) - len(bare)
+    if backend.pre_tokenizer is None or parts != bare or full[head:] != bare:
+        return None
+    return full[:head]
+
+
+def _pieces(backend, text):
+    """The text cut about every PIECE characters, each cut where a pre-token ends.
+
+    BPE merges only within a pre-token, so the pieces encode to the text's ids. A cut goes
+    after a newline before a visible character, where the pre-tokenizer splits the characters
+    around it exactly as it splits those before and after it apart (GPT-2's regex does not
+    after "  \n": it ends a text with one pre-token "  \n" but splits "  " and "\n" inside one).
+    """
+    split = backend.pre_tokenizer.pre_tokenize_str
+    pieces = []
+    start = 0
+    at = PIECE
+    while len(text) - start > 2 * PIECE:
+        match = LINE_START.search(text, at)
+        if match is None:
+            break
+        at = match.end()
+        apart = split(text[max(0, at - 100) : at]) + split(text[at : at + 100])
+        together = split(text[max(0, at - 100) : at + 100])
+        if [s for s, _ in apart] == [s for s, _ in together]:
+            pieces.append(text[start:at])
+            start = at
+            at += PIECE
+    pieces.append(text[start:])
+    return pieces
+
+
+class Tokenizer:
+    """A checkpoint's tokenizer without transformers: tokenizer.json run as it is.
+
+    Its ids are PreTrainedTokenizerFast's. transformers 5 keeps tokenizer.json's post-processor,
+    which adds BOS where the model wants one, and ignores tokenizer_config.json's add_bos_token
+    and add_eos_token when a tokenizer.json exists; so does this. (Its AutoTokenizer can differ:
+    a tokenizer_class such as GPT2Tokenizer rebuilds the pipeline with its own pre-tokenizer.)
+    """
+
+    def __init__(self, backend, plain, special_tokens, eos_id, end_ids, chat_template):
+        self.backend = backend  # a tokenizers.Tokenizer
+        self.plain = plain  # the same without its post-processor, for chats (see load)
+        self.prefix = _prefix(backend)  # what the post-processor puts before a text (BOS)
+        self.special_tokens = special_tokens  # {"bos_token": "<s>", ...}: template variables
+        self.eos_id = eos_id  # ends each example; None where the checkpoint names none
+        self.end_ids = end_ids  # the ids that end a turn: the EOS, config.json's eos_token_id
+        self.chat_template = chat_template
+
+    @classmethod
+    def load(cls, checkpoint_dir):
+        """The checkpoint's Tokenizer; None where it has no tokenizer.json."""
+        path = os.path.join(checkpoint_dir, "tokenizer.json")
+        if not os.path.isfile(path):
+            return None
+        try:
+            import tokenizers
+        except ImportError:
+            raise UserError(
+                f"{path}: text needs the tokenizers package (pip install tokenizers), "
+                f"or pass token ids as .npy"
+            ) from None
+        try:
+            backend = tokenizers.Tokenizer.from_file(path)
+            plain = tokenizers.Tokenizer.from_file(path)
+        except Exception as e:  # noqa: BLE001 -- the library raises plain Exceptions
+            raise UserError(f"{path}: cannot be read by tokenizers ({e})") from None
+        # Without special tokens a post-processor adds no ids, but it can trim spaces off the
+        # offsets (ByteLevel's trim_offsets, GPT-2's default): chats need the true ones.
+        plain.post_processor = None
+        config = _json_if_any(os.path.join(checkpoint_dir, "tokenizer_config.json"))
+        # Older checkpoints name some special tokens in special_tokens_map.json alone.
+        legacy = _json_if_any(os.path.join(checkpoint_dir, "special_tokens_map.json"))
+        special_tokens = {}
+        for name in SPECIAL_TOKENS:
+            token = config.get(name) or legacy.get(name)
+            if isinstance(token, dict):  # {"__type": "AddedToken", "content": "<s>", ...}
+                token = token.get("content")
+            if isinstance(token, str):
+                special_tokens[name] = token
+        # EOS: the tokenizer's, else config.json's (or generation_config.json's) first.
+        end_ids = []
+        for name in ("config.json", "generation_config.json"):
+            ids = _json_if_any(os.path.join(checkpoint_dir, name)).get("eos_token_id")
+            end_ids += ids if isinstance(ids, list) else [ids]
+        eos_id = backend.token_to_id(special_tokens.get("eos_token", ""))
+        end_ids = [i for i in [eos_id] + end_ids if isinstance(i, int)]
+        template, where = _read_chat_template(checkpoint_dir, config)
+        if template is not None:
+            try:
+                _compile(template)
+            except Exception as e:  # noqa: BLE001 -- TemplateSyntaxError and kin
+                line = getattr(e, "lineno", None)
+                message = f"{where}: the chat template does not compile (line {line}: {e})"
+                raise UserError(message) from None
+        eos_id = end_ids[0] if end_ids else None
+        return cls(backend, plain, special_tokens, eos_id, end_ids, template)
+
+    def encode_batch(self, texts, add_special_tokens):
+        """The ids of each text, encoded on the library's threads (TOKENIZERS_PARALLELISM)."""
+        # encode_batch_fast (tokenizers >= 0.21) skips the offsets, which only chats need.
+        encode = getattr(self.backend, "encode_batch_fast", self.backend.encode_batch)
+        return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
+
+    def encode_texts(self, texts):
+        """encode_batch(texts, True)'s ids, a long text encoded in pieces on all threads.
+
+        One encoding of a 100 MB text holds ~400 bytes a token on one thread; pieces cut where
+        no token can span the cut give the same ids. Where the post-processor adds more than
+        a prefix, or the pieces would differ, the text is encoded whole.
+        """
+        if self.prefix is None:
+            return self.encode_batch(texts, True)
+        pieces = [_pieces(self.backend, text) for text in texts]
+        encoded = iter(self.encode_batch([p for text in pieces for p in text], False))
+        out = []
+        for text in pieces:
+            ids = list(self.prefix)
+            for _ in text:
+                ids += next(encoded)
+            out.append(ids)
+        return out
+
+    def decode(self, ids):
+        """The text of ids with the special tokens in it: what the model sees."""
+        return self.backend.decode(list(ids), skip_special_tokens=False)
+
+    def render(self, messages, add_generation_prompt, where="the chat"):
+        """The chat as apply_chat_template(tokenize=False) writes it."""
+        require(self.chat_template is not None, f"{where}: the checkpoint has no chat template")
+        # transformers drops the keys whose value is None (a content: null beside tool_calls).
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return _compile(self.chat_template).render(
+                messages=messages,
+                tools=None,
+                documents=None,
+                add_generation_prompt=add_generation_prompt,
+                **self.special_tokens,
+            )
+        except Exception as e:  # noqa: BLE001 -- raise_exception's TemplateError, UndefinedError
+            message = " ".join(str(e).split())
+            raise UserError(f"{where}: the chat template fails: {message}") from None
+
+
+# Examples: reading a data file
+
+
+class Example(NamedTuple):
+    """One example: text, or prompt and completion, or messages."""
+
+    where: str  # "path:line", for error messages
+    text: Optional[str] = None
+    prompt: Optional[str] = None
+    completion: Optional[str] = None
+    messages: Optional[list] = None
+
+
+def _example(obj, where):
+    """The Example in one .jsonl line's JSON value, checked."""
+    require(isinstance(obj, dict), f"{where}: not a JSON object")
+    keys = [k for k in ("text", "prompt", "completion", "messages") if k in obj]
+    require(
+        keys in (["text"], ["prompt", "completion"], ["messages"]),
+        f"{where}: needs text, prompt + completion, or messages (has {', '.join(keys) or 'none'})",
+    )
+    if keys != ["messages"]:
+        for key in keys:
+            require(isinstance(obj[key], str), f"{where}: '{key}' is not a string")
+        return Example(where, **{key: obj[key] for key in keys})
+    messages = obj["messages"]
+    require(isinstance(messages, list) and messages, f"{where}: 'messages' is no list of turns")
+    for i, m in enumerate(messages):
+        for key in ("role", "content"):
+            ok = isinstance(m, dict) and isinstance(m.get(key), str)
+            require(ok, f"{where}: messages[{i}] has no '{key}' string")
+    roles = [m["role"] for m in messages]
+    require("assistant" in roles, f"{where}: the chat has no assistant turn to learn from")
+    return Example(where, messages=messages)
+
+
+def read_examples(path):
+    """The examples in a data file: .jsonl one a line, any other file one (its whole text)."""
+    require(os.path.isfile(path), f"{path}: no such file")
+    with open(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise UserError(f"{path}:{line}: not UTF-8 (byte 0x{raw[e.start]:02x})") from None
+    text = text.removeprefix("\ufeff")  # a byte-order mark is no part of the data
+    require(text.strip(), f"{path}: the file is empty")
+    if not path.lower().endswith(".jsonl"):
+        return [Example(path, text=text)]
+    examples = []
+    for number, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
+        examples.append(_example(obj, where))
+    return examples
+
+
+# Tokenizing: the ids, and which of them are targets
+
+
+class TokenData(NamedTuple):
+    """Tokens as one stream: ids (N,) of any integer dtype; loss_mask (N,) bool or None, true
+    where the prediction of token i counts (token 0 is never a target); starts (E,) or None,
+    where each example begins (it ends where the next begins)."""
+
+    ids: np.ndarray
+    loss_mask: Optional[np.ndarray]
+    starts: Optional[np.ndarray] = None
+
+    def batch(self, step, micro, args, world, rank):
+        """get_batch's windows of the ids; with a loss mask, the same windows of it mask the
+        targets (the same draws pick them)."""
+        inputs, targets, _ = get_batch(self.ids, step, micro, args, world, rank, None)
+        if self.loss_mask is None:
+            return Batch(inputs, targets)
+        _, counted, _ = get_batch(self.loss_mask, step, micro, args, world, rank, None)
+        return Batch(inputs, targets.masked_fill(~counted.bool(), IGNORE_INDEX))
+
+
+def _reply_mask(tokenizer, example, chat, offsets):
+    """(n,) bool: the chat's tokens that hold characters of a reply or the end of its turn.
+
+    A reply's characters lie between messages[:i] rendered with the generation prompt and
+    messages[:i+1] rendered without: its content, then the end of turn the template writes.
+    Both renderings must begin the whole chat: a template that writes a turn differently once
+    others follow it (Qwen3 drops earlier replies' reasoning) leaves nothing to compare.
+
+    The characters map onto the whole chat's tokens, tokenized once as apply_chat_template
+    does, through each token's offsets. Counting the tokens of each prefix tokenized alone
+    would not be exact for BPE: a prefix's last token can merge with the characters after it
+    (ChatML's "assistant\\n" with a reply's "\\n\\n"), so a prefix's tokens need not begin the
+    chat's. A token across a border holds some of the reply, so it counts (transformers'
+    rule for its {% generation %} masks too).
+    """
+    offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+    mask = np.zeros(len(offsets), dtype=bool)
+    for i, m in enumerate(example.messages):
+        if m["role"] != "assistant":
+            continue
+        before = tokenizer.render(example.messages[:i], True, example.where)
+        after = tokenizer.render(example.messages[: i + 1], False, example.where)
+        require(
+            after.startswith(before) and chat.startswith(after),
+            f"{example.where}: the chat template writes messages[:{i + 1}] differently inside "
+            f"the whole chat, so the reply's tokens cannot be found; give each reply a line",
+        )
+        mask |= (offsets[:, 0] < len(after)) & (offsets[:, 1] > len(before))
+    return mask
+
+
+def _tokenize_batch(examples, tokenizer):
+    """[(ids, mask)] for each example, in order."""
+    eos = tokenizer.eos_id
+    out = [None] * len(examples)
+    # text: BOS where the post-processor adds one, the text, EOS; every token counts.
+    index = [i for i, e in enumerate(examples) if e.text is not None]
+    texts = tokenizer.encode_texts([examples[i].text for i in index])
+    for i, ids in zip(index, texts):
+        if not ids or ids[-1] != eos:
+            ids.append(eos)
+        out[i] = (ids, np.ones(len(ids), dtype=bool))
+    # prompt/completion: each tokenized alone, the prompt as at inference; the completion and
+    # its EOS count. TRL 1.x tokenizes prompt + completion + EOS as one string: the same ids
+    # unless a token merges across the border.
+    index = [i for i, e in enumerate(examples) if e.prompt is not None]
+    prompts = tokenizer.encode_batch([examples[i].prompt for i in index], True)
+    completions = tokenizer.encode_batch([examples[i].completion for i in index], False)
+    for i, prompt, completion in zip(index, prompts, completions):
+        mask = [False] * len(prompt) + [True] * (len(completion) + 1)
+        out[i] = (prompt + completion + [eos], np.array(mask))
+    # messages: the rendered chat without special tokens, as apply_chat_template(tokenize=True)
+    # encodes it: its template writes the BOS (Llama 3's {{ bos_token }}), never doubled.
+    index = [i for i, e in enumerate(examples) if e.messages is not None]
+    chats = [tokenizer.render(examples[i].messages, False, examples[i].where) for i in index]
+    encodings = tokenizer.plain.encode_batch(chats, add_special_tokens=False)
+    ends = [tokenizer.backend.id_to_token(i) for i in tokenizer.end_ids]
+    for i, chat, encoding in zip(index, chats, encodings):
+        ids = encoding.ids
+        mask = _reply_mask(tokenizer, examples[i], chat, encoding.offsets)
+        # Each example ends with EOS, unless its template already ended the turn with one
+        # (trailing whitespace aside). ChatML ends a turn with "<|im_end|>\n": where that is
+        # the EOS (Qwen2.5, SmolLM2 Instruct) another after the "\n" would teach a turn that
+        # never comes; where the EOS is another token (a base model's <|endoftext|>) it follows.
+        if not any(chat.rstrip().endswith(end) for end in ends if end):
+            ids.append(eos)
+            # After a reply the EOS is a target: the model learns to stop there.
+            mask = np.append(mask, examples[i].messages[-1]["role"] == "assistant")
+        out[i] = (ids, mask)
+    return out
+
+
+def tokenize(examples, tokenizer, say=None):
+    """TokenData of the examples, in order; say(line) hears progress every ~10 s."""
+    require(examples, "no examples to tokenize")
+    require(
+        tokenizer.eos_id is not None,
+        "the checkpoint names no EOS token to end examples with (tokenizer_config.json's "
+        "eos_token, config.json's eos_token_id)",
+    )
+    vocab_size = tokenizer.backend.get_vocab_size(with_added_tokens=True)
+    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    tokens = []
+    masks = []
+    chars = 0  # of the examples' own text, for the progress lines
+    started = time.monotonic()
+    said = started
+    for b in range(0, len(examples), TOKENIZE_BATCH):
+        batch = examples[b : b + TOKENIZE_BATCH]
+        for ids, mask in _tokenize_batch(batch, tokenizer):
+            tokens.append(np.array(ids, dtype=dtype))
+            masks.append(mask)
+        for e in batch:
+            chars += len(e.text or "") + len(e.prompt or "") + len(e.completion or "")
+            chars += sum(len(m["content"]) for m in e.messages or [])
+        now = time.monotonic()
+        if say and now - said >= PROGRESS_S:
+            said = now
+            rate = chars / 1e6 / (now - started)
+            say(f"tokenized {b + len(batch):,}/{len(examples):,} examples, {rate:.1f} MB/s")
+    starts = np.cumsum([0] + [len(t) for t in tokens[:-1]], dtype=np.int64)
+    return TokenData(np.concatenate(tokens), np.concatenate(masks), starts)
+
+
+# A data file, tokenized once: the cache
+
+
+def _cache_key(path, tokenizer_dir):
+    """A hash of the data file, the tokenizer's files and the versions of these rules."""
+    import tokenizers
+
+    h = hashlib.sha256(f"yourdata {CACHE_VERSION} tokenizers {tokenizers.__version__}".encode())
+    files = [path] + [os.path.join(tokenizer_dir, name) for name in TOKENIZER_FILES]
+    for i, file in enumerate(files):
+        if not os.path.isfile(file):
+            continue
+        h.update(f"\0file {i}\0".encode())
+        with open(file, "rb") as f:
+            for chunk in iter(lambda: f.read(1 << 24), b""):
+                h.update(chunk)
+    return h.hexdigest()[:20]
+
+
+def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
+    """TokenData of a data file under a checkpoint's tokenizer, cached in cache_dir.
+
+    The .npz is named by a hash of the data and the tokenizer's files: a change to either
+    tokenizes anew; with neither changed a second call only loads the arrays.
+    """
+    require(os.path.isfile(path), f"{path}: no such file")
+    tokenizer = Tokenizer.load(tokenizer_dir)
+    require(tokenizer, f"{tokenizer_dir}: no tokenizer.json to read {path}; pass ids as .npy")
+    key = _cache_key(path, tokenizer_dir)
+    cache = os.path.join(cache_dir, f"{os.path.basename(path)}.{key}.npz")
+    if os.path.isfile(cache):
+        with np.load(cache, allow_pickle=False) as z:
+            return TokenData(z["tokens"], z["loss_mask"], z["starts"])
+    started = time.monotonic()
+    examples = read_examples(path)
+    data = tokenize(examples, tokenizer, say)
+    seconds = time.monotonic() - started
+    if say:
+        mb = os.path.getsize(path) / 1e6
+        targets = int(data.loss_mask.sum())
+        say(
+            f"{path}: {len(examples):,} examples, {len(data.ids):,} tokens ({targets:,} "
+            f"targets) in {seconds:.1f} s, {mb / seconds:.1f} MB/s"
+        )
+    # Written beside its final name, then renamed: a reader never sees half a file, and
+    # processes racing to fill the cache each rename a whole one into place.
+    os.makedirs(cache_dir, exist_ok=True)
+    tmp = f"{cache}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "wb") as f:
+            np.savez(f, tokens=data.ids, loss_mask=data.loss_mask, starts=data.starts)
+        os.replace(tmp, cache)
+    except OSError as e:
+        if os.path.isfile(tmp):
+            os.remove(tmp)
+        raise UserError(f"{cache}: cannot be written ({e.strerror or type(e).__name__})") from None
+    return data
+
+
+# -----------------------------------------------------------------------------
+# 15. A run: data files, evaluation, metrics, progress, set-up and summary
 # -----------------------------------------------------------------------------
 # Needs: import bisect, json, math, os, resource, shlex, signal, sys, tempfile, threading, time,
 # numpy as np, torch, torch.distributed as dist; from typing import NamedTuple, Optional; from
@@ -3820,23 +4331,6 @@ def eos_id(args):
         "no eos_token_id)",
     )
     return eos
-
-
-class TokenData(NamedTuple):
-    """A token stream, ids (N,) of any integer dtype, and loss_mask (N,) bool or None: the
-    prediction of token i counts where loss_mask[i] is true (token 0 is never a target)."""
-
-    ids: np.ndarray
-    loss_mask: Optional[np.ndarray]
-
-    def batch(self, step, micro, args, world, rank):
-        """get_batch's windows of the ids; with a loss mask, the same windows of it mask the
-        targets (the same draws pick them)."""
-        inputs, targets, _ = get_batch(self.ids, step, micro, args, world, rank, None)
-        if self.loss_mask is None:
-            return Batch(inputs, targets)
-        _, counted, _ = get_batch(self.loss_mask, step, micro, args, world, rank, None)
-        return Batch(inputs, targets.masked_fill(~counted.bool(), IGNORE_INDEX))
 
 
 def sequences(data, starts, T):
@@ -3865,15 +4359,16 @@ def model_config(args):
 
 
 def _read_token_file(path, ext, where):
-    """(tokens, loss_mask or None) as numpy arrays; .npy, .bin and .txt are memory-mapped."""
+    """TokenData's arrays, unchecked; .npy, .bin and .txt are memory-mapped."""
     try:
         if ext == ".npz":
             with np.load(path, allow_pickle=False) as z:
-                return z["tokens"], z["loss_mask"]
+                starts = z["starts"] if "starts" in z.files else None
+                return TokenData(z["tokens"], z["loss_mask"], starts)
         if ext == ".npy":
-            return np.load(path, mmap_mode="r", allow_pickle=False), None
+            return TokenData(np.load(path, mmap_mode="r", allow_pickle=False), None)
         dtype = np.uint16 if ext == ".bin" else np.uint8
-        return np.memmap(path, dtype=dtype, mode="r"), None
+        return TokenData(np.memmap(path, dtype=dtype, mode="r"), None)
     except Exception as e:  # noqa: BLE001 -- not an array file, truncated, pickled, odd size...
         # numpy's messages run to several sentences: the first.
         why = " ".join(str(e).split()).split(". ")[0]
@@ -3897,7 +4392,7 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
         f"{where}: a .bin holds uint16 ids, too few for this model's {vocab_size:,}-token "
         f"vocabulary; save the tokens as .npy (uint32)",
     )
-    tokens, mask = _read_token_file(path, ext, where)
+    tokens, mask, starts = _read_token_file(path, ext, where)
     require(
         tokens.ndim == 1 and np.issubdtype(tokens.dtype, np.integer),
         f"{where}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}",
@@ -3922,16 +4417,22 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
             f"{where}: loss_mask counts no target (0 at every position after the first)",
         )
         mask = mask.astype(bool)  # token 0 is never a target: mask[0] is not used
-    return TokenData(tokens, mask)
+    if starts is not None:
+        ok = starts.ndim == 1 and len(starts) and starts[0] == 0 and (np.diff(starts) > 0).all()
+        ok = ok and starts[-1] < len(tokens)
+        require(ok, f"{where}: starts must rise from 0 within the tokens (where examples begin)")
+    return TokenData(tokens, mask, starts)
 
 
 def document_spans(data, eos_id, seq_len):
     """(starts, lengths) of the documents in a token stream, in order.
 
-    A document ends with its EOS (or the end of the stream); one longer than seq_len is cut
-    into pieces of seq_len, each a document of its own. No other document is ever split.
+    A document is an example (data.starts), or ends with its EOS (or the stream); one longer
+    than seq_len is cut into pieces of seq_len, each a document of its own.
     """
     ends = np.flatnonzero(np.asarray(data.ids) == eos_id) + 1
+    if data.starts is not None:
+        ends = data.starts
     bounds = np.unique(np.concatenate([[0], ends, [len(data.ids)]]))
     starts = []
     lengths = []
@@ -3953,11 +4454,12 @@ class PackedDocuments:
     rows are get_batch's: the same at any split, the same after --resume.
     """
 
-    def __init__(self, data, eos_id, seq_len, seed, shuffle=True):
+    def __init__(self, data, eos_id, seq_len, seed, shuffle=True, per_row=None):
         self.data = data
         self.seq_len = seq_len
         self.seed = seed
         self.shuffle = shuffle
+        self.per_row = per_row or seq_len  # documents per row at most (1: examples unpacked)
         self.starts, self.lengths = document_spans(data, eos_id, seq_len)
         self.epochs = []  # the rows of each epoch packed so far: lists of document indices
         self.first_row = [0]  # the index of each epoch's first row, and of the next epoch's
@@ -3969,7 +4471,7 @@ class PackedDocuments:
         rows = [[]]
         used = 0
         for i in order.tolist():
-            if used + self.lengths[i] > self.seq_len:
+            if used + self.lengths[i] > self.seq_len or len(rows[-1]) == self.per_row:
                 rows.append([])
                 used = 0
             rows[-1].append(i)
@@ -4013,13 +4515,16 @@ class PackedDocuments:
         return self.tensors([self.row(i) for i in range(first, first + args.batch_size)])
 
 
-def encode_prompt(text, vocab_size):
-    """--prompt as token ids.
-
-    For a byte-level model, its UTF-8 bytes (by default a newline); else comma-separated ids.
-    """
+def encode_prompt(text, vocab_size, tokenizer=None):
+    """--prompt as token ids: comma-separated ids, else text: tokenized by the checkpoint's
+    tokenizer, or for a byte-level model its UTF-8 bytes (by default a newline)."""
+    ids_given = re.fullmatch(r"\s*\d+(\s*,\s*\d+)*\s*,?\s*", text or "")
+    if tokenizer is not None and not ids_given:
+        ids = tokenizer.encode_batch([text or "\n"], True)[0]
+        require(bool(ids), f"--prompt {text!r}: no tokens")
+        return ids
     try:
-        if vocab_size == 256:  # byte-level
+        if vocab_size == 256 and not ids_given:  # byte-level
             want = "non-empty text (its UTF-8 bytes are the tokens)"
             ids = list(("\n" if text is None else text).encode("utf-8"))
         else:
@@ -4172,9 +4677,6 @@ def sparkline(values, width=40):
     lo = min(means)
     span = max(means) - lo or 1.0
     return "".join(bars[min(7, int((v - lo) / span * 8))] for v in means)
-
-
-PROGRESS_S = 10.0  # seconds between progress lines
 
 
 def progress(items, what, total, nbytes):
@@ -4509,7 +5011,11 @@ class Run:
         self.fsdp.reshard()  # the last forward left its last unit gathered
         sample = ids
         shown = ids
-        if config.vocab_size == 256:
+        tokenizer = self.setup.tokenizer
+        if tokenizer is not None:  # text, special tokens and all: what the model wrote
+            sample = tokenizer.decode(ids)
+            shown = printable(tokenizer.decode(prompt) + sample)
+        elif config.vocab_size == 256:
             # A byte-level model: text (invalid UTF-8 as U+FFFD), shown with escapes where a
             # byte would not print (a control byte, invalid UTF-8), as repr() writes them.
             sample = bytes(ids).decode("utf-8", errors="replace")
@@ -4574,6 +5080,7 @@ class Setup(NamedTuple):
     val: Optional[TokenData]
     prompt: Optional[list]
     checkpoint: object  # load_checkpoint's, or None
+    tokenizer: object  # --checkpoint's Tokenizer, or None
 
 
 WAIT_HINT_S = 60.0  # seconds the first collective may take before the hint below
@@ -4585,24 +5092,115 @@ WAITING_FOR_RANKS = (
 )
 
 
-def read_data(args, config):
-    """(--data's tokens, --val_data's), packed into documents with --pack; None: none given."""
+def is_text(path):
+    """Whether a data file is text (not .npy, .npz or .bin ids): bytes, or tokenized."""
+    return os.path.splitext(path)[1].lower() not in (".npy", ".npz", ".bin")
+
+
+def cache_dir():
+    """Where tokenized files are kept: $XDG_CACHE_HOME/qlora_fsdp (~/.cache by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "qlora_fsdp")
+
+
+def tokenized(path, args, flag):
+    """TokenData of a text or .jsonl file, tokenized by --checkpoint's tokenizer once per
+    machine: its local rank 0 tokenizes (or finds the cache), then the others read the cache."""
+    require(os.path.isfile(path), f"{flag} {path}: no such file")
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    problem = None
+    if first:
+        try:
+            data = tokenize_file(path, args.checkpoint, cache_dir(), say=print0)
+        except UserError as e:
+            problem = str(e)
+    if dist.is_initialized():  # one rank's error is every rank's
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    require(problem is None, problem)
+    return data if first else tokenize_file(path, args.checkpoint, cache_dir())
+
+
+def read_tokens(path, args, config, tokenizer, flag="--data"):
+    """A data file as get_batch takes it: windows of one token stream; rows of examples, one a
+    row (a longer one cut into pieces of --seq_len); with --pack, rows packed with documents."""
+    where = f"{flag} {path}"
+    if is_text(path) and tokenizer is None:  # bytes, for a byte-level model only
+        require(
+            not args.checkpoint or config.vocab_size == 256,
+            f"{where}: text needs --checkpoint's tokenizer, and {args.checkpoint} has no "
+            f"tokenizer.json; pass token ids as .npy",
+        )
+    if is_text(path) and tokenizer is not None:
+        data = tokenized(path, args, flag)
+        hi = int(data.ids.max())
+        require(hi < config.vocab_size, f"{where}: token id {hi} >= vocab_size {config.vocab_size}")
+    else:
+        data = load_tokens(path, config.vocab_size, 1, flag)
+    examples = data.starts is not None and len(data.starts) > 1
+    shuffle = flag == "--data"  # --val_data in the file's order
+    if examples and not args.pack:
+        spans = document_spans(data, None, args.seq_len)
+        long = len(spans[0]) - len(data.starts)  # the pieces beyond each example's first
+        if long:
+            print0(
+                f"{where}: {len(data.starts):,} examples, {long:,} pieces beyond --seq_len "
+                f"{args.seq_len} (a longer example is cut into pieces, a row each; --pack packs)"
+            )
+        return PackedDocuments(data, None, args.seq_len, args.seed, shuffle, per_row=1)
+    if args.pack:
+        eos = None if data.starts is not None else eos_id(args)
+        ok = eos is None or 0 <= eos < config.vocab_size
+        require(ok, f"--eos_id {eos}: not a token of this model")
+        return PackedDocuments(data, eos, args.seq_len, args.seed, shuffle)
+    require(
+        len(data.ids) > args.seq_len,
+        f"{where}: {len(data.ids)} tokens, fewer than --seq_len + 1 = {args.seq_len + 1}",
+    )
+    return data
+
+
+def read_data(args, config, tokenizer=None):
+    """(--data's, --val_data's) as get_batch takes them (read_tokens); None: none given."""
     require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
-    # Packed, a file needs two tokens (a document with a target), not a whole window.
-    least = 1 if args.pack else args.seq_len
     data = None
     if args.data != "dummy":
-        data = load_tokens(args.data or __file__, config.vocab_size, least)
+        data = read_tokens(args.data or __file__, args, config, tokenizer)
     val = None
     if args.val_data:
-        val = load_tokens(args.val_data, config.vocab_size, least, "--val_data")
-    if args.pack:
-        eos = eos_id(args)
-        require(0 <= eos < config.vocab_size, f"--eos_id {eos}: not a token of this model")
-        data = PackedDocuments(data, eos, args.seq_len, args.seed)
-        if val is not None:
-            val = PackedDocuments(val, eos, args.seq_len, args.seed, shuffle=False)
+        val = read_tokens(args.val_data, args, config, tokenizer, "--val_data")
     return data, val
+
+
+def checkpoint_tokenizer(args):
+    """--checkpoint's Tokenizer, where its text data or --prompt need one; else None (a
+    sample is then shown as ids when the tokenizers package is missing)."""
+    if not args.checkpoint:
+        return None
+    files = [f for f in (args.data or __file__, args.val_data) if f and f != "dummy"]
+    if any(is_text(f) for f in files):
+        return Tokenizer.load(args.checkpoint)
+    with contextlib.suppress(UserError):
+        return Tokenizer.load(args.checkpoint) if args.sample else None
+    return None
+
+
+def tokenize_to(args):
+    """--tokenize_to: --data tokenized by --checkpoint's tokenizer into an .npz (tokens,
+    loss_mask, starts: what --data takes), as axolotl preprocess does; nothing is built."""
+    require(args.checkpoint and args.data, "--tokenize_to needs --checkpoint and --data")
+    tokenizer = Tokenizer.load(args.checkpoint)
+    require(tokenizer is not None, f"--checkpoint {args.checkpoint}: no tokenizer.json")
+    data = tokenize(read_examples(args.data), tokenizer, say=print0)
+    arrays = dict(tokens=data.ids, loss_mask=data.loss_mask, starts=data.starts)
+    atomic_write(args.tokenize_to, lambda f: np.savez(f, **arrays))
+    targets = int(data.loss_mask.sum())
+    print0(
+        f"wrote {args.tokenize_to}: {len(data.starts):,} examples, {len(data.ids):,} tokens, "
+        f"{targets:,} targets"
+    )
+    return dict(tokenize_to=args.tokenize_to, examples=len(data.starts), tokens=len(data.ids))
 
 
 def set_up(args):
@@ -4622,8 +5220,11 @@ def set_up(args):
     name, config = model_config(args)
     if args.fit is not None:  # before anything reads the flags it sets
         args = fit(args, world, config, device)
-    data, val = read_data(args, config)
-    prompt = encode_prompt(args.prompt, config.vocab_size) if args.sample else None
+    tokenizer = checkpoint_tokenizer(args)
+    data, val = read_data(args, config, tokenizer)
+    prompt = None
+    if args.sample:
+        prompt = encode_prompt(args.prompt, config.vocab_size, tokenizer)
     checkpoint = None
     if args.checkpoint:
         checkpoint = load_checkpoint(args.checkpoint, config)  # every header checked
@@ -4634,7 +5235,7 @@ def set_up(args):
         f"{args.seq_len}; sliding-window attention is not followed by this file",
     )
     check_fits(args, config, world, device)
-    return Setup(args, device, world, rank, name, config, data, val, prompt, checkpoint)
+    return Setup(args, device, world, rank, name, config, data, val, prompt, checkpoint, tokenizer)
 
 
 class Interrupted(Exception):
@@ -4802,7 +5403,7 @@ def fine_tune(args):
 
 
 # -----------------------------------------------------------------------------
-# 15. The command line
+# 16. The command line
 # -----------------------------------------------------------------------------
 # Needs: import argparse, json, math, os, signal, sys, time, torch, torch.distributed as dist;
 # from above: GiB, sections 1-14.
@@ -4825,8 +5426,13 @@ def _add_flags(parser):
     p.add_argument("--checkpoint", metavar="DIR", help=f"{families}; overrides --model")
     p.add_argument("--nf4_head", action="store_true", help="the lm_head in NF4 (default: dense)")
     p = parser.add_argument_group("the data")
-    formats = ".npy, .npz (+ loss_mask), .bin, dummy, other: bytes; default: this file"
+    formats = (
+        ".npy, .npz (+ loss_mask), .bin, dummy; with --checkpoint text or .jsonl (text, "
+        "prompt + completion, messages), else other files as bytes; default: this file"
+    )
     p.add_argument("--data", metavar="PATH", help=formats)
+    tokenize = "tokenize --data with --checkpoint's tokenizer into FILE.npz, and stop"
+    p.add_argument("--tokenize_to", metavar="FILE.npz", help=tokenize)
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
     p.add_argument("--seq_len", type=int, default=128)
     p.add_argument("--val_data", metavar="PATH", help="held-out tokens, as --data: val_loss")
@@ -4901,6 +5507,8 @@ def _check_args(p, args):
         p.error(f"--lora_dropout must be in [0, 1), got {args.lora_dropout}")
     if args.model not in CONFIGS and not args.checkpoint:
         p.error(f"--model {args.model}: unknown, choose from {', '.join(CONFIGS)}")
+    if args.tokenize_to and not args.tokenize_to.endswith(".npz"):
+        p.error(f"--tokenize_to {args.tokenize_to}: the file must end in .npz")
     if (args.save_every or args.resume) and not args.out:
         p.error("--save_every and --resume need --out DIR")
     if args.offload_activations and not args.checkpointing:
@@ -4983,7 +5591,12 @@ def exit_with(message, code):
 def main(argv=None):
     args = parse_args(argv)
     try:
-        summary = estimate(args) if args.estimate else fine_tune(args)[0]
+        if args.tokenize_to:
+            summary = tokenize_to(args)
+        elif args.estimate:
+            summary = estimate(args)
+        else:
+            summary = fine_tune(args)[0]
     except UserError as e:  # bad input: one line, exit 2
         exit_with(f"error: {e}", 2)
     except torch.OutOfMemoryError as e:  # outside a step too

@@ -9,6 +9,7 @@ import io
 import json
 import math
 import os
+import random
 import re
 import shutil
 import signal
@@ -3663,6 +3664,922 @@ def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
             weights,
             r["local_bytes"],
         )
+
+
+# ---- 14. your data: text, JSONL and chats, tokenized as transformers does -------------------
+
+# Tokenizers are trained here, in under a second, shaped like Llama 3.1's, Qwen2.5's and SmolLM2's
+# tokenizer.json, with their real chat templates; nothing is downloaded. The reference is
+# transformers' PreTrainedTokenizerFast over the same files (AutoTokenizer can differ: in
+# transformers 5 a tokenizer_class with its own __init__, GPT2Tokenizer or Qwen2Tokenizer, rebuilds
+# the pipeline with the class's pre-tokenizer). These tests skip where tokenizers or transformers
+# is missing; CI installs both.
+
+# The chat templates of Llama 3.1 Instruct, Qwen2.5 Instruct and SmolLM2 Instruct, copied from
+# their public checkpoints (data, not code).
+CHAT_TEMPLATES = {
+    "llama3.1-instruct.jinja": (
+        "{{- bos_token }}\n"
+        "{%- if custom_tools is defined %}\n"
+        "    {%- set tools = custom_tools %}\n"
+        "{%- endif %}\n"
+        "{%- if not tools_in_user_message is defined %}\n"
+        "    {%- set tools_in_user_message = true %}\n"
+        "{%- endif %}\n"
+        "{%- if not date_string is defined %}\n"
+        '    {%- set date_string = "26 Jul 2024" %}\n'
+        "{%- endif %}\n"
+        "{%- if not tools is defined %}\n"
+        "    {%- set tools = none %}\n"
+        "{%- endif %}\n"
+        "\n"
+        "{#- This block extracts the system message, so we can slot it into the"
+        " right place. #}\n"
+        "{%- if messages[0]['role'] == 'system' %}\n"
+        "    {%- set system_message = messages[0]['content']|trim %}\n"
+        "    {%- set messages = messages[1:] %}\n"
+        "{%- else %}\n"
+        '    {%- set system_message = "" %}\n'
+        "{%- endif %}\n"
+        "\n"
+        "{#- System message + builtin tools #}\n"
+        '{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}\n'
+        "{%- if builtin_tools is defined or tools is not none %}\n"
+        '    {{- "Environment: ipython\\n" }}\n'
+        "{%- endif %}\n"
+        "{%- if builtin_tools is defined %}\n"
+        "    {{- \"Tools: \" + builtin_tools | reject('equalto', 'code_interprete"
+        'r\') | join(", ") + "\\n\\n"}}\n'
+        "{%- endif %}\n"
+        '{{- "Cutting Knowledge Date: December 2023\\n" }}\n'
+        '{{- "Today Date: " + date_string + "\\n\\n" }}\n'
+        "{%- if tools is not none and not tools_in_user_message %}\n"
+        '    {{- "You have access to the following functions. To call a functio'
+        'n, please respond with JSON for a function call." }}\n'
+        '    {{- \'Respond in the format {"name": function name, "parameters": d'
+        "ictionary of argument name and its value}.' }}\n"
+        '    {{- "Do not use variables.\\n\\n" }}\n'
+        "    {%- for t in tools %}\n"
+        "        {{- t | tojson(indent=4) }}\n"
+        '        {{- "\\n\\n" }}\n'
+        "    {%- endfor %}\n"
+        "{%- endif %}\n"
+        "{{- system_message }}\n"
+        '{{- "<|eot_id|>" }}\n'
+        "\n"
+        "{#- Custom tools are passed in a user message with some extra guidance #}\n"
+        "{%- if tools_in_user_message and not tools is none %}\n"
+        "    {#- Extract the first user message so we can plug it in here #}\n"
+        "    {%- if messages | length != 0 %}\n"
+        "        {%- set first_user_message = messages[0]['content']|trim %}\n"
+        "        {%- set messages = messages[1:] %}\n"
+        "    {%- else %}\n"
+        '        {{- raise_exception("Cannot put tools in the first user messag'
+        "e when there's no first user message!\") }}\n"
+        "{%- endif %}\n"
+        "    {{- '<|start_header_id|>user<|end_header_id|>\\n\\n' -}}\n"
+        '    {{- "Given the following functions, please respond with a JSON for'
+        ' a function call " }}\n'
+        '    {{- "with its proper arguments that best answers the given prompt.\\n\\n" }}\n'
+        '    {{- \'Respond in the format {"name": function name, "parameters": d'
+        "ictionary of argument name and its value}.' }}\n"
+        '    {{- "Do not use variables.\\n\\n" }}\n'
+        "    {%- for t in tools %}\n"
+        "        {{- t | tojson(indent=4) }}\n"
+        '        {{- "\\n\\n" }}\n'
+        "    {%- endfor %}\n"
+        '    {{- first_user_message + "<|eot_id|>"}}\n'
+        "{%- endif %}\n"
+        "\n"
+        "{%- for message in messages %}\n"
+        "    {%- if not (message.role == 'ipython' or message.role == 'tool' or"
+        " 'tool_calls' in message) %}\n"
+        "        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id"
+        "|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}\n"
+        "    {%- elif 'tool_calls' in message %}\n"
+        "        {%- if not message.tool_calls|length == 1 %}\n"
+        '            {{- raise_exception("This model only supports single tool-'
+        'calls at once!") }}\n'
+        "        {%- endif %}\n"
+        "        {%- set tool_call = message.tool_calls[0].function %}\n"
+        "        {%- if builtin_tools is defined and tool_call.name in builtin_tools %}\n"
+        "            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n"
+        '            {{- "<|python_tag|>" + tool_call.name + ".call(" }}\n'
+        "            {%- for arg_name, arg_val in tool_call.arguments | items %}\n"
+        "                {{- arg_name + '=\"' + arg_val + '\"' }}\n"
+        "                {%- if not loop.last %}\n"
+        '                    {{- ", " }}\n'
+        "                {%- endif %}\n"
+        "                {%- endfor %}\n"
+        '            {{- ")" }}\n'
+        "        {%- else  %}\n"
+        "            {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}\n"
+        "            {{- '{\"name\": \"' + tool_call.name + '\", ' }}\n"
+        "            {{- '\"parameters\": ' }}\n"
+        "            {{- tool_call.arguments | tojson }}\n"
+        '            {{- "}" }}\n'
+        "        {%- endif %}\n"
+        "        {%- if builtin_tools is defined %}\n"
+        "            {#- This means we're in ipython mode #}\n"
+        '            {{- "<|eom_id|>" }}\n'
+        "        {%- else %}\n"
+        '            {{- "<|eot_id|>" }}\n'
+        "        {%- endif %}\n"
+        '    {%- elif message.role == "tool" or message.role == "ipython" %}\n'
+        '        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}\n'
+        "        {%- if message.content is mapping or message.content is iterable %}\n"
+        "            {{- message.content | tojson }}\n"
+        "        {%- else %}\n"
+        "            {{- message.content }}\n"
+        "        {%- endif %}\n"
+        '        {{- "<|eot_id|>" }}\n'
+        "    {%- endif %}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}\n"
+        "    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}\n"
+        "{%- endif %}\n"
+    ),
+    "qwen2.5-instruct.jinja": (
+        "{%- if tools %}\n"
+        "    {{- '<|im_start|>system\\n' }}\n"
+        "    {%- if messages[0]['role'] == 'system' %}\n"
+        "        {{- messages[0]['content'] }}\n"
+        "    {%- else %}\n"
+        "        {{- 'You are Qwen, created by Alibaba Cloud. You are a helpful"
+        " assistant.' }}\n"
+        "    {%- endif %}\n"
+        '    {{- "\\n\\n# Tools\\n\\nYou may call one or more functions to assist w'
+        "ith the user query.\\n\\nYou are provided with function signatures withi"
+        'n <tools></tools> XML tags:\\n<tools>" }}\n'
+        "    {%- for tool in tools %}\n"
+        '        {{- "\\n" }}\n'
+        "        {{- tool | tojson }}\n"
+        "    {%- endfor %}\n"
+        '    {{- "\\n</tools>\\n\\nFor each function call, return a json object wi'
+        "th function name and arguments within <tool_call></tool_call> XML tags"
+        ':\\n<tool_call>\\n{\\"name\\": <function-name>, \\"arguments\\": <args-json-'
+        'object>}\\n</tool_call><|im_end|>\\n" }}\n'
+        "{%- else %}\n"
+        "    {%- if messages[0]['role'] == 'system' %}\n"
+        "        {{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_en"
+        "d|>\\n' }}\n"
+        "    {%- else %}\n"
+        "        {{- '<|im_start|>system\\nYou are Qwen, created by Alibaba Clou"
+        "d. You are a helpful assistant.<|im_end|>\\n' }}\n"
+        "    {%- endif %}\n"
+        "{%- endif %}\n"
+        "{%- for message in messages %}\n"
+        '    {%- if (message.role == "user") or (message.role == "system" and n'
+        'ot loop.first) or (message.role == "assistant" and not message.tool_calls) %}\n'
+        "        {{- '<|im_start|>' + message.role + '\\n' + message.content + '"
+        "<|im_end|>' + '\\n' }}\n"
+        '    {%- elif message.role == "assistant" %}\n'
+        "        {{- '<|im_start|>' + message.role }}\n"
+        "        {%- if message.content %}\n"
+        "            {{- '\\n' + message.content }}\n"
+        "        {%- endif %}\n"
+        "        {%- for tool_call in message.tool_calls %}\n"
+        "            {%- if tool_call.function is defined %}\n"
+        "                {%- set tool_call = tool_call.function %}\n"
+        "            {%- endif %}\n"
+        '            {{- \'\\n<tool_call>\\n{"name": "\' }}\n'
+        "            {{- tool_call.name }}\n"
+        '            {{- \'", "arguments": \' }}\n'
+        "            {{- tool_call.arguments | tojson }}\n"
+        "            {{- '}\\n</tool_call>' }}\n"
+        "        {%- endfor %}\n"
+        "        {{- '<|im_end|>\\n' }}\n"
+        '    {%- elif message.role == "tool" %}\n'
+        "        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role !"
+        '= "tool") %}\n'
+        "            {{- '<|im_start|>user' }}\n"
+        "        {%- endif %}\n"
+        "        {{- '\\n<tool_response>\\n' }}\n"
+        "        {{- message.content }}\n"
+        "        {{- '\\n</tool_response>' }}\n"
+        '        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}\n'
+        "            {{- '<|im_end|>\\n' }}\n"
+        "        {%- endif %}\n"
+        "    {%- endif %}\n"
+        "{%- endfor %}\n"
+        "{%- if add_generation_prompt %}\n"
+        "    {{- '<|im_start|>assistant\\n' }}\n"
+        "{%- endif %}"
+    ),
+    "smollm2-instruct.jinja": (
+        "{% for message in messages %}{% if loop.first and messages[0]['role'] "
+        "!= 'system' %}{{ '<|im_start|>system\n"
+        "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n"
+        "' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n"
+        "' + message['content'] + '<|im_end|>' + '\n"
+        "'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n"
+        "' }}{% endif %}"
+    ),
+}
+
+# The pre-tokenizer regexes of the real tokenizer.json files.
+LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+WORDS = (
+    "the model learns from the text it sees and the loss counts only the targets we choose "
+    "quantization packs four bits per weight while adapters train in full precision "
+    "système naïve café über straße 東京 数据 🙂 don't can't it's we'll they're I'm "
+    "def main(): return 42 if x >= 3.14159 else [a, b] {key: value} #comment"
+).split()
+
+
+def corpus():
+    """A few hundred lines of varied text: words, digits, code, runs of spaces and newlines."""
+    lines = []
+    for i in range(400):
+        words = [WORDS[(i * 7 + j * 3) % len(WORDS)] for j in range(5 + i % 9)]
+        sep = ["\n", "\n\n", "\n\n\n", "  ", " \n"][i % 5]
+        lines.append(" ".join(words) + sep + f"system user assistant {i}" + sep)
+    return lines
+
+
+STYLES = {
+    # Llama 3.1 Instruct: BOS from the post-processor and from the template; <|eot_id|> ends turns.
+    "llama3": dict(
+        split=LLAMA3_SPLIT,
+        specials=[
+            "<|begin_of_text|>",
+            "<|end_of_text|>",
+            "<|start_header_id|>",
+            "<|end_header_id|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<|python_tag|>",
+        ],
+        bos="<|begin_of_text|>",
+        trim_offsets=False,
+        config=dict(
+            bos_token="<|begin_of_text|>",
+            eos_token="<|eot_id|>",
+            tokenizer_class="PreTrainedTokenizerFast",
+        ),
+        eos_ids=["<|end_of_text|>", "<|eom_id|>", "<|eot_id|>"],
+        template="llama3.1-instruct.jinja",
+        template_in="config",
+    ),
+    # Qwen2.5 Instruct: ChatML, no BOS, a default system message, transformers 5's .jinja file.
+    "qwen2.5": dict(
+        split=QWEN2_SPLIT,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None,
+        trim_offsets=False,
+        config=dict(
+            eos_token="<|im_end|>",
+            pad_token="<|endoftext|>",
+            bos_token=None,
+            tokenizer_class="Qwen2Tokenizer",
+        ),
+        eos_ids=["<|im_end|>"],
+        template="qwen2.5-instruct.jinja",
+        template_in="file",
+    ),
+    # SmolLM2 Instruct: ChatML, single digits then GPT-2's pre-tokenizer, GPT-2's post-processor
+    # (offsets trimmed of spaces), special tokens written as dicts, the template in a list.
+    "smollm2": dict(
+        split=None,
+        specials=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        bos=None,
+        trim_offsets=True,
+        config=dict(
+            bos_token={"__type": "AddedToken", "content": "<|im_start|>", "normalized": False},
+            eos_token={"__type": "AddedToken", "content": "<|im_end|>", "normalized": False},
+            unk_token="<|endoftext|>",
+            pad_token="<|im_end|>",
+            tokenizer_class="GPT2Tokenizer",
+        ),
+        eos_ids=["<|im_end|>"],
+        template="smollm2-instruct.jinja",
+        template_in="list",
+    ),
+}
+
+
+def train_tokenizer(style, vocab_size=600, texts=None):
+    """A byte-level BPE shaped like the style's real tokenizer.json, trained on corpus()."""
+    tokenizers = pytest.importorskip("tokenizers")
+    from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    s = STYLES[style]
+    tok = tokenizers.Tokenizer(models.BPE())
+    if style == "qwen2.5":
+        tok.normalizer = normalizers.NFC()
+    if s["split"]:
+        split = pre_tokenizers.Split(tokenizers.Regex(s["split"]), behavior="isolated")
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    else:  # SmolLM2's: single digits, then GPT-2's regex
+        digits = pre_tokenizers.Digits(individual_digits=True)
+        byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok.pre_tokenizer = pre_tokenizers.Sequence([digits, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=s["specials"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts or corpus(), trainer)
+    byte_level = processors.ByteLevel(trim_offsets=s["trim_offsets"])
+    if s["bos"]:
+        bos = (s["bos"], tok.token_to_id(s["bos"]))
+        template = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]} $B", special_tokens=[bos]
+        )
+        tok.post_processor = processors.Sequence([byte_level, template])
+    else:
+        tok.post_processor = byte_level
+    return tok
+
+
+def pre_tokenizers_module():
+    return pytest.importorskip("tokenizers").pre_tokenizers
+
+
+def make_checkpoint(directory, style, template=None, eos_ids=None, tokenizer=None, **config):
+    """A checkpoint directory with the style's tokenizer files; config overrides the config's."""
+    s = STYLES[style]
+    eos_ids = eos_ids or s["eos_ids"]
+    os.makedirs(directory, exist_ok=True)
+    tok = tokenizer or train_tokenizer(style)
+    tok.save(os.path.join(directory, "tokenizer.json"))
+    if template is None:
+        template = CHAT_TEMPLATES[s["template"]]
+    tokenizer_config = {k: v for k, v in s["config"].items() if v is not None}
+    if s["template_in"] == "config":
+        tokenizer_config["chat_template"] = template
+    elif s["template_in"] == "list":
+        tokenizer_config["chat_template"] = [
+            {"name": "default", "template": template},
+            {"name": "tool_use", "template": "{{ raise_exception('not this one') }}"},
+        ]
+    else:
+        with open(os.path.join(directory, "chat_template.jinja"), "w", encoding="utf-8") as f:
+            f.write(template)
+    tokenizer_config.update(config)
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_config, f, indent=2)
+    eos_ids = [tok.token_to_id(t) for t in eos_ids]
+    path = os.path.join(directory, "config.json")  # a model's, if there is one: kept
+    model_config = json.load(open(path)) if os.path.isfile(path) else {"model_type": "llama"}
+    with open(path, "w") as f:
+        json.dump({**model_config, "eos_token_id": eos_ids}, f)
+    return str(directory)
+
+
+@pytest.fixture(scope="module", params=list(STYLES))
+def checkpoint(request, tmp_path_factory):
+    """(style, checkpoint dir, our Tokenizer, transformers' tokenizer) for each style."""
+    transformers = pytest.importorskip("transformers")
+    style = request.param
+    directory = make_checkpoint(tmp_path_factory.mktemp(style), style)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+    return style, directory, qf.Tokenizer.load(directory), hf
+
+
+TEXTS = [
+    "the model learns from the text",
+    "  leading spaces, trailing ones  ",
+    "système naïve café 東京 🙂\n\n\nthree newlines then code: def main(): return 42",
+    "<|im_end|> looks like a special token and is one",
+    "x",
+]
+
+CHATS = [
+    [
+        {"role": "user", "content": "What does the loss count?"},
+        {"role": "assistant", "content": "Only the targets we choose."},
+    ],
+    [
+        {"role": "system", "content": "You are terse."},
+        {"role": "user", "content": "Pack four bits?"},
+        {"role": "assistant", "content": "Per weight, yes."},
+        {"role": "user", "content": "And adapters?"},
+        {"role": "assistant", "content": "They train in full precision. 🙂"},
+    ],
+    # A reply that opens with newlines: under ChatML, its first token merges with the "\n" that
+    # ends the generation prompt "<|im_start|>assistant\n" (see test_a_token_straddles...).
+    [
+        {"role": "user", "content": "code?"},
+        {"role": "assistant", "content": "\n\n\ndef main(): return 42\n\n"},
+    ],
+    # Ending on a user turn: the EOS after it (where one is added) is no target.
+    [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "bye"},
+    ],
+]
+
+
+def token_spans(hf, ids):
+    """[(begin, end)] characters of each token, from decoding prefixes: no offsets involved."""
+    ends = [len(hf.decode(ids[: k + 1], skip_special_tokens=False)) for k in range(len(ids))]
+    return list(zip([0] + ends[:-1], ends))
+
+
+def reference_chat(hf, messages):
+    """(ids, mask) from transformers alone: apply_chat_template, and each prefix rendered."""
+    ids = hf.apply_chat_template(messages, tokenize=True, return_dict=True)["input_ids"]
+    full = hf.apply_chat_template(messages, tokenize=False)
+    mask = np.zeros(len(ids), dtype=bool)
+    spans = token_spans(hf, ids)
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        before = hf.apply_chat_template(messages[:i], tokenize=False, add_generation_prompt=True)
+        after = hf.apply_chat_template(messages[: i + 1], tokenize=False)
+        assert full.startswith(after) and after.startswith(before)
+        for k, (b, e) in enumerate(spans):
+            mask[k] |= b < len(after) and e > len(before)
+    return ids, mask
+
+
+def one(examples, tokenizer):
+    """The ids and mask of a single example, as lists."""
+    data = qf.tokenize(examples, tokenizer)
+    return data.ids.tolist(), data.loss_mask.tolist()
+
+
+# The tokenizer and the template, against transformers
+
+
+def test_text_ids_match_transformers(checkpoint):
+    """Text: transformers' ids (its BOS where the post-processor adds one), then EOS."""
+    style, _, tok, hf = checkpoint
+    for text in TEXTS:
+        ids, mask = one([qf.Example("t", text=text)], tok)
+        assert ids == hf(text)["input_ids"] + [hf.eos_token_id], (style, text)
+        assert all(mask)
+    assert tok.eos_id == hf.eos_token_id
+
+
+def test_a_long_text_in_pieces_has_the_ids_of_the_whole(checkpoint, monkeypatch):
+    """Cut into pieces where pre-tokens end, a long text encodes to the whole text's ids."""
+    _, _, tok, hf = checkpoint
+    monkeypatch.setattr(qf, "PIECE", 3)
+    alphabet = ["a", "é", "東", "23", " ", "  ", "\n", "\n\n", "\t", "\r\n", "\u00a0", ".", "'s"]
+    alphabet += ["🙂", "<|im_end|>", "\u0301"]
+    rng = random.Random(0)
+    texts = ["".join(rng.choice(alphabet) for _ in range(80)) for _ in range(300)]
+    assert sum(len(qf._pieces(tok.backend, text)) for text in texts) > 2 * len(texts)
+    assert tok.encode_texts(texts) == hf(texts)["input_ids"]
+
+
+def test_no_pieces_where_a_text_start_changes_ids(tmp_path):
+    """A prefix space (or Llama 2's "▁") changes a text's first ids: such texts stay whole."""
+    tok = train_tokenizer("smollm2")
+    tok.pre_tokenizer = pre_tokenizers_module().ByteLevel(add_prefix_space=True)
+    directory = make_checkpoint(tmp_path, "smollm2", tokenizer=tok)
+    assert qf.Tokenizer.load(directory).prefix is None
+
+
+def test_decode_matches_transformers(checkpoint):
+    """decode keeps special tokens, as transformers' decode(skip_special_tokens=False)."""
+    _, _, tok, hf = checkpoint
+    for text in TEXTS:
+        ids = hf(text)["input_ids"]
+        assert tok.decode(ids) == hf.decode(ids, skip_special_tokens=False)
+
+
+def test_render_matches_apply_chat_template(checkpoint):
+    """render gives apply_chat_template(tokenize=False)'s string, with and without a prompt."""
+    _, _, tok, hf = checkpoint
+    for chat in CHATS:
+        for prompt in (False, True):
+            want = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=prompt)
+            assert tok.render(chat, prompt) == want
+
+
+def test_chat_ids_and_mask_match_transformers(checkpoint):
+    """A chat's ids are apply_chat_template's; its mask, each prefix rendered by transformers."""
+    style, _, tok, hf = checkpoint
+    for chat in CHATS:
+        ids, mask = one([qf.Example("t", messages=chat)], tok)
+        want_ids, want_mask = reference_chat(hf, chat)
+        # Every template here ends the chat with an end-of-turn token: no EOS is added.
+        assert ids == want_ids, (style, chat)
+        assert mask == want_mask.tolist(), (style, chat)
+
+
+def test_a_token_straddles_the_generation_prompt(checkpoint):
+    """The case the offsets are for: a prefix's tokens are not a prefix of the chat's."""
+    style, _, tok, hf = checkpoint
+    if style == "llama3":
+        pytest.skip("Llama 3 trims each message and ends the prompt with a special token")
+    chat = CHATS[2]
+    before = tok.render(chat[:1], True)
+    prefix_ids = hf(before, add_special_tokens=False)["input_ids"]
+    ids, mask = one([qf.Example("t", messages=chat)], tok)
+    assert ids[: len(prefix_ids)] != prefix_ids
+    # The merged token holds the prompt's "\n" and the reply's first newlines: it counts.
+    first = mask.index(True)
+    assert first == len(prefix_ids) - 1
+
+
+def test_a_token_straddling_a_turns_end_counts_despite_trimmed_offsets(tmp_path):
+    """GPT-2's post-processor trims spaces off offsets; the mask uses untrimmed ones.
+
+    Here the reply's trailing space merges with the next turn's "user" into one token " user":
+    it holds an assistant character, so it counts, as it would for any tokenizer whose offsets
+    are not trimmed (transformers' own {% generation %} mask misses it under trim_offsets).
+    """
+    transformers = pytest.importorskip("transformers")
+    template = (
+        "{% for m in messages %}{{ m['role'] + ':' + m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    directory = make_checkpoint(tmp_path, "smollm2", template=template)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+    chat = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello  "},
+        {"role": "user", "content": "\nok"},
+    ]
+    ids, mask = one([qf.Example("t", messages=chat)], qf.Tokenizer.load(directory))
+    want_ids, want_mask = reference_chat(hf, chat)
+    # This template ends on no end-of-turn token: the chat gets an EOS (no target after "user").
+    assert ids == want_ids + [hf.eos_token_id]
+    assert mask == want_mask.tolist() + [False]
+    assert mask[hf.convert_ids_to_tokens(ids).index("Ġuser")]
+
+
+def test_generation_blocks_match_assistant_tokens_mask(tmp_path):
+    """With {% generation %} around each reply, transformers' own mask equals ours."""
+    transformers = pytest.importorskip("transformers")
+    template = (
+        "{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' }}"
+        "{% if m['role'] == 'assistant' %}{% generation %}{{ m['content'] + '<|im_end|>\\n' }}"
+        "{% endgeneration %}{% else %}{{ m['content'] + '<|im_end|>\\n' }}{% endif %}"
+        "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+    )
+    directory = make_checkpoint(tmp_path, "qwen2.5", template=template)
+    tok = qf.Tokenizer.load(directory)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+    for chat in CHATS:
+        out = hf.apply_chat_template(
+            chat, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, mask = one([qf.Example("t", messages=chat)], tok)
+        assert ids == out["input_ids"]
+        assert mask == [bool(m) for m in out["assistant_masks"]]
+
+
+def test_llama3_bos_is_not_doubled(checkpoint):
+    """Llama 3's template writes BOS itself: the chat starts with one BOS, not two."""
+    style, _, tok, hf = checkpoint
+    ids, _ = one([qf.Example("t", messages=CHATS[0])], tok)
+    if style == "llama3":
+        assert ids[0] == hf.bos_token_id and ids[1] != hf.bos_token_id
+    else:
+        assert ids[0] == hf.convert_tokens_to_ids("<|im_start|>")
+
+
+def test_tojson_keeps_non_ascii(tmp_path):
+    """The template's tojson writes "é", not "\\u00e9", as transformers' does."""
+    transformers = pytest.importorskip("transformers")
+    template = "{{ messages | tojson }}{{ strftime_now('%Y') | length }}"
+    directory = make_checkpoint(tmp_path, "qwen2.5", template=template)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+    chat = [{"role": "assistant", "content": "café <b>"}]
+    got = qf.Tokenizer.load(directory).render(chat, False)
+    assert got == hf.apply_chat_template(chat, tokenize=False)
+    assert "café <b>" in got
+
+
+# Prompt/completion and EOS
+
+
+def test_prompt_completion_mask(checkpoint):
+    """Prompt (with special tokens), completion (without) + EOS; only the completion counts."""
+    _, _, tok, hf = checkpoint
+    prompt = "Q: what does the loss count?\nA:"
+    completion = " only the targets."
+    ids, mask = one([qf.Example("t", prompt=prompt, completion=completion)], tok)
+    p = hf(prompt)["input_ids"]
+    c = hf(completion, add_special_tokens=False)["input_ids"] + [hf.eos_token_id]
+    assert ids == p + c
+    assert mask == [False] * len(p) + [True] * len(c)
+    # TRL's way, prompt + completion + EOS as one string, agrees when no token merges across.
+    joint = hf(prompt + completion + hf.eos_token)["input_ids"]
+    assert joint == ids
+
+
+def test_eos_after_a_chatml_chat_only_when_eos_is_another_token(tmp_path):
+    """ChatML ends with <|im_end|>\\n: no EOS after it, unless the EOS is <|endoftext|>."""
+    instruct = qf.Tokenizer.load(make_checkpoint(tmp_path / "a", "smollm2"))
+    ids, mask = one([qf.Example("t", messages=CHATS[0])], instruct)
+    assert instruct.decode(ids).endswith("<|im_end|>\n")
+    eos = "<|endoftext|>"
+    base = qf.Tokenizer.load(
+        make_checkpoint(tmp_path / "b", "smollm2", eos_ids=[eos], eos_token=eos)
+    )
+    ids, mask = one([qf.Example("t", messages=CHATS[0])], base)
+    assert base.decode(ids).endswith("<|im_end|>\n<|endoftext|>")
+    assert mask[-1]  # after an assistant turn the EOS is a target
+    ids, mask = one([qf.Example("t", messages=CHATS[3])], base)
+    assert ids[-1] == base.eos_id and not mask[-1]  # after a user turn it is not
+
+
+def test_starts_mark_each_example(checkpoint):
+    """starts[i] is where example i begins in the one stream, whatever its form."""
+    _, _, tok, _ = checkpoint
+    examples = [
+        qf.Example("a", text="one"),
+        qf.Example("b", messages=CHATS[0]),
+        qf.Example("c", prompt="p", completion="c"),
+    ]
+    data = qf.tokenize(examples, tok)
+    lengths = [len(one([e], tok)[0]) for e in examples]
+    assert data.starts.tolist() == [0, lengths[0], lengths[0] + lengths[1]]
+    assert len(data.ids) == len(data.loss_mask) == sum(lengths)
+    assert data.ids.dtype == np.uint16
+
+
+# Loading a checkpoint
+
+
+def test_load_without_tokenizer_json_is_none(tmp_path):
+    """No tokenizer.json: None, and the caller reads token ids instead."""
+    assert qf.Tokenizer.load(str(tmp_path)) is None
+
+
+def test_without_the_tokenizers_package(tmp_path, monkeypatch):
+    """No `tokenizers` installed: one line that says how to get it, or to pass ids instead."""
+    directory = make_checkpoint(tmp_path, "qwen2.5")
+    monkeypatch.setitem(sys.modules, "tokenizers", None)  # import tokenizers now fails
+    with pytest.raises(qf.UserError) as e:
+        qf.Tokenizer.load(directory)
+    assert "pip install tokenizers), or pass token ids as .npy" in str(e.value)
+
+
+def test_chat_template_file_wins_over_the_config(tmp_path):
+    """chat_template.jinja (transformers 5) takes precedence over tokenizer_config.json's."""
+    directory = make_checkpoint(tmp_path, "llama3")
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+        f.write("from the file")
+    assert qf.Tokenizer.load(directory).render(CHATS[0], False) == "from the file"
+
+
+def test_add_bos_token_is_ignored_as_transformers_5_does(tmp_path):
+    """With a tokenizer.json, tokenizer_config.json's add_bos_token changes no ids."""
+    transformers = pytest.importorskip("transformers")
+    directory = make_checkpoint(tmp_path, "llama3", add_bos_token=False, add_eos_token=True)
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+    ids, _ = one([qf.Example("t", text="the model")], qf.Tokenizer.load(directory))
+    assert ids == hf("the model")["input_ids"] + [hf.eos_token_id]
+    assert ids[0] == hf.bos_token_id and ids[-2] != hf.eos_token_id
+
+
+def test_eos_falls_back_to_config_json(tmp_path):
+    """No eos_token in tokenizer_config.json: config.json's eos_token_id (the first)."""
+    directory = make_checkpoint(tmp_path, "llama3", eos_token=None)
+    tok = qf.Tokenizer.load(directory)
+    assert tok.eos_id == tok.backend.token_to_id("<|end_of_text|>")
+
+
+# Bad input: one line naming the file, the line and what is wrong
+
+BAD_FILES = [
+    ("a.jsonl", b'{"text": "ok"}\n{"text": \n', "a.jsonl:2: not JSON"),
+    ("a.jsonl", b'\n["text"]\n', "a.jsonl:2: not a JSON object"),
+    (
+        "a.jsonl",
+        b'{"txt": "x"}\n',
+        "a.jsonl:1: needs text, prompt + completion, or messages (has none)",
+    ),
+    ("a.jsonl", b'{"text": "x", "messages": []}\n', "(has text, messages)"),
+    ("a.jsonl", b'{"text": 3}\n', "a.jsonl:1: 'text' is not a string"),
+    (
+        "a.jsonl",
+        b'{"prompt": "x"}\n',
+        "a.jsonl:1: needs text, prompt + completion, or messages (has prompt)",
+    ),
+    ("a.jsonl", b'{"prompt": "x", "completion": 1}\n', "a.jsonl:1: 'completion' is not a string"),
+    ("a.jsonl", b'{"messages": "hi"}\n', "a.jsonl:1: 'messages' is no list of turns"),
+    ("a.jsonl", b'{"messages": [{"role": "user"}]}\n', "messages[0] has no 'content' string"),
+    ("a.jsonl", b'{"messages": [{"role": "user", "content": "hi"}]}\n', "no assistant turn"),
+    ("a.jsonl", b"\n \n", "a.jsonl: the file is empty"),
+    ("a.txt", b"", "a.txt: the file is empty"),
+    ("a.txt", b"fine\nfine\n\xff\xfe", "a.txt:3: not UTF-8 (byte 0xff)"),
+]
+
+
+@pytest.mark.parametrize("name, content, message", BAD_FILES)
+def test_bad_files(tmp_path, name, content, message):
+    """Each malformed file is one UserError line naming the file, line and fault."""
+    path = tmp_path / name
+    path.write_bytes(content)
+    with pytest.raises(qf.UserError) as e:
+        qf.read_examples(str(path))
+    assert message in str(e.value)
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_template_exception_names_the_example(tmp_path):
+    """A template's raise_exception is a UserError with its message and the example's line."""
+    directory = make_checkpoint(tmp_path / "ckpt", "llama3")
+    template = "{{ raise_exception('Conversation roles must alternate user/assistant') }}"
+    with open(os.path.join(directory, "chat_template.jinja"), "w") as f:
+        f.write(template)
+    path = tmp_path / "chats.jsonl"
+    lines = [json.dumps({"text": "fine"}), json.dumps({"messages": CHATS[0]})]
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(qf.UserError) as e:
+        qf.tokenize_file(str(path), directory, str(tmp_path / "cache"))
+    assert f"{path}:2: the chat template fails: Conversation roles must alternate" in str(e.value)
+
+
+def test_template_that_does_not_compile(tmp_path):
+    """A template with a syntax error fails at load, naming its file and line."""
+    directory = make_checkpoint(tmp_path, "qwen2.5", template="ok\n{% if %}")
+    with pytest.raises(qf.UserError) as e:
+        qf.Tokenizer.load(directory)
+    assert "chat_template.jinja: the chat template does not compile (line 2:" in str(e.value)
+
+
+def test_template_that_rewrites_earlier_turns(tmp_path):
+    """A template that renders a turn one way alone and another inside the chat is refused."""
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+        "{% if loop.last %} (last){% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    tok = qf.Tokenizer.load(make_checkpoint(tmp_path, "qwen2.5", template=template))
+    with pytest.raises(qf.UserError) as e:
+        qf.tokenize([qf.Example("c.jsonl:7", messages=CHATS[1])], tok)
+    assert "c.jsonl:7: the chat template writes messages[:3] differently" in str(e.value)
+
+
+# The file end to end: cache, progress
+
+
+def test_tokenize_file_caches(tmp_path, monkeypatch):
+    """A second call loads the .npz; a changed tokenizer file tokenizes anew."""
+    directory = make_checkpoint(tmp_path / "ckpt", "qwen2.5")
+    path = tmp_path / "data.jsonl"
+    rows = [{"text": "a b c"}, {"prompt": "p", "completion": "c"}, {"messages": CHATS[1]}]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    cache = tmp_path / "cache"
+    first = qf.tokenize_file(str(path), directory, str(cache))
+    assert len(os.listdir(cache)) == 1 and os.listdir(cache)[0].endswith(".npz")
+
+    def fail(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(qf, "tokenize", fail)
+    second = qf.tokenize_file(str(path), directory, str(cache))
+    for a, b in zip(first, second):
+        assert a.dtype == b.dtype and np.array_equal(a, b)
+    with open(os.path.join(directory, "tokenizer_config.json"), "a") as f:
+        f.write("\n")
+    with pytest.raises(AssertionError, match="tokenized again"):
+        qf.tokenize_file(str(path), directory, str(cache))
+
+
+def test_plain_text_is_one_example(tmp_path):
+    """A .txt (or any non-.jsonl) file is one example: its whole text, BOS and EOS around it."""
+    transformers = pytest.importorskip("transformers")
+    directory = make_checkpoint(tmp_path / "ckpt", "llama3")
+    path = tmp_path / "notes.md"
+    path.write_text('# Notes\n\nthe model learns\n{"text": "not parsed"}\n')
+    data = qf.tokenize_file(str(path), directory, str(tmp_path / "cache"))
+    hf = transformers.PreTrainedTokenizerFast.from_pretrained(directory)
+    assert data.ids.tolist() == hf(path.read_text())["input_ids"] + [hf.eos_token_id]
+    assert data.starts.tolist() == [0]
+
+
+def test_progress_lines(tmp_path, monkeypatch):
+    """say() hears progress lines while it runs and a summary with MB/s at the end."""
+    monkeypatch.setattr(qf, "PROGRESS_S", 0.0)
+    monkeypatch.setattr(qf, "TOKENIZE_BATCH", 2)
+    directory = make_checkpoint(tmp_path / "ckpt", "smollm2")
+    path = tmp_path / "data.jsonl"
+    path.write_text("".join(json.dumps({"text": f"line {i}"}) + "\n" for i in range(5)))
+    lines = []
+    qf.tokenize_file(str(path), directory, str(tmp_path / "cache"), say=lines.append)
+    assert lines[0].startswith("tokenized 2/5 examples")
+    assert "MB/s" in lines[-1] and "5 examples" in lines[-1]
+
+
+def chat_checkpoint(directory, style="smollm2"):
+    """A micro Llama checkpoint (random weights, 640 ids) with a style's tokenizer (600 ids)."""
+    pytest.importorskip("tokenizers")
+    config = dataclasses.replace(MICRO, vocab_size=640)
+    write_hf_checkpoint(str(directory), config, hf_state_dict(config))
+    return make_checkpoint(directory, style)
+
+
+def chat_file(path, n=24):
+    """A .jsonl of chats, prompt/completion pairs and texts, some longer than 32 tokens."""
+    rows = []
+    for i in range(n):
+        chat = [dict(m) for m in CHATS[i % len(CHATS)]]
+        chat[0]["content"] += f" ({i})"
+        rows.append({"messages": chat} if i % 3 else {"prompt": f"q{i}:", "completion": " a."})
+    rows.append({"text": " ".join(WORDS)})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+CHAT_RUN = BASE + ["--seq_len", "32", "--batch_size", "2", "--steps", "3"]
+
+
+def test_chats_fine_tune_from_jsonl_and_from_its_tokenize_to(tmp_path, monkeypatch, capsys):
+    """With --checkpoint, a .jsonl of chats, pairs and texts trains as its checkpoint's
+    tokenizer reads it (one example a row, a longer one cut into pieces, said in a line); a
+    text --prompt is encoded and the sample decoded to text. --tokenize_to writes the .npz of
+    tokens, loss_mask and starts and stops; trained from it, the losses are the same. A second
+    run reads the cache instead of tokenizing again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    data = chat_file(tmp_path / "chats.jsonl")
+    argv = CHAT_RUN + ["--checkpoint", ckpt, "--data", data, "--sample", "3", "--prompt", "hi"]
+    first = qf.main(argv)
+    out = capsys.readouterr().out
+    assert "chats.jsonl: 25 examples, " in out and "pieces beyond --seq_len 32" in out
+    assert isinstance(first["sample"], str) and len(os.listdir(tmp_path / "cache/qlora_fsdp")) == 1
+    npz = str(tmp_path / "chats.npz")
+    said = qf.main(["--checkpoint", ckpt, "--data", data, "--tokenize_to", npz])
+    assert said["examples"] == 25 and f"wrote {npz}: 25 examples" in capsys.readouterr().out
+    with np.load(npz) as z:
+        cached = qf.tokenize_file(data, ckpt, str(tmp_path / "cache/qlora_fsdp"))
+        for name, array in zip(("tokens", "loss_mask", "starts"), cached):
+            assert np.array_equal(z[name], array), name
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("tokenized again")
+
+    monkeypatch.setattr(qf, "tokenize", refuse)
+    again = qf.main(argv)
+    from_npz = qf.main(CHAT_RUN + ["--checkpoint", ckpt, "--data", npz])
+    assert first["final_loss"] == again["final_loss"] == from_npz["final_loss"]
+
+
+def test_text_with_a_checkpoint_without_a_tokenizer_is_refused(tmp_path, capsys):
+    """A text --data with a checkpoint that has no tokenizer.json (and is not byte-level) is one
+    error line before anything is built: never bytes into a BPE vocabulary."""
+    config = dataclasses.replace(MICRO, vocab_size=320)
+    ckpt = str(tmp_path / "ckpt")
+    write_hf_checkpoint(ckpt, config, hf_state_dict(config))
+    notes = tmp_path / "notes.txt"
+    notes.write_text("plain text\n")
+    with pytest.raises(SystemExit) as exc:
+        qf.main(BASE + ["--checkpoint", ckpt, "--data", str(notes)])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --data {notes}: text needs --checkpoint's tokenizer")
+
+
+def test_a_bad_jsonl_line_is_one_error_line(tmp_path, capsys):
+    """A .jsonl line that is not JSON stops the run with one line naming the file and line."""
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    data = tmp_path / "chats.jsonl"
+    data.write_text('{"text": "fine"}\n{"messages": [oops]}\n')
+    with pytest.raises(SystemExit):
+        qf.main(CHAT_RUN + ["--checkpoint", ckpt, "--data", str(data)])
+    assert capsys.readouterr().err.strip().startswith(f"error: {data}:2: not JSON")
+
+
+def _tokenize_worker(rank, world, port, path, ckpt, cache, out):
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        XDG_CACHE_HOME=cache,
+    )
+    torch.distributed.init_process_group("gloo")
+    calls = []
+    real = qf.tokenize
+    qf.tokenize = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
+    args = qf.parse_args(["--checkpoint", ckpt, "--data", path])
+    data = qf.tokenized(path, args, "--data")
+    torch.save((len(calls), data.ids.tolist()), f"{out}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def test_tokenized_once_per_machine(tmp_path):
+    """Two ranks of one machine: local rank 0 tokenizes, the other reads what it cached, and
+    both have the same ids."""
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    data = chat_file(tmp_path / "chats.jsonl")
+    out = str(tmp_path / "tok")
+    spawn(_tokenize_worker, (2, free_port(), data, ckpt, str(tmp_path / "cache"), out), 2)
+    (calls0, ids0), (calls1, ids1) = [torch.load(f"{out}.{r}") for r in range(2)]
+    assert (calls0, calls1) == (1, 0) and ids0 == ids1
 
 
 # ---- 10. data, training loop, command line, sampling, several nodes ---------------------------
