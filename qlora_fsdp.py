@@ -1680,6 +1680,7 @@ import tempfile
 import threading
 
 import torch.utils._pytree as pytree
+from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import (
     BlockMask,
     create_block_mask,
@@ -1759,12 +1760,9 @@ if sys.byteorder == "little":  # the pairs' layout above
 
 
 def _nf4_copy_(dst, src, non_blocking=False):
-    """dst.copy_(src) with an NF4Tensor on either side; nothing is written before all is known.
-
-    Into NF4: from NF4 of the same layout the codes are copied exactly; from another layout
-    (other block sizes) the source is re-quantized into the destination's, as torchao does;
-    from a dense tensor it is quantized. Into a dense tensor: the source is dequantized.
-    """
+    """dst.copy_(src), an NF4Tensor on either side, nothing written before all is known: the
+    codes copied from the same layout, re-quantized from another (as torchao does), quantized
+    from a dense tensor; into a dense tensor, dequantized."""
     if tuple(src.shape) != tuple(dst.shape):
         raise ValueError(
             f"copy_ into a tensor of shape {tuple(dst.shape)} from shape {tuple(src.shape)}"
@@ -1816,11 +1814,8 @@ NF4_OPS.update(
 
 
 class _Use:
-    """One pass of a forward through a unit: a call of each of its modules, at most once.
-
-    Its backward is over when every _PostBackward node on its calls' inputs has run. With no
-    such node (no input needed a gradient) it lasts to the end of backward.
-    """
+    """One pass of a forward through a unit, each module called at most once; its backward is
+    over when its _PostBackward nodes have run (with none, at the end of backward)."""
 
     def __init__(self):
         self.ran = set()  # the modules called in it
@@ -2025,31 +2020,29 @@ def _collect_params(module, prefix, unit, tops, found):
             _collect_params(child, f"{prefix}{name}.", unit, tops, found)
 
 
+def _mesh_groups(mesh):
+    """(shard group, replicate group) of a pair, or of a DeviceMesh (replicate, shard)."""
+    if isinstance(mesh, (tuple, list)):
+        return mesh[0], mesh[1]
+    if mesh.ndim == 1:
+        return mesh.get_group(0), None
+    return mesh.get_group(1), mesh.get_group(0)
+
+
 class FSDP(FullyShard):
-    """Shards `model` over `group` as FSDP2's fully_shard does, in plain tensors: section 5's
-    FullyShard for any model (the list above).
+    """Shards `model` as FSDP2's fully_shard does, in plain tensors: section 5's FullyShard for
+    any model (the list above; the README has the rest). units: in forward's order, modules or
+    lists of modules gathered together; every other parameter forms the root unit. device: the
+    current GPU, else the CPU. group: the ranks to shard over (all). mesh: hybrid sharding
+    (HSDP), a 2-D DeviceMesh (replicate, shard) as fully_shard takes, or a pair (shard group,
+    replicate group): each group of ranks shards the model, and the groups replicate it, so
+    that only the adapters' reduced gradient pieces cross between groups (an all-reduce).
 
-    units: in forward's order, modules or lists of modules gathered together; a unit inside
-    a unit is its own; a parameter in two units is refused; every other parameter forms the
-    root unit. compute_dtype (FSDP2's param_dtype): every plain floating parameter is kept and
-    gathered in it, and the root's floating inputs are cast to it (cast_forward_inputs); the
-    trainable pieces and the gradient reductions are fp32. device: the current GPU, else the
-    CPU. offload: shards, trainable pieces and AdamW on the host. model.named_parameters()
-    gives each trainable parameter's piece under its own name: a 1-D fp32 view into its
-    unit's flat master (FSDP2 gives a DTensor), with a .grad once a gradient reached it,
-    frozen by requires_grad_(False), in any optimizer parameter group:
-
-        model = nn.Sequential(nn.Embedding(1000, 64), *(Block(64) for _ in range(4)),
-                              nn.Linear(64, 1000))
         fsdp = FSDP(model, units=list(model), device="cuda", compute_dtype=torch.bfloat16)
         optimizer = AdamW(model.parameters(), lr=1e-4)  # the pieces: make it after FSDP
-        for x, y in batches:  # under torchrun: dist.init_process_group() first
-            for x_micro, y_micro in zip(x.chunk(2), y.chunk(2)):
-                logits = model(x_micro)
-                F.cross_entropy(logits.flatten(0, 1), y_micro.flatten()).backward()
-            fsdp.clip_grad_norm_(1.0)  # over all ranks (torch's would see this rank's shards)
-            optimizer.step()
-            optimizer.zero_grad()
+        loss_fn(model(x), y).backward()  # under torchrun: dist.init_process_group() first
+        fsdp.clip_grad_norm_(1.0)  # over all ranks (torch's would see this rank's pieces)
+        optimizer.step()
         adapters = fsdp.full_adapters()  # {name: full fp32 tensor}, on every rank
 
     For checkpoints (collectives): full_adapters(of=...), e.g.
@@ -2067,7 +2060,11 @@ class FSDP(FullyShard):
         offload=False,
         group=None,
         cast_forward_inputs=True,
+        mesh=None,
     ):
+        self.replicate_group = None  # HSDP: the ranks that hold the same pieces
+        if mesh is not None:
+            group, self.replicate_group = _mesh_groups(mesh)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
@@ -2121,6 +2118,20 @@ class FSDP(FullyShard):
 
         return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
 
+    def reduced(self, grad):
+        """FullyShard's mean over the shard group; with HSDP then the mean over the replicas: an
+        all-reduce of the adapters' gradient pieces, all that crosses between groups."""
+        grad = super().reduced(grad)
+        if self.replicate_group is None:
+            return grad
+        with torch.profiler.record_function("fsdp::all_reduce"):
+            averages = _averages(self.replicate_group)
+            op = dist.ReduceOp.AVG if averages else dist.ReduceOp.SUM
+            dist.all_reduce(grad, op=op, group=self.replicate_group)
+            if not averages:
+                grad.div_(dist.get_world_size(self.replicate_group))
+        return grad
+
     def _end_of_backward(self):
         # A unit whose use did not see its backward start (the root's gradients) reduces too.
         for unit in self.all_units:
@@ -2159,11 +2170,7 @@ class FSDP(FullyShard):
         return seconds
 
     def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        """torch.nn.utils.clip_grad_norm_ over the whole model, on every rank.
-
-        Each rank's norm of its shards (the padding is 0) combines over ranks into the global
-        norm, which scales every shard: for p-norms the sum of |g|^p, for inf the max.
-        """
+        """FullyShard's, with any norm_type: the ranks' sum of |g|^p, for inf the max."""
         norm_type = float(norm_type)
         if norm_type == 2.0:
             return super().clip_grad_norm_(max_norm)
@@ -2184,11 +2191,8 @@ class FSDP(FullyShard):
     # The state in full, for checkpoints. These are collectives: every rank gets (or gives)
     # all of it.
     def full_adapters(self, of=None):
-        """{name: full fp32 tensor, on the host} of every trainable tensor.
-
-        Gathered from its parameters, or from of(parameter), a tensor of its shape (its
-        gradient, an AdamW moment).
-        """
+        """{name: full fp32 tensor, on the host} of every trainable parameter, or of of(its
+        piece) (its gradient, an AdamW moment)."""
         full = {}
         for unit in self.trained:
             if of is None:
@@ -2208,11 +2212,8 @@ class FSDP(FullyShard):
         return full
 
     def load_full(self, fqn, tensor, of=None):
-        """Keep this rank's piece of one full parameter, given in the model's form.
-
-        An NF4 weight comes as an NF4Tensor. A trainable one's piece goes into its parameter,
-        or into of(parameter) (an AdamW moment).
-        """
+        """Keep this rank's piece of one full parameter (an NF4 weight as an NF4Tensor), in its
+        parameter or in of(its piece) (an AdamW moment)."""
         p = self.param_of[fqn][1]
         if of is None:
             p.keep(tensor)
@@ -2220,10 +2221,8 @@ class FSDP(FullyShard):
         of(p.slots[0].local).copy_(p.slots[0].piece(tensor))
 
     def full_base(self):
-        """(name, full tensor) of every frozen parameter, in order, one unit gathered at a time.
-
-        A tensor's memory is freed with its unit: clone it to keep it.
-        """
+        """(name, full tensor) of every frozen parameter, one unit gathered at a time (freed with
+        its unit: clone it to keep it)."""
         for unit in self.all_units:
             frozen = [p for p in unit.params if not p.trainable]
             if not frozen:
@@ -2264,12 +2263,9 @@ ADAM_CHUNK_BYTES = {"cpu": 1 << 20}  # bytes of parameters per chunk; a device a
 
 
 class AdamW(ForeachAdamW):
-    """Section 6's AdamW as a drop-in for torch.optim.AdamW: equal to it up to rounding.
-
-    It takes torch's keywords at their defaults (TORCH_ADAMW; any other value is refused, by
-    name) and a closure, loads torch's state_dicts and gives its own to torch, and takes a
-    tensor lr. It has no sparse or complex support.
-    """
+    """Section 6's AdamW as a drop-in for torch.optim.AdamW: torch's keywords at their
+    defaults (TORCH_ADAMW; others refused by name), a closure, a tensor lr, torch's
+    state_dicts both ways; no sparse or complex support."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01, **kw):
         unknown = sorted(set(kw) - set(TORCH_ADAMW))
@@ -2508,12 +2504,8 @@ def document_mask(documents):
 
 class CausalLM(Llama):
     """Llama and its family (Mistral, Qwen2, Qwen3) as transformers' <Family>ForCausalLM.
-
-    nf4_head: the lm_head in NF4 too. forward's documents (B, T): rows packed with
-    documents, an id per token (see document_mask); each document is then as if it ran
-    alone, from position 0. offload_activations: an OffloadedInputs (section 12) whose
-    blocks' inputs wait on the host.
-    """
+    nf4_head: the lm_head in NF4. documents (B, T): packed rows, a document id per token, each
+    document as if alone. offload_activations: section 12's OffloadedInputs, or None."""
 
     Block = FamilyDecoderLayer
 
@@ -2622,14 +2614,9 @@ class _Parked:
 
 
 class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
-    """While active, each checkpointed block's input waits in host memory for its recompute.
-
-    Non-reentrant checkpointing saves a block's input once, under the hooks active around
-    the block, and nothing else of it. The input given to `start` is copied to pinned host
-    memory on `stream` before the block runs (a compiled block saves its input only once its
-    forward is queued). When a block's backward unpacks its input, the input of the block
-    before is fetched back too, so that its copy overlaps this block's backward.
-    """
+    """While active, each checkpointed block's input (all that non-reentrant checkpointing
+    saves of it) waits in pinned host memory, copied there on `stream` before the block runs;
+    unpacking it fetches the block before's too, to overlap that copy with this backward."""
 
     def __init__(self, stream=None):
         self.stream = stream
@@ -2702,13 +2689,9 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 
 
 def cublas_workspaces(capability=None):
-    """(bytes, what they follow): cuBLAS's workspaces on a GPU of this compute capability.
-
-    One for each thread that runs matmuls (forward's and autograd's backward thread), taken
-    through the caching allocator, as CUBLAS_WORKSPACE_CONFIG's ":KiB:count" pairs say: the
-    variable's, else torch's default, ":4096:8" (32 MiB) on Hopper (sm90) and ":4096:2:16:8"
-    (8.125 MiB) on others. cuBLASLt's own 1 MiB is left out. capability None: Hopper's.
-    """
+    """(bytes, what they follow): cuBLAS's workspaces, one per thread that runs matmuls
+    (forward's, backward's), as CUBLAS_WORKSPACE_CONFIG's ":KiB:count" pairs say, else torch's
+    default: ":4096:8" on Hopper (sm90, capability None), ":4096:2:16:8" on others."""
     major, minor = capability or (9, 0)
     config = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     said = f"CUBLAS_WORKSPACE_CONFIG={config}"
@@ -2768,15 +2751,10 @@ def _block_unit_bytes(config, counts, elt):
 
 
 def _block_saved_per_token(config, elt, lora_rank):
-    """Bytes per token that one block saves for backward, op by op.
-
-    Each RMSNorm saves its fp32 input and its output (the LoRA A of the projections it
-    feeds); attention its RoPE'd q and k, v, its output and an fp32 log-sum-exp per head;
-    o_proj's LoRA its input (a reshaped copy); SwiGLU the gate, both factors of the product
-    and the product (down_proj's LoRA); each projection its (rank,) LoRA intermediate. The
-    NF4 linears save only their packed weight (in the all-gather buffers). RoPE's cos and
-    sin, (T, head_dim) for all blocks, are not counted.
-    """
+    """Bytes per token that one block saves for backward, op by op: each RMSNorm its fp32
+    input and its output; attention q, k, v, its output and an fp32 log-sum-exp per head;
+    o_proj's LoRA its input; SwiGLU the gate, both factors and the product; each projection
+    its LoRA intermediate. (NF4 linears save only their packed weight.)"""
     d = config.hidden_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
@@ -2855,13 +2833,8 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
 
 
 def _host_bytes(config, counts, tokens, elt, world, flags):
-    """Host memory for offloaded tensors, per rank.
-
-    CUDA's pinned allocator (what the GPU copies from and to without blocking) rounds each
-    allocation up to a power of two: each unit's shard, its fp32 master adapters and their
-    gradient, each offloaded block input. AdamW's moments (and its sqrt(v), one
-    ADAM_CHUNK_BYTES chunk at a time) are pageable.
-    """
+    """Host memory for offloaded tensors, per rank: pinned allocations (shards, masters,
+    their gradients, block inputs) round up to a power of two; AdamW's moments are pageable."""
     layers = config.num_hidden_layers
     d = config.hidden_size
     host = 0
@@ -2893,11 +2866,8 @@ class StepFlags(NamedTuple):
 
 
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8, **kw):
-    """Predicted bytes per rank of a QLoRA training step as this file runs it.
-
-    kw: StepFlags' fields. Sharded state is 1/world of the whole; the activations are those of
-    one rank's batch_size x seq_len tokens, op by op.
-    """
+    """Predicted bytes per rank of a QLoRA step as this file runs it (kw: StepFlags' fields):
+    1/world of the state, and the activations of batch_size x seq_len tokens, op by op."""
     flags = StepFlags(**kw)
     elt = dtype_bytes
     tokens = batch_size * seq_len
@@ -2951,17 +2921,54 @@ def format_estimate(name, est, world):
 
 
 def predicted_memory(args, world, config, capability=None):
-    """estimate_memory for a run's flags, on a GPU of this compute capability.
-
-    capability None: this machine's GPU's, if it has one.
-    """
+    """estimate_memory for a run's flags, on a GPU of this compute capability (None: this
+    machine's, if any)."""
     flags = {key: getattr(args, key) for key in StepFlags._fields if hasattr(args, key)}
     if capability is None and args.device != "cpu" and torch.cuda.is_available():
         capability = torch.cuda.get_device_capability()
     flags["capability"] = capability
     elt = 2 if args.dtype == "bf16" else 4
+    shard = shard_size(args, world)  # what shards the state: HSDP's groups, or all ranks
     return estimate_memory(
-        config, world, args.batch_size, args.seq_len, elt, args.lora_rank, **flags
+        config, shard, args.batch_size, args.seq_len, elt, args.lora_rank, **flags
+    )
+
+
+def shard_size(args, world):
+    """--shard_size, else a machine's ranks (torchrun's LOCAL_WORLD_SIZE) when a run spans
+    machines (HSDP: all-gathers stay within one), else all ranks (full sharding)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    size = getattr(args, "shard_size", 0) or (local if local < world else world)
+    require(world % size == 0, f"--shard_size {size}: does not divide the {world} ranks")
+    return size
+
+
+def step_traffic(config, args, world):
+    """Bytes one rank sends a step: within its group of S, the all-gathers ((S - 1) / S of
+    the embeddings, norm + head, each block twice) and the fp32 gradient reduce-scatter; to
+    the R groups, the all-reduce of its gradient pieces (2 (R - 1) / R of them)."""
+    shard = shard_size(args, world)
+    replicas = world // shard
+    elt = 2 if args.dtype == "bf16" else 4
+    counts = count_family_params(config, args.lora_rank)
+    layers = config.num_hidden_layers
+    head = _nf4_bytes(counts.head) if args.nf4_head else counts.head * elt
+    once = (counts.dense - layers * 2 * config.hidden_size) * elt + head
+    gathered = once + 2 * layers * _block_unit_bytes(config, counts, elt)
+    grads = 4 * counts.lora
+    within = args.grad_accum * (shard - 1) / shard * (gathered + grads)
+    across = args.grad_accum * 2 * (replicas - 1) / replicas * grads / shard
+    return within, across
+
+
+def format_traffic(config, args, world):
+    within, across = step_traffic(config, args, world)
+    shard = shard_size(args, world)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    spans = "within a machine" if local % shard == 0 else "spanning machines"
+    return (
+        f"collectives per step, per rank: {within / 1e9:.2f} GB in shard groups of {shard} "
+        f"ranks ({spans}), {across / 1e9:.4f} GB between the {world // shard} groups"
     )
 
 
@@ -2983,10 +2990,8 @@ FIT_TIERS = [
 
 
 def fit_plans(args, rows=None):
-    """Every plan --fit tries, in order: copies of args with FIT_FLAGS set.
-
-    rows: this rank's rows per step to keep (default batch_size x grad_accum).
-    """
+    """Every plan --fit tries, in order: copies of args with FIT_FLAGS set, each keeping `rows`
+    of this rank per step (batch_size x grad_accum)."""
     rows = rows or args.batch_size * args.grad_accum
     plans = []
     for tier in FIT_TIERS:
@@ -3053,10 +3058,8 @@ def check_plan(plan, world, config, budget):
 
 
 def fit(args, world, config, device):
-    """The first of fit_plans(args) that fits fit_budget's memory, every plan tried printed.
-
-    When none fits: one error naming the smallest peak.
-    """
+    """The first of fit_plans(args) that fits fit_budget's memory, every plan tried printed;
+    none: one error naming the smallest peak."""
     budget = fit_budget(args, device)
     said = f"--fit: {budget.gpu / GiB:.2f} GiB per GPU"
     if budget.host < math.inf:
@@ -3084,11 +3087,8 @@ def fit(args, world, config, device):
 
 
 def check_fits(args, config, world, device):
-    """Refuse, before anything is allocated, a model whose sharded state would not fit.
-
-    That is the estimate's state rows, against the GPU, or against this machine's available
-    memory (offloaded, or on the CPU; its ranks share it).
-    """
+    """Refuse, before anything is allocated, a model whose sharded state would not fit on the
+    GPU or in this machine's available memory (offloaded, or on a CPU; its ranks share it)."""
     est = predicted_memory(args, world, config)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
     gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
@@ -3177,10 +3177,8 @@ def _header_entry(where, e, data_size):
 
 
 class SafetensorsFile:
-    """The header of one .safetensors file, every offset checked before a byte is read.
-
-    entries: {name: TensorEntry}; get(name) reads one tensor.
-    """
+    """A .safetensors file's header, {name: TensorEntry}, every offset checked before a byte
+    is read; get(name) reads one tensor."""
 
     def __init__(self, path):
         require(os.path.isfile(path), f"{path}: no such file")
@@ -3236,10 +3234,7 @@ def write_json(path, obj):
 
 
 def save_safetensors(path, specs, get):
-    """Write tensors to `path` one at a time (atomically).
-
-    specs: [(name, dtype, shape)]; get(name) -> the tensor.
-    """
+    """Write tensors to `path` one at a time, atomically; specs: [(name, dtype, shape)]."""
     # "pt" is what transformers' loader asks of a file.
     header = {"__metadata__": {"format": "pt"}}
     offset = 0
@@ -3367,11 +3362,8 @@ def _check_config(c, d, where):
 
 
 def config_from_hf(d, where="config.json"):
-    """FamilyConfig from a Hugging Face config.json dict (transformers 4 or 5 layout).
-
-    Llama, Mistral, Qwen2 and Qwen3 are taken. Every field this file uses is checked for its
-    type and range; a field it does not follow (a sliding window in use) is refused.
-    """
+    """FamilyConfig from a config.json dict (transformers 4 or 5 layout): Llama, Mistral, Qwen2,
+    Qwen3; each field checked; one not followed (a sliding window in use) refused."""
     kwargs = _config_kwargs(d, where)
     sizes = "vocab_size hidden_size intermediate_size num_hidden_layers num_attention_heads"
     for key in sizes.split():
@@ -3404,10 +3396,8 @@ def _has_bias(config, projection):
 
 
 def hf_shapes(config, layer=None):
-    """{name: shape} that config.json implies for a Hugging Face checkpoint of its family.
-
-    Block `layer`'s tensors, or with none the others (the embeddings, the final norm, lm_head).
-    """
+    """{name: shape} of a Hugging Face checkpoint's tensors: block `layer`'s, or with none the
+    others (the embeddings, the final norm, lm_head)."""
     config = as_family(config)
     d = config.hidden_size
     if layer is None:
@@ -3454,11 +3444,8 @@ class Checkpoint(NamedTuple):
 
 
 def load_checkpoint(path, config):
-    """The weights of the Hugging Face directory `path`, read one at a time.
-
-    Every header is checked against config.json first: a mismatch is refused before anything
-    of its size exists.
-    """
+    """The weights of a Hugging Face directory, read one at a time, every header checked against
+    config.json first: a mismatch is refused before anything of its size exists."""
     config = as_family(config)
     files = [SafetensorsFile(os.path.join(path, n)) for n in _checkpoint_files(path)]
     # name -> (file, its name there). Old checkpoints also store RoPE's constants.
@@ -3538,13 +3525,9 @@ def from_pretrained(
     seed=0,
     nf4_head=False,
 ):
-    """A Llama (or Mistral, Qwen2, Qwen3), unsharded, from a Hugging Face directory.
-
-    It has fresh adapters, and its lm_head stays dense unless nf4_head.
-    The model is built on "meta", and its parameters are replaced one by one as the
-    checkpoint is read (assign=True; NF4Linear quantizes): memory stays near the NF4 size,
-    never a bf16 model's.
-    """
+    """A CausalLM (Llama, Mistral, Qwen2, Qwen3) with fresh adapters from a Hugging Face
+    directory, unsharded: built on "meta", each weight put in place (quantized) as it is read,
+    so that memory stays near the NF4 size, never a bf16 model's."""
     config_path = os.path.join(path, "config.json")
     config = config_from_hf(read_json(config_path), config_path)
     device = torch.device(device or "cpu")
@@ -3608,14 +3591,10 @@ def _moment(optimizer, key, p):
 
 
 def save_checkpoint(out_dir, step, fsdp, optimizer, args):
-    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ and points out_dir/latest at it.
-
-    The checkpoint holds the adapters and training_state.pt: the step, AdamW's count per
-    parameter and its moments in full ({"exp_avg": {name: tensor}, ...}), and the flags
-    --resume checks. There is no RNG state: each step seeds its own dropout. It is written
-    under a temporary name and renamed, so that a crash at any moment leaves the previous
-    checkpoint whole and named. The adapters also go in out_dir, where PEFT looks.
-    """
+    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (the adapters; training_state.pt:
+    the step, AdamW's counts and full moments, the flags --resume checks) under a temporary
+    name, renamed, then points out_dir/latest at it: a crash leaves the previous one whole.
+    No RNG state: each step seeds its dropout. The adapters also go in out_dir, for PEFT."""
     adapters = fsdp.full_adapters()
     kept = ""
     if os.path.isfile(os.path.join(out_dir, "latest")):
@@ -3629,7 +3608,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         moments[key] = fsdp.full_adapters(of=functools.partial(_moment, optimizer, key))
     # A parameter that never had a gradient has no state: step 0.
     adam_steps = {n: int(optimizer.state[p].get("step", 0)) for n, p in fsdp.named_parameters()}
-    if fsdp.rank == 0:
+    if world_and_rank()[1] == 0:
         name = f"checkpoint-{step}"
         final = os.path.join(out_dir, name)
         tmp = os.path.join(out_dir, f".{name}.tmp")
@@ -3640,7 +3619,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
             adam_steps=adam_steps,
             moments=moments,
             dtype=args.dtype,
-            world_size=fsdp.world,
+            world_size=world_and_rank()[0],
             **{key: getattr(args, key) for key in RESUME_MUST_MATCH},
         )
         # Through a buffer, so that a full disk is an OSError of the write, not torch.save's
@@ -3721,11 +3700,8 @@ def resume(args, fsdp, optimizer):
 
 
 def shard_files(specs, max_bytes):
-    """[(name, dtype, shape)] cut into files by Hugging Face's save_pretrained(max_shard_size).
-
-    A new file starts where the next tensor would take this one past max_bytes. Our order is
-    kept (readers go by the index).
-    """
+    """[(name, dtype, shape)] cut into files as save_pretrained(max_shard_size) cuts them: a new
+    one where the next tensor would pass max_bytes. Our order is kept (readers use the index)."""
     files = [[]]
     size = 0
     for spec in specs:
@@ -3749,12 +3725,9 @@ def _merged_config(model, source):
 
 
 def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
-    """Collective. A Hugging Face checkpoint of the base with the adapters merged in, by rank 0.
-
-    W' = W + (alpha/rank) B A, unit by unit: model.safetensors, or above max_shard_bytes
-    model-0000k-of-0000n.safetensors and their index; then config.json (the `source`'s other
-    keys kept, its token ids) and its generation_config.json.
-    """
+    """Collective. Rank 0 writes the base with the adapters merged, W + (alpha/rank) B A, unit
+    by unit, as Hugging Face does (sharded files and an index above max_shard_bytes), and
+    config.json (the `source`'s other keys kept) and its generation_config.json."""
     adapters = fsdp.full_adapters()
     base = fsdp.full_base()  # (name, full tensor), unit by unit, in the order of base_shapes()
 
@@ -3769,7 +3742,7 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
             w = w + scaling * delta.to(w.device)
         return w.to(model.dtype)
 
-    if fsdp.rank == 0:
+    if world_and_rank()[1] == 0:
         os.makedirs(out_dir, exist_ok=True)
         specs = [(name, model.dtype, shape) for name, shape in fsdp.base_shapes().items()]
         files = shard_files(specs, max_shard_bytes)
@@ -3904,11 +3877,8 @@ LINE_START = re.compile(r"\n(?=\S)")  # a newline before a line's first visible 
 
 
 def _prefix(backend):
-    """The ids the post-processor puts before a text (a BOS, or none), or None.
-
-    None where it puts some after the text too, or where a text's start changes its ids (a
-    prefix space, Llama 2's "▁"): then a text cannot be encoded in pieces.
-    """
+    """The ids the post-processor puts before a text (a BOS, or none); None where it puts some
+    after, or where a text's start changes its ids (a prefix space): then no pieces."""
     bare = backend.encode("foo\nbar", add_special_tokens=False).ids
     parts = backend.encode("foo\n", add_special_tokens=False).ids
     parts += backend.encode("bar", add_special_tokens=False).ids
@@ -3920,13 +3890,9 @@ def _prefix(backend):
 
 
 def _pieces(backend, text):
-    """The text cut about every PIECE characters, each cut where a pre-token ends.
-
-    BPE merges only within a pre-token, so the pieces encode to the text's ids. A cut goes
-    after a newline before a visible character, where the pre-tokenizer splits the characters
-    around it exactly as it splits those before and after it apart (GPT-2's regex does not
-    after "  \n": it ends a text with one pre-token "  \n" but splits "  " and "\n" inside one).
-    """
+    """The text cut about every PIECE characters where a pre-token ends (BPE merges only
+    within one, so the pieces encode to the text's ids): after a newline before a visible
+    character, where the pre-tokenizer splits the characters around alike apart or together."""
     split = backend.pre_tokenizer.pre_tokenize_str
     pieces = []
     start = 0
@@ -3947,13 +3913,9 @@ def _pieces(backend, text):
 
 
 class Tokenizer:
-    """A checkpoint's tokenizer without transformers: tokenizer.json run as it is.
-
-    Its ids are PreTrainedTokenizerFast's. transformers 5 keeps tokenizer.json's post-processor,
-    which adds BOS where the model wants one, and ignores tokenizer_config.json's add_bos_token
-    and add_eos_token when a tokenizer.json exists; so does this. (Its AutoTokenizer can differ:
-    a tokenizer_class such as GPT2Tokenizer rebuilds the pipeline with its own pre-tokenizer.)
-    """
+    """A checkpoint's tokenizer.json run as it is, with PreTrainedTokenizerFast's ids: its
+    post-processor adds BOS where the model wants one, and tokenizer_config.json's add_bos_token
+    is ignored, as transformers 5 ignores it when a tokenizer.json exists."""
 
     def __init__(self, backend, plain, special_tokens, eos_id, end_ids, chat_template):
         self.backend = backend  # a tokenizers.Tokenizer
@@ -4020,12 +3982,8 @@ class Tokenizer:
         return [e.ids for e in encode(texts, add_special_tokens=add_special_tokens)]
 
     def encode_texts(self, texts):
-        """encode_batch(texts, True)'s ids, a long text encoded in pieces on all threads.
-
-        One encoding of a 100 MB text holds ~400 bytes a token on one thread; pieces cut where
-        no token can span the cut give the same ids. Where the post-processor adds more than
-        a prefix, or the pieces would differ, the text is encoded whole.
-        """
+        """encode_batch(texts, True)'s ids, a long text in pieces on all threads (one encoding
+        holds ~400 bytes a token, on one thread), unless pieces could change its ids."""
         if self.prefix is None:
             return self.encode_batch(texts, True)
         pieces = [_pieces(self.backend, text) for text in texts]
@@ -4146,20 +4104,11 @@ class TokenData(NamedTuple):
 
 
 def _reply_mask(tokenizer, example, chat, offsets):
-    """(n,) bool: the chat's tokens that hold characters of a reply or the end of its turn.
-
-    A reply's characters lie between messages[:i] rendered with the generation prompt and
-    messages[:i+1] rendered without: its content, then the end of turn the template writes.
-    Both renderings must begin the whole chat: a template that writes a turn differently once
-    others follow it (Qwen3 drops earlier replies' reasoning) leaves nothing to compare.
-
-    The characters map onto the whole chat's tokens, tokenized once as apply_chat_template
-    does, through each token's offsets. Counting the tokens of each prefix tokenized alone
-    would not be exact for BPE: a prefix's last token can merge with the characters after it
-    (ChatML's "assistant\\n" with a reply's "\\n\\n"), so a prefix's tokens need not begin the
-    chat's. A token across a border holds some of the reply, so it counts (transformers'
-    rule for its {% generation %} masks too).
-    """
+    """(n,) bool: the chat's tokens that hold characters of a reply or the end of its turn:
+    those between messages[:i] rendered with the generation prompt and messages[:i+1] without.
+    They map onto the whole chat's tokens through the offsets; a prefix tokenized alone would
+    not do, for BPE merges across its end (ChatML's "assistant\\n" with a reply's "\\n\\n").
+    A token across a border holds some of the reply: it counts, as transformers counts it."""
     offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     mask = np.zeros(len(offsets), dtype=bool)
     for i, m in enumerate(example.messages):
@@ -4269,11 +4218,8 @@ def _cache_key(path, tokenizer_dir):
 
 
 def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
-    """TokenData of a data file under a checkpoint's tokenizer, cached in cache_dir.
-
-    The .npz is named by a hash of the data and the tokenizer's files: a change to either
-    tokenizes anew; with neither changed a second call only loads the arrays.
-    """
+    """TokenData of a data file under a checkpoint's tokenizer, cached in cache_dir under a hash
+    of the data and the tokenizer's files: a second call only loads the arrays."""
     require(os.path.isfile(path), f"{path}: no such file")
     tokenizer = Tokenizer.load(tokenizer_dir)
     require(tokenizer, f"{tokenizer_dir}: no tokenizer.json to read {path}; pass ids as .npy")
@@ -4376,10 +4322,8 @@ def _read_token_file(path, ext, where):
 
 
 def load_tokens(path, vocab_size, seq_len, flag="--data"):
-    """TokenData from a --data (or --val_data) file, checked (formats: see --help).
-
-    It must hold at least seq_len + 1 tokens, every id below vocab_size.
-    """
+    """TokenData from a --data (or --val_data) file of ids (formats: see --help), checked: at
+    least seq_len + 1 tokens, every id below vocab_size."""
     where = f"{flag} {path}"
     require(os.path.isfile(path), f"{where}: no such file")
     # The default data is this file's own bytes.
@@ -4425,11 +4369,8 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
 
 
 def document_spans(data, eos_id, seq_len):
-    """(starts, lengths) of the documents in a token stream, in order.
-
-    A document is an example (data.starts), or ends with its EOS (or the stream); one longer
-    than seq_len is cut into pieces of seq_len, each a document of its own.
-    """
+    """(starts, lengths) of a stream's documents: its examples (data.starts), or ending with an
+    EOS; one longer than seq_len is cut into pieces of seq_len, each a document of its own."""
     ends = np.flatnonzero(np.asarray(data.ids) == eos_id) + 1
     if data.starts is not None:
         ends = data.starts
@@ -4444,15 +4385,10 @@ def document_spans(data, eos_id, seq_len):
 
 
 class PackedDocuments:
-    """--pack: a token stream's documents packed into rows of seq_len tokens.
-
-    Each epoch takes the documents in an order drawn from (seed, epoch), or in the file's
-    order, and fills each row with whole documents until the next would not fit; the rest of
-    the row is padding, which counts in no loss and is attended by nothing real. A document
-    of n tokens gives n - 1 targets (never one across a border), each counted where the
-    loss_mask says. Row i of the endless run of epochs depends only on the seed, so a step's
-    rows are get_batch's: the same at any split, the same after --resume.
-    """
+    """Rows of seq_len tokens filled with whole documents (--pack; per_row=1: examples one a
+    row), in an order drawn per epoch from the seed, or the file's; padding counts nothing.
+    A document of n tokens gives n - 1 targets; row i depends only on the seed, so a step's
+    rows are get_batch's: the same at any split and after --resume."""
 
     def __init__(self, data, eos_id, seq_len, seed, shuffle=True, per_row=None):
         self.data = data
@@ -4539,11 +4475,8 @@ def encode_prompt(text, vocab_size, tokenizer=None):
 
 @torch.no_grad()
 def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
-    """n tokens continuing `prompt`: greedy (temperature 0) or drawn from softmax(logits / T).
-
-    The draws come from a seeded CPU generator, the same on any device. There is no KV
-    cache: forward re-runs on the last `window` tokens, on every rank.
-    """
+    """n tokens continuing `prompt`: greedy (temperature 0), or drawn from softmax(logits / T)
+    by a seeded CPU generator. No KV cache: forward re-runs on the last `window` tokens."""
     generator = seeded(seed, "sample")
     ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
     model.eval()  # no LoRA dropout
@@ -4567,13 +4500,9 @@ def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
 
 
 def check_writable(args, rank):
-    """Refuse now, on every rank, an output path that cannot be written; create nothing.
-
-    --out and --merge_to are rank 0's, --profile every rank's. The nearest directory that
-    exists on each path takes a temporary file (gone at once); the rest of the path is made
-    when it is first written. Nothing is overwritten: an --out with a checkpoint needs
-    --resume, and a --merge_to with a model is refused.
-    """
+    """Refuse now, on every rank, an output path that cannot be written (its nearest existing
+    directory takes a temporary file), creating nothing, overwriting nothing: an --out with a
+    checkpoint needs --resume, a --merge_to with a model is refused."""
     problem = None
     holds_run = args.out and os.path.isfile(os.path.join(args.out, "latest"))
     if rank == 0 and holds_run and not args.resume:
@@ -4604,10 +4533,8 @@ def check_writable(args, rank):
 
 
 def open_metrics(out, start):
-    """(--out's metrics.jsonl open to append, the records kept): those after `start` dropped.
-
-    A fresh run drops every one; so is a line that a crash cut short (it does not end in "}").
-    """
+    """(--out's metrics.jsonl open to append, the records kept): those after `start`, and a
+    line a crash cut short, dropped."""
     os.makedirs(out, exist_ok=True)
     path = os.path.join(out, "metrics.jsonl")
     kept = []
@@ -4623,12 +4550,9 @@ def open_metrics(out, start):
 
 @torch.no_grad()
 def evaluate(model, val, args, world, rank, device):
-    """(the mean loss over the counted targets, rows) of --val_data's first --eval_seqs rows.
-
-    Row i is tokens [i T, i T + T + 1), or with --pack the i-th packed row in the file's
-    order (more rows asked than there are: each document once). They go in micro-batches of
-    --batch_size per rank; every rank runs each one (empty rows count nothing).
-    """
+    """(the mean loss over the counted targets, rows) of --val_data's first --eval_seqs rows:
+    tokens [i T, i T + T + 1), or the i-th packed row in the file's order (each document once at
+    most), in micro-batches of --batch_size per rank, every rank running each one."""
     T = args.seq_len
     B = args.batch_size
     packed = isinstance(val, PackedDocuments)
@@ -4666,10 +4590,7 @@ def printable(text):
 
 
 def sparkline(values, width=40):
-    """values as one line of bars, low to high, averaged down to `width` characters.
-
-    A terminal that cannot show the bars gets ASCII.
-    """
+    """values as one line of bars (ASCII where the terminal needs it), averaged to `width`."""
     encoding = (getattr(sys.stdout, "encoding", "") or "").lower()
     bars = "▁▂▃▄▅▆▇█" if "utf" in encoding else "_.-~=*#@"
     chunks = np.array_split(np.asarray(values, dtype=float), min(width, len(values)))
@@ -4680,13 +4601,9 @@ def sparkline(values, width=40):
 
 
 def progress(items, what, total, nbytes):
-    """(name, tensor) items as they come, with a line on rank 0 at least every PROGRESS_S.
-
-    Each line has the tensors done and the bytes read; from the second line on, the rate since
-    the line before and the time left at that rate. The first line's time holds the fixed costs
-    (the quantize kernel's first compiles, one per new shape; the first read), which say
-    nothing about the rest. One more line comes at the end.
-    """
+    """(name, tensor) items as they come, with a line on rank 0 every PROGRESS_S: done, and
+    from the second line (the first's time holds the fixed costs, compiles) the rate since the
+    line before and the time left; one more line at the end."""
     start = time.perf_counter()
     said = None  # (time, bytes) at the last line
     n = 0
@@ -4712,11 +4629,8 @@ def progress(items, what, total, nbytes):
 
 
 def build(args, config, device, checkpoint=None):
-    """The model, sharded, with its base made one weight at a time: (model, fsdp).
-
-    As section 8's build_sharded, for the family, the flags, and a checkpoint's weights
-    (load_checkpoint's `checkpoint`, every tensor checked finite) or drawn ones.
-    """
+    """(model, fsdp), as section 8's build_sharded, but built on "meta" and its base loaded one
+    weight at a time: `checkpoint`'s (load_checkpoint's, checked finite), or drawn."""
     dtype = DTYPES[args.dtype]
     lora = (args.lora_rank, args.lora_alpha, args.lora_dropout)
     with torch.device("meta"):
@@ -4734,7 +4648,14 @@ def build(args, config, device, checkpoint=None):
         if model.offload_activations is not None:  # outside the compiled code
             forward = model.offload_activations.around(forward)
         layer.forward = forward
-    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload)
+    world = world_and_rank()[0]
+    shard = shard_size(args, world)
+    mesh = None
+    if shard < world:  # HSDP: the groups of shard ranks replicate
+        shape = (world // shard, shard)
+        names = ("dp_replicate", "dp_shard")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
+    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload, mesh=mesh)
     shapes = fsdp.base_shapes()
     what = f"loading {args.checkpoint}"
     if checkpoint is None:  # a random base, drawn in fp32
@@ -4756,10 +4677,8 @@ def _finite(tensors, args):
 
 
 def configure_cuda_allocator():
-    """Expandable segments, as torchtune and axolotl run, unless the user set the allocator up.
-
-    It must be set before CUDA's allocator is first used.
-    """
+    """Expandable segments, as torchtune and axolotl run, unless the user set the allocator up
+    (before CUDA's allocator is first used)."""
     if os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"):
         return
     # torch 2.13's name; the older one warns there.
@@ -4802,12 +4721,9 @@ class StepTimes(NamedTuple):
 
 
 class Run:
-    """What a real run does between the loop's steps (section 8).
-
-    It writes --out's metrics.jsonl, traces steps 3-5 with --profile, keeps step 1's peaks
-    apart from the steady state's, evaluates --val_data and saves checkpoints when they are
-    due, and gathers what the summary reports, with each step's StepTimes.
-    """
+    """What a real run does between the loop's steps (section 8): log lines with the memory,
+    metrics.jsonl, --profile's trace of steps 3-5, step 1's peaks apart, evaluations and
+    checkpoints when due, and the summary (with each step's StepTimes)."""
 
     def __init__(self, setup, model, fsdp, optimizer, start, end):
         self.setup = setup  # the flags, the device, the data, the model's config
@@ -4827,7 +4743,7 @@ class Run:
         self.first_peaks = None  # step 1's peaks: compiling, autotuning, first allocations
         self.metrics = None
         self.history = []  # after --resume, the records of the steps before, from metrics.jsonl
-        if self.args.out and fsdp.rank == 0:
+        if self.args.out and world_and_rank()[1] == 0:
             self.metrics, self.history = open_metrics(self.args.out, start)
         self.profiler = self._start_profiler() if self.args.profile else None
         self.times = []  # StepTimes of each step
@@ -4877,7 +4793,7 @@ class Run:
 
     def _export_profile(self, profiler):
         """After step 5, or at the end of a shorter run."""
-        rank = self.fsdp.rank
+        rank = world_and_rank()[1]
         trace = os.path.join(self.args.profile, f"trace_rank{rank}.json")
         profiler.export_chrome_trace(trace)
         print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
@@ -4945,7 +4861,7 @@ class Run:
     def evaluate(self, step):
         """The held-out loss after `step` steps (0: the base, before training), logged."""
         val_loss, n = evaluate(
-            self.model, self.setup.val, self.args, self.fsdp.world, self.fsdp.rank, self.device
+            self.model, self.setup.val, self.args, *world_and_rank(), self.device
         )
         self.val_losses.append(val_loss)
         what = "packed rows" if self.args.pack else "sequences"
@@ -5036,7 +4952,7 @@ class Run:
         losses, val_losses = self.curves()
         summary = dict(
             model=self.setup.name,
-            world_size=self.fsdp.world,
+            world_size=world_and_rank()[0],
             steps=self.step,
             final_loss=losses[-1],
             first_loss=losses[0],
@@ -5217,6 +5133,13 @@ def set_up(args):
             dist.barrier()  # the first collective: every rank is here, and the transport works
     finally:
         waiting.set()
+    args.shard_size = shard_size(args, world)  # checked before anything is built
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    if local % args.shard_size:
+        print0(
+            f"warning: --shard_size {args.shard_size} makes groups that span machines of "
+            f"{local} ranks: their all-gathers cross the network (it works, slower)"
+        )
     name, config = model_config(args)
     if args.fit is not None:  # before anything reads the flags it sets
         args = fit(args, world, config, device)
@@ -5247,12 +5170,9 @@ class Interrupted(Exception):
 
 
 class Signals:
-    """SIGINT and SIGTERM (a scheduler's), in the main thread, for as long as `with` lasts.
-
-    Before training and after it, a signal interrupts at once. During it, the loop stops after
-    the step in progress, every rank at the same step (Run.after_step), having saved a
-    checkpoint first when there is --out: the step is whole, so nothing is lost.
-    """
+    """SIGINT and SIGTERM (a scheduler's) while `with` lasts: before and after training they
+    interrupt at once; during it the loop stops after the step in progress, every rank at the
+    same step, saving it first with --out (Run.after_step): nothing is lost."""
 
     def __init__(self):
         self.run = None  # the Run to tell, while it trains
@@ -5277,11 +5197,8 @@ class Signals:
 
 
 def heartbeat(line, every=None):
-    """Print `line` on rank 0 every `every` s (PROGRESS_S) until the returned Event is set.
-
-    From a thread, for what runs long (step 1's compile, the first collective); {seconds} in
-    line is the time so far.
-    """
+    """Print `line` ({seconds}: the time so far) on rank 0 every `every` s (PROGRESS_S), from a
+    thread, until the returned Event is set: for what runs long (step 1's compile)."""
     every = every or PROGRESS_S
     start = time.perf_counter()
     stop = threading.Event()
@@ -5465,6 +5382,8 @@ def _add_flags(parser):
     devices = ["auto", "cpu", "cuda"]
     p.add_argument("--device", default="auto", choices=devices, help="auto: cuda if available")
     p.add_argument("--cpu_offload", action="store_true", help="shards and AdamW on the host")
+    hsdp = "shard in groups of N ranks that replicate (HSDP; default: a node's ranks when a run"
+    p.add_argument("--shard_size", type=int, default=0, metavar="N", help=hsdp + " spans nodes)")
     p.add_argument("--offload_activations", action="store_true", help="block inputs on the host")
     p.add_argument("--estimate", action="store_true", help="print the memory per rank and exit")
     margin = FIT_MARGIN * 100
@@ -5484,7 +5403,7 @@ def _add_flags(parser):
 
 # Integer flags that must be at least 1, and those that must be at least 0.
 POSITIVE = "batch_size seq_len steps grad_accum lora_rank log_every eval_seqs".split()
-NON_NEGATIVE = "warmup_steps save_every stop_at sample temperature eval_every".split()
+NON_NEGATIVE = "warmup_steps save_every stop_at sample temperature eval_every shard_size".split()
 FINITE = "lr weight_decay adam_eps grad_clip lora_alpha lora_dropout temperature".split()
 
 
@@ -5547,8 +5466,11 @@ def estimate(args):
     est = predicted_memory(args, world, config)
     counts = count_family_params(config, args.lora_rank, args.nf4_head)
     print0(format_budget(name, memory_budget(counts)))
-    print0(format_estimate(name, est, world))
-    summary = dict(model=name, world_size=world)
+    print0(format_estimate(name, est, shard_size(args, world)))
+    print0(format_traffic(config, args, world))
+    within, across = step_traffic(config, args, world)
+    summary = dict(model=name, world_size=world, shard_size=shard_size(args, world))
+    summary.update(bytes_within_groups=round(within), bytes_across_groups=round(across))
     for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):
         summary[key] = getattr(args, key)
     summary["predicted_peak_gib"] = round(est.gpu_peak / GiB, 3)
@@ -5557,11 +5479,8 @@ def estimate(args):
 
 
 def first_to_say(rank):
-    """Whether this rank is the lowest that is saying the same thing (under torchrun).
-
-    Every rank that meets an error marks it in torchrun's store; after half a second for the
-    others to do the same, a rank speaks only if no lower one did.
-    """
+    """Whether this rank is the lowest saying the same thing: each marks it in torchrun's store,
+    then after half a second speaks only if no lower rank did."""
     try:
         store = dist.distributed_c10d._get_default_store()
         store.set(f"qlora_fsdp/said/{rank}", "1")
@@ -5616,12 +5535,8 @@ def main(argv=None):
 
 
 def torchrun(argv=None):
-    """torchrun with argv (its flags, then this file and its flags), as run.sh launches it.
-
-    Its report of a failed rank is cut to one line (the rank has said what went wrong, in a
-    line of its own), and the exit code is the rank's; Ctrl-C's is 128 + the signal (the
-    ranks say where they stopped).
-    """
+    """torchrun with argv, as run.sh launches it: a failed rank's report cut to one line (the
+    rank said what went wrong), its exit code passed on; Ctrl-C's is 128 + the signal."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import main as torchrun_main

@@ -992,6 +992,7 @@ def _worker(rank, world, port, argv, out_path):
         losses=losses,
         adapters=adapters,
         local_bytes=fsdp.local_bytes(),
+        local_master_bytes=[u.master.nbytes for u in fsdp.trained],
         shard_sizes=shard_sizes,
         padding_sum=float(sum(padding)),
         padding_numel=sum(
@@ -1432,8 +1433,8 @@ def qlora_net():
     return net
 
 
-def run_net(net, optimizer, rank=0, world=1, micro=True):
-    """3 AdamW steps over a global batch of 6 sequences (this rank's rows; with micro, in two
+def run_net(net, optimizer, rank=0, world=1, micro=True, n=6):
+    """3 AdamW steps over a global batch of n sequences (this rank's rows; with micro, in two
     backward() calls), a no-grad forward before each step and after it, and a block called alone ->
     [losses per step]."""
     g, out = torch.Generator().manual_seed(1), []
@@ -1441,8 +1442,8 @@ def run_net(net, optimizer, rank=0, world=1, micro=True):
         (lambda t: t) if world == 1 else lambda t: (torch.distributed.all_reduce(t), t / world)[1]
     )
     for _ in range(3):
-        tokens, targets = torch.randint(64, (2, 6, 8), generator=g)[
-            :, rank * 6 // world : (rank + 1) * 6 // world
+        tokens, targets = torch.randint(64, (2, n, 8), generator=g)[
+            :, rank * n // world : (rank + 1) * n // world
         ]
         loss = 0.0
         for rows in (slice(0, 1), slice(1, None)) if micro else (slice(None),):
@@ -1461,47 +1462,51 @@ def run_net(net, optimizer, rank=0, world=1, micro=True):
     return out
 
 
-def sharded_net(rank, world, compute_dtype):
+def sharded_net(rank, world, compute_dtype, replicas=1):
     net = qlora_net()
-    fsdp = qf.FSDP(
-        net, [net.embed, *net.blocks, net.head], device="cpu", compute_dtype=compute_dtype
-    )
-    losses = run_net(
-        net, qf.AdamW(fsdp.parameters(), lr=0.05, eps=1e-4, weight_decay=0.1), rank, world
-    )
+    mesh = None
+    if replicas > 1:  # HSDP: a 2-D mesh, as fully_shard takes one
+        from torch.distributed.device_mesh import init_device_mesh
+
+        names = ("dp_replicate", "dp_shard")
+        mesh = init_device_mesh("cpu", (replicas, world // replicas), mesh_dim_names=names)
+    units = [net.embed, *net.blocks, net.head]
+    fsdp = qf.FSDP(net, units, device="cpu", compute_dtype=compute_dtype, mesh=mesh)
+    optimizer = qf.AdamW(fsdp.parameters(), lr=0.05, eps=1e-4, weight_decay=0.1)
+    losses = run_net(net, optimizer, rank, world, n=8 if replicas > 1 else 6)
     return losses, fsdp.full_adapters()
 
 
-def _net_worker(rank, world, port, compute_dtype, out_path):
+def _net_worker(rank, world, port, compute_dtype, out_path, replicas=1):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    torch.save(sharded_net(rank, world, compute_dtype), f"{out_path}.{rank}")
+    torch.save(sharded_net(rank, world, compute_dtype, replicas), f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
 
 @pytest.mark.parametrize(
-    "world,compute_dtype",
-    [(1, None), (2, None), (3, None), (2, torch.bfloat16)],
-    ids=["world1", "world2", "world3", "world2-bf16"],
+    "world,compute_dtype,replicas",
+    [(1, None, 1), (2, None, 1), (3, None, 1), (2, torch.bfloat16, 1), (4, None, 2)],
+    ids=["world1", "world2", "world3", "world2-bf16", "2x2"],
 )
-def test_any_model_sharded_equals_it_unsharded(world, compute_dtype, tmp_path):
+def test_any_model_sharded_equals_it_unsharded(world, compute_dtype, replicas, tmp_path):
     """FSDP lifts out of Llama: a model of its own (residual blocks with nn.LayerNorm, from_linear
     LoRA layers with and without a bias, a trainable parameter in the root, a keyword argument and a
-    tuple out, one block run twice, one called alone), sharded over 1, 2 and 3 ranks with two
+    tuple out, one block run twice, one called alone), sharded over 1, 2 and 3 ranks (and 2 x 2,
+    hybrid, over 8 rows) with two
     backward() calls per step and no-grad forwards before and after each optimizer step, gives the
     losses and adapters of the same model unsharded under torch.optim.AdamW; in bf16 (every
     parameter gathered in it, the fp32 LayerNorm too) its losses are within 1% (or 1e-3) of them."""
     ref = qlora_net()
     trainable = [p for p in ref.parameters() if p.requires_grad]
-    want = run_net(
-        ref, torch.optim.AdamW(trainable, lr=0.05, eps=1e-4, weight_decay=0.1), micro=False
-    )
+    torch_adamw = torch.optim.AdamW(trainable, lr=0.05, eps=1e-4, weight_decay=0.1)
+    want = run_net(ref, torch_adamw, micro=False, n=8 if replicas > 1 else 6)
     if world == 1:
         results = [sharded_net(0, 1, compute_dtype)]
     else:
         out = str(tmp_path / "net")
-        spawn(_net_worker, (world, free_port(), compute_dtype, out), world)
+        spawn(_net_worker, (world, free_port(), compute_dtype, out, replicas), world)
         results = [torch.load(f"{out}.{r}") for r in range(world)]
     for losses, adapters in results:
         assert adapters.keys() == {n for n, p in ref.named_parameters() if p.requires_grad}
@@ -3079,6 +3084,125 @@ def test_sharded_save_resumes_in_one_process_and_merges_alike(tmp_path):
         )
     resumed = train_run(argv + ["--batch_size", "4", "--out", two, "--resume"])
     assert_same_run(resumed, dict(losses=full["losses"][2:], adapters=full["adapters"]))
+
+
+def _traffic_worker(rank, world, port, argv, out_path):
+    """_worker, with each collective's group and bytes recorded: [(kind, ranks, bytes)]."""
+    calls = []
+    dist = torch.distributed
+
+    def ranks(group):
+        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+
+    real_collective = qf._collective
+    real_all_reduce = dist.all_reduce
+
+    def collective(out, inp, group, reduce_scatter=False):
+        calls.append(("reduce_scatter" if reduce_scatter else "all_gather", ranks(group), inp))
+        return real_collective(out, inp, group, reduce_scatter)
+
+    def all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append(("all_reduce", ranks(group), tensor.nbytes))
+        return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    qf._collective = collective
+    dist.all_reduce = all_reduce
+    _worker(rank, world, port, argv, out_path)
+    calls = [(kind, r, x.nbytes if torch.is_tensor(x) else x) for kind, r, x in calls]
+    torch.save(calls, f"{out_path}.traffic.{rank}")
+
+
+HSDP = BASE + ["--steps", "4", "--batch_size", "1", "--seq_len", "32"]
+
+
+@pytest.mark.parametrize(
+    "shape,compile",
+    [((2, 2), False), ((2, 3), False), ((3, 2), False), ((2, 2), True)],
+    ids=["2x2", "2x3", "3x2", "2x2-compiled"],
+)
+def test_hybrid_sharding_equals_one_process_and_only_gradients_cross(shape, compile, tmp_path):
+    """--shard_size S at world R x S (groups of S consecutive ranks shard, R groups replicate):
+    the losses and adapters of one process with the same global batch (eager; at 2 x 2 also with
+    compiled blocks); at 2 x 2 those of full sharding too. All-gathers and reduce-scatters stay within a rank's group; all that crosses
+    between groups is the all-reduce of its fp32 adapter-gradient pieces (once per unit per
+    backward), besides the step's few scalars (the loss, the count of targets)."""
+    replicas, shard = shape
+    world = replicas * shard
+    argv = HSDP + ["--shard_size", str(shard)] + ["--compile"] * compile
+    single = run_single(BASE + ["--steps", "4", "--batch_size", str(world), "--seq_len", "32"])
+    out = str(tmp_path / "hsdp")
+    spawn(_traffic_worker, (world, free_port(), argv, out), world)
+    for rank in range(world):
+        assert_same_run(torch.load(f"{out}.{rank}"), single)
+        group = set(range(rank // shard * shard, rank // shard * shard + shard))
+        across = []
+        for kind, ranks, nbytes in torch.load(f"{out}.traffic.{rank}"):
+            if kind != "all_reduce" or set(ranks) == group:  # clipping's norm: a scalar
+                assert set(ranks) == group, (kind, ranks)
+            elif len(ranks) < world:  # the replicas of this rank's pieces
+                assert set(ranks) == {r for r in range(world) if r % shard == rank % shard}
+                across.append(nbytes)
+            else:
+                assert nbytes <= 16, (kind, nbytes)  # a scalar of the step
+        masters = torch.load(f"{out}.{rank}")["local_master_bytes"]
+        assert across == masters * 4, (across, masters)  # 4 steps, each unit once
+    if shape == (2, 2) and not compile:
+        full = run_sharded(world, HSDP, tmp_path)
+        assert_same_run(torch.load(f"{out}.0"), full[0])
+
+
+def test_a_hybrid_checkpoint_resumes_in_one_process_and_full_sharded(tmp_path):
+    """A checkpoint saved at 2 x 2 (hybrid) resumes in one process and at 4 ranks sharding in
+    one group, each ending where the uninterrupted run ends; its merged model equals the one a
+    single process merges."""
+    argv = BASE + ["--steps", "4", "--seq_len", "32"]
+    full = run_single(argv + ["--batch_size", "4"])
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    stop = ["--stop_at", "2", "--out"]
+    train_run(argv + ["--batch_size", "4"] + stop + [one, "--merge_to", one + "-merged"])
+    hybrid = argv + ["--batch_size", "1", "--shard_size", "2"]
+    run_sharded(4, hybrid + stop + [two, "--merge_to", two + "-merged"], tmp_path)
+    merged = [
+        qf.SafetensorsFile(os.path.join(d + "-merged", "model.safetensors")) for d in (one, two)
+    ]
+    for name in merged[0].entries:
+        torch.testing.assert_close(merged[1].get(name), merged[0].get(name), rtol=1e-5, atol=1e-6)
+    shutil.copytree(two, two + "-copy")
+    resumed = train_run(argv + ["--batch_size", "4", "--out", two, "--resume"])
+    assert_same_run(resumed, dict(losses=full["losses"][2:], adapters=full["adapters"]))
+    copy = ["--batch_size", "1", "--out", two + "-copy", "--resume"]
+    for r in run_sharded(4, argv + copy, tmp_path):
+        assert_same_run(r, dict(losses=full["losses"][2:], adapters=full["adapters"]))
+
+
+def test_shard_size_is_checked_and_a_group_across_machines_is_warned(monkeypatch, capsys):
+    """A --shard_size that does not divide the world is one error line before anything is built;
+    by default a run over several machines shards within each (torchrun's LOCAL_WORLD_SIZE);
+    groups that span machines are a warning, not a refusal."""
+    args = qf.parse_args(["--shard_size", "3"])
+    with pytest.raises(qf.UserError, match="--shard_size 3: does not divide the 4 ranks"):
+        qf.shard_size(args, 4)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert qf.shard_size(qf.parse_args([]), 16) == 8 and qf.shard_size(qf.parse_args([]), 8) == 8
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    said = qf.estimate(qf.parse_args(["--model", "llama2-70b", "--shard_size", "16"]))
+    assert "(spanning machines)" in capsys.readouterr().out and said["shard_size"] == 16
+
+
+def test_estimate_hybrid_70b_on_two_machines(monkeypatch, capsys):
+    """Llama-2-70B on 2 machines of 8 GPUs: full sharding over 16 against 2 x 8 hybrid. The
+    hybrid's per-GPU state is twice the full shard's, its collectives stay within a machine, and
+    what crosses between machines is under 1% of what full sharding's collectives move."""
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    argv = ["--model", "llama2-70b", "--batch_size", "2", "--seq_len", "2048", "--estimate"]
+    full = qf.estimate(qf.parse_args(argv + ["--shard_size", "16"]))
+    hybrid = qf.estimate(qf.parse_args(argv))
+    out = capsys.readouterr().out
+    assert "(within a machine)" in out and hybrid["shard_size"] == 8
+    assert full["bytes_across_groups"] == 0 and hybrid["bytes_across_groups"] > 0
+    assert hybrid["bytes_across_groups"] < 0.01 * full["bytes_within_groups"]
+    assert hybrid["predicted_peak_gib"] > full["predicted_peak_gib"]
 
 
 @pytest.mark.parametrize("dies", ["writing the adapters", "renaming latest"])
