@@ -4257,9 +4257,10 @@ def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
 # -----------------------------------------------------------------------------
 # 15. A run: data files, evaluation, metrics, progress, set-up and summary
 # -----------------------------------------------------------------------------
-# Needs: import bisect, json, math, os, resource, shlex, signal, sys, tempfile, threading, time,
-# numpy as np, torch, torch.distributed as dist; from typing import NamedTuple, Optional; from
-# above: GiB, sections 1-13.
+# Needs: import bisect, contextlib, json, math, os, resource, shlex, signal, sys, tempfile,
+# threading, time, numpy as np, torch, torch.distributed as dist; from typing import NamedTuple,
+# Optional; from torch.distributed.device_mesh import init_device_mesh; from above: GiB,
+# sections 1-14.
 
 
 def eos_id(args):
@@ -5322,8 +5323,8 @@ def fine_tune(args):
 # -----------------------------------------------------------------------------
 # 16. The command line
 # -----------------------------------------------------------------------------
-# Needs: import argparse, json, math, os, signal, sys, time, torch, torch.distributed as dist;
-# from above: GiB, sections 1-14.
+# Needs: import argparse, json, logging, math, os, signal, sys, time, torch,
+# torch.distributed as dist; from above: GiB, sections 1-15.
 
 
 def _fit_value(v):
