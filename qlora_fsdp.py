@@ -33,6 +33,7 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.fx.experimental._config as fx_config
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -135,7 +136,7 @@ def memory_budget(counts):
 # -----------------------------------------------------------------------------
 # 2. NF4 quantization with double-quantized scales (QLoRA, Dettmers et al. 2023)
 # -----------------------------------------------------------------------------
-# Needs: import torch, torch.nn.functional as F.
+# Needs: import torch, torch.fx.experimental._config as fx_config, torch.nn.functional as F.
 #
 # NormalFloat-4 has 16 values placed at quantiles of N(0, 1), rescaled to [-1, 1], with an
 # exact 0 (paper, Appendix E; bitsandbytes' get_4bit_type("nf4")). Code i is NF4[i].
@@ -214,8 +215,23 @@ def _dequantize(inner, block_size: int, scaler_block_size: int, dtype: torch.dty
     return _dequantize_blocks(packed, absmax, block_size, dtype)
 
 
-_quantize_blocks_compiled = torch.compile(_quantize_blocks, dynamic=True)
-_dequantize_compiled = torch.compile(_dequantize, dynamic=True)
+def compile_dynamic(fn):
+    """torch.compile(fn), one graph for every shape and caller: no size assumed equal to
+    another or special for being 1, no view's base nor autograd state guarded on (else each
+    new weight shape, or a call from backward, would compile anew)."""
+    compiled = torch.compile(fn, dynamic=True)
+
+    def call(*args):
+        args = [a.detach() if torch.is_tensor(a) else a for a in args]  # not views
+        sizes = fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
+        with sizes, torch._C._AutoDispatchBelowADInplaceOrView():
+            return compiled(*args)
+
+    return call
+
+
+_quantize_blocks_compiled = compile_dynamic(_quantize_blocks)
+_dequantize_compiled = compile_dynamic(_dequantize)
 # Faster kernels by output dtype, called as _dequantize is (section 9 adds bf16's).
 DEQUANTIZE_KERNELS = {}
 
@@ -258,7 +274,7 @@ def dequantize_nf4(
 ):
     """quantize_nf4's four tensors -> the weight, flat, of `dtype`: compiled, one fused
     kernel; eager, at most half the weight at a time, so that no temporary outgrows it."""
-    inner = [packed, scale_q, scale_factor, scale_mean]
+    inner = [t.detach() for t in (packed, scale_q, scale_factor, scale_mean)]
     blocks = (block_size, scaler_block_size)
     with torch.no_grad():  # frozen weights are never part of the autograd graph
         outer = torch.compiler.is_compiling()  # traced whole into an outer graph
@@ -522,11 +538,10 @@ class NF4Linear(nn.Module):
 
 
 class LoRALinear(NF4Linear):
-    """QLoRA's layer: NF4Linear's frozen W (and bias) plus trainable fp32 lora_A (rank,
-    in), drawn from torch's global RNG, and lora_B (out, rank), 0."""
+    """QLoRA's layer: NF4Linear's frozen W (and bias; kw: its keywords) plus trainable fp32
+    lora_A (rank, in), drawn from torch's global RNG, and lora_B (out, rank), 0."""
 
     def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, **kw):
-        """kw: NF4Linear's (bias, dtype, compile, weight)."""
         if rank < 1:
             raise ValueError(f"LoRA rank must be >= 1, got {rank}")
         super().__init__(in_features, out_features, **kw)
@@ -589,7 +604,10 @@ class LoRALinear(NF4Linear):
 
 
 class _Slot:
-    """One tensor of a unit, cut into `world` pieces of shard_numel elements of `dtype`."""
+    """One tensor of a unit, cut into `world` pieces of shard_numel elements of `dtype`. The
+    unit sets where the piece starts in its shard bytes (offset; a trainable one's start in the
+    master), this rank's piece (local), and the full tensor (full, a view of the gathered
+    storage, which padded_bytes views as (world, nbytes) bytes)."""
 
     def __init__(self, name, tensor, dtype, trainable, world, rank):
         self.name = name
@@ -605,14 +623,6 @@ class _Slot:
             per_16_bytes = 16 // math.gcd(16, dtype.itemsize)
             self.shard_numel = -(-self.shard_numel // per_16_bytes) * per_16_bytes
         self.nbytes = self.shard_numel * dtype.itemsize
-        # Set by the unit: where the piece starts in its shard bytes (and if trainable, in its
-        # master); this rank's piece; the full tensor, a view of the gathered storage, and the
-        # same storage as (world, nbytes) bytes.
-        self.offset = None
-        self.start = None
-        self.local = None
-        self.full = None
-        self.padded_bytes = None
 
     def piece(self, full):
         """This rank's piece of a full tensor of this shape: flat, zero padded."""
@@ -909,8 +919,7 @@ class ShardedUnit:
             if previous.needs_backward:
                 previous.prefetch()  # the unit whose backward comes next
 
-    def node_done(self, use):
-        """Its _PostBackward node has run: the unit's backward is over."""
+    def node_done(self, use):  # its _PostBackward node has run: its backward is over
         self.post_backward()
 
     def post_backward(self):
@@ -1074,8 +1083,7 @@ class FullyShard:
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
         return norm
 
-    def reshard(self):
-        """Free every unit still gathered."""
+    def reshard(self):  # free every unit still gathered
         for unit in self.all_units:
             unit.free()
 
@@ -1097,8 +1105,7 @@ class ForeachAdamW(torch.optim.Optimizer):
     """AdamW on torch._foreach_* ops, equal to torch.optim.AdamW up to rounding."""
 
     def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.01):
-        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-        super().__init__(params, defaults)
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
 
     def _advance(self, params):
         """Each parameter's step count moves on by one; a new one gets its state first."""
@@ -1109,10 +1116,8 @@ class ForeachAdamW(torch.optim.Optimizer):
             state["step"] = int(state["step"]) + 1  # torch's state_dict holds it as a tensor
 
     def _chunks(self, params):
-        """Lists of params that share their step count, each stepped in one foreach run.
-
-        A parameter that had no gradient at some step has a smaller count than the others.
-        """
+        """Lists of params that share their step count (one without a gradient at some step
+        lags behind), each stepped in one foreach run."""
         chunks = {}
         for p in params:
             chunks.setdefault(self.state[p]["step"], []).append(p)
@@ -1156,7 +1161,7 @@ class ForeachAdamW(torch.optim.Optimizer):
 # -----------------------------------------------------------------------------
 # Needs: import math, torch, torch.nn as nn, torch.nn.functional as F; from dataclasses
 # import dataclass; from typing import Optional; from torch.utils.checkpoint import
-# checkpoint; from above: use_compiled, NF4Tensor, LoRALinear, random_weight.
+# checkpoint; from above: use_compiled, compile_dynamic, NF4Tensor, LoRALinear, random_weight.
 
 
 @dataclass
@@ -1261,10 +1266,9 @@ class LlamaAttention(nn.Module):
     def attend(self, q, k, v, mask):
         # Grouped-query attention: each of the nkv heads serves nh / nkv query heads.
         gqa = self.n_kv != self.n_heads
-        sdpa = F.scaled_dot_product_attention
         if mask is None:
-            return sdpa(q, k, v, is_causal=True, enable_gqa=gqa)
-        return sdpa(q, k, v, attn_mask=mask, enable_gqa=gqa)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class LlamaMLP(nn.Module):
@@ -1328,7 +1332,7 @@ def _cross_entropy_rows(logits, targets, need_grad: bool):
     return loss, grad.to(logits.dtype)
 
 
-_cross_entropy_rows_compiled = torch.compile(_cross_entropy_rows, dynamic=True)
+_cross_entropy_rows_compiled = compile_dynamic(_cross_entropy_rows)
 
 
 class _ChunkedCrossEntropy(torch.autograd.Function):
@@ -1605,9 +1609,7 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
     return loss
 
 
-class StepRecord(NamedTuple):
-    """What one step did, as the loop logs it."""
-
+class StepRecord(NamedTuple):  # what one step did, as the loop logs it
     step: int  # steps done, counted from 1
     loss: float
     lr: float
@@ -1730,7 +1732,7 @@ def _dequantize_bf16_pairs(
     return (first | (second << 16)).view(-1)
 
 
-_dequantize_bf16_pairs_compiled = torch.compile(_dequantize_bf16_pairs, dynamic=True)
+_dequantize_bf16_pairs_compiled = compile_dynamic(_dequantize_bf16_pairs)
 
 
 # Traced into a bigger compiled graph (a compiled block), the kernel above loses its
@@ -4642,10 +4644,11 @@ def build(args, config, device, checkpoint=None):
         # for these copies too.
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
         model.offload_activations = OffloadedInputs(side)
-    for layer in model.model.layers:
+    for i, layer in enumerate(model.model.layers):
         forward = layer.forward
         if args.compile:  # each block's forward, its checkpoint included; hooks stay eager
             forward = torch.compile(forward)
+            forward = _input_needs_grad(forward) if i == 0 else forward
         if model.offload_activations is not None:  # outside the compiled code
             forward = model.offload_activations.around(forward)
         layer.forward = forward
@@ -4667,6 +4670,18 @@ def build(args, config, device, checkpoint=None):
     load_weights(fsdp, tensors, args.compile)
     load_weights(fsdp, initial_weights(fsdp.adapter_shapes(), args.seed), args.compile)
     return model, fsdp
+
+
+def _input_needs_grad(forward):
+    """The first block's compiled forward, its input made to need a gradient, as every other
+    block's does: then one graph serves all blocks (it would differ by that alone)."""
+
+    def first(x, *args):
+        if torch.is_grad_enabled() and not x.requires_grad:
+            x = x.detach().requires_grad_()
+        return forward(x, *args)
+
+    return first
 
 
 def _finite(tensors, args):

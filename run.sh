@@ -39,7 +39,9 @@ fi
 args=(--model "$MODEL" --batch_size "$BATCH" --seq_len "$SEQ" --steps "$STEPS")
 [ -n "$DATA" ] && args+=(--data "$DATA")
 [ "$STEPS" -gt 50 ] && args+=(--log_every 10)
-[ "$gpus" -eq 0 ] && [ "$MODEL" = tiny ] && args+=(--sample 160 --prompt "def " --temperature 0.8)
+# The tiny model on a CPU: eager (compiling its blocks would take longer than its 200 steps)
+[ "$gpus" -eq 0 ] && [ "$MODEL" = tiny ] && args+=(--no-compile --no-checkpointing \
+  --sample 160 --prompt "def " --temperature 0.8)
 # torchrun through qlora_fsdp.torchrun: a failed rank's report is one line, exit codes passed on
 exec "$PYTHON" -c "import qlora_fsdp, sys; qlora_fsdp.torchrun(sys.argv[1:])" --standalone \
   --nproc_per_node "$NPROC" qlora_fsdp.py "${args[@]}" ${EXTRA:-}

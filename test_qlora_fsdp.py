@@ -336,6 +336,32 @@ def test_compiled_equals_eager():
     assert torch.equal(d_eager, d_compiled)
 
 
+def test_one_compile_serves_every_shape():
+    """The compiled quantize, dequantize (bf16's kernel and the plain one) and loss kernels,
+    once they have run, serve every other weight shape and block count (a 64 x 64 weight with
+    one group of scales, a layer's several projection shapes, 1 to 300 rows of logits) without
+    compiling again: dynamo's count of graphs does not move, and the bits are the eager ones."""
+    from torch._dynamo.utils import counters
+
+    def run(shape, rows):
+        w = torch.randn(shape, dtype=torch.bfloat16)
+        nf4 = qf.to_nf4(w, compile=True)
+        eager = qf.quantize_nf4(w, compile=False)
+        assert all(torch.equal(a, b) for a, b in zip(nf4.inner(), eager))
+        for dtype in (torch.bfloat16, torch.float32):
+            want = qf.dequantize_nf4(*eager, dtype=dtype, compile=False)
+            assert torch.equal(qf.dequantize_nf4(*eager, dtype=dtype, compile=True), want)
+        logits, targets = torch.randn(rows, 50), torch.randint(50, (rows,))
+        got, _ = qf._cross_entropy_rows_compiled(logits.clone(), targets, True)
+        torch.testing.assert_close(got, qf._cross_entropy_rows(logits, targets, True)[0])
+
+    run((128, 128), 17)  # compiles what this process has not yet
+    graphs = counters["stats"]["unique_graphs"]
+    for shape, rows in [((64, 64), 1), ((384, 128), 300), ((128, 384), 5), ((64, 64 * 300), 2)]:
+        run(shape, rows)
+        assert counters["stats"]["unique_graphs"] == graphs, (shape, rows)
+
+
 def test_vectorized_dequantize_equals_table_lookup():
     """The select-tree + packed-pairs formulation (what torch.compile gets for bf16) gives the
     table lookup's bf16 values bit for bit: every code, zero blocks, tiny and huge scales, and
