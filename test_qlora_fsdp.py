@@ -5308,12 +5308,12 @@ def test_data_formats_read_the_same_ids(tmp_path):
     }
     for name, write in writers.items():
         write(str(tmp_path / name))
-        tokens, mask = qf.load_tokens(str(tmp_path / name), 256, 32)
+        tokens, mask, _ = qf.load_tokens(str(tmp_path / name), 256, 32)
         assert np.array_equal(tokens, ids), name
         assert (mask is not None) == name.endswith(".npz"), name
     llama3 = np.array([0, 128000, 128255] * 20, dtype=np.uint32)
     np.save(tmp_path / "llama3.npy", llama3)
-    tokens, _ = qf.load_tokens(str(tmp_path / "llama3.npy"), 128256, 32)
+    tokens, _, _ = qf.load_tokens(str(tmp_path / "llama3.npy"), 128256, 32)
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, llama3)
 
 
