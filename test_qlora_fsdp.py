@@ -3149,9 +3149,10 @@ HSDP = BASE + ["--steps", "4", "--batch_size", "1", "--seq_len", "32"]
 def test_hybrid_sharding_equals_one_process_and_only_gradients_cross(shape, compile, tmp_path):
     """--shard_size S at world R x S (groups of S consecutive ranks shard, R groups replicate):
     the losses and adapters of one process with the same global batch (eager; at 2 x 2 also with
-    compiled blocks); at 2 x 2 those of full sharding too. All-gathers and reduce-scatters stay within a rank's group; all that crosses
-    between groups is the all-reduce of its fp32 adapter-gradient pieces (once per unit per
-    backward), besides the step's few scalars (the loss, the count of targets)."""
+    compiled blocks); at 2 x 2 those of full sharding too. All-gathers and reduce-scatters stay
+    within a rank's group; all that crosses between groups is the all-reduce of its fp32
+    adapter-gradient pieces (once per unit per backward), besides the step's few scalars (the
+    loss, the count of targets)."""
     replicas, shard = shape
     world = replicas * shard
     argv = HSDP + ["--shard_size", str(shard)] + ["--compile"] * compile
