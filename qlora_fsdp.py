@@ -2511,21 +2511,12 @@ class CausalLM(Llama):
 
     Block = FamilyDecoderLayer
 
-    def __init__(
-        self,
-        config,
-        dtype=torch.bfloat16,
-        lora_rank=8,
-        lora_alpha=16.0,
-        lora_dropout=0.0,
-        compile=None,
-        nf4_head=False,
-    ):
-        config = as_family(config)
-        super().__init__(config, dtype, lora_rank, lora_alpha, lora_dropout, compile)
+    def __init__(self, config, *args, nf4_head=False, **kwargs):
+        """config: a LlamaConfig or FamilyConfig; the other arguments are Llama's."""
+        super().__init__(as_family(config), *args, **kwargs)
         self.offload_activations = None
         if nf4_head:
-            weight = to_nf4(self.lm_head.weight.detach(), compile=compile)
+            weight = to_nf4(self.lm_head.weight.detach(), compile=self.lm_head.compile_kernels)
             self.lm_head.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, tokens, targets=None, reduction="mean", documents=None):
@@ -4267,10 +4258,8 @@ def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
 
 def eos_id(args):
     """--pack's end of a document: --eos_id, else --checkpoint's config.json's eos_token_id."""
-    if args.eos_id is not None:
-        return args.eos_id
-    eos = None
-    if args.checkpoint:
+    eos = args.eos_id
+    if eos is None and args.checkpoint:
         eos = read_json(os.path.join(args.checkpoint, "config.json")).get("eos_token_id")
     if isinstance(eos, list) and eos:  # several: the first ends a document
         eos = eos[0]
