@@ -216,12 +216,14 @@ def _dequantize(inner, block_size: int, scaler_block_size: int, dtype: torch.dty
 
 
 def compile_dynamic(fn):
-    """torch.compile(fn), one graph for every shape and caller: no size assumed equal to
-    another or special for being 1, no view's base nor autograd state guarded on (else each
-    new weight shape, or a call from backward, would compile anew)."""
-    compiled = torch.compile(fn, dynamic=True)
+    """torch.compile(fn), one graph for every shape and caller (no size assumed equal to another
+    or special for being 1, no view's base nor autograd state guarded on), made at the first
+    call: importing the compiler costs a process that never uses it a second."""
+    compiled = None
 
     def call(*args):
+        nonlocal compiled
+        compiled = compiled or torch.compile(fn, dynamic=True)
         args = [a.detach() if torch.is_tensor(a) else a for a in args]  # not views
         sizes = fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
         with sizes, torch._C._AutoDispatchBelowADInplaceOrView():
@@ -653,8 +655,7 @@ class _Param:
             dtype = t.dtype
             if t.is_floating_point() and not self.subclass:
                 dtype = fsdp.compute_dtype or dtype
-            slot = _Slot(name, t, dtype, self.trainable, fsdp.world, fsdp.rank)
-            self.slots.append(slot)
+            self.slots.append(_Slot(name, t, dtype, self.trainable, fsdp.world, fsdp.rank))
         self.value = None  # the full parameter, rebuilt from the full slots
 
     def flatten(self, t):
@@ -1641,9 +1642,8 @@ def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=Non
         torch.manual_seed(seed_of(args.seed, "dropout", rank, step))
         # This rank's micro-batches of the step's global batch; forward and backward over
         # each, the gradients reduced, one AdamW update.
-        batches = []
-        for micro in range(args.grad_accum):
-            batches.append(get_batch(data, step, micro, args, world, rank, vocab_size))
+        micros = range(args.grad_accum)
+        batches = [get_batch(data, step, m, args, world, rank, vocab_size) for m in micros]
         loss = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
         seconds = time.perf_counter() - t0
         if not math.isfinite(loss):
@@ -1906,7 +1906,9 @@ class AnyUnit(ShardedUnit):
         self.version = None
         self.use = None  # what runs next is another forward
 
-    @torch.compiler.disable  # the hooks stay eager under a torch.compile'd model, as FSDP2's
+    # The hooks stay eager under a torch.compile'd model, as FSDP2's: torch.compiler.disable,
+    # in the form torch uses itself, which imports the compiler at the first call, not here.
+    @torch._disable_dynamo
     def _pre_forward(self, module, args, kwargs):
         # A recompute inside backward (a checkpoint around the module) needs the weights
         # only: its backward was set up by the forward it repeats.
@@ -1940,7 +1942,7 @@ class AnyUnit(ShardedUnit):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)
 
-    @torch.compiler.disable
+    @torch._disable_dynamo
     def _post_forward(self, module, args, output):
         if torch._C._current_graph_task_id() != -1:  # a recompute
             return None

@@ -9,15 +9,18 @@
 # bash run.sh gpu     every GPU check, one table (benchmarks/gpu_check.py)
 set -euo pipefail
 cd "$(dirname "$0")"
-# PYTHON: by default python3 or python, the first that has torch (else python3 installs it).
-if [ -z "${PYTHON:-}" ]; then
-  for PYTHON in python3 python ""; do
-    [ -n "$PYTHON" ] && "$PYTHON" -c "import torch" 2>/dev/null && break
-  done
+# Every mode needs torch, numpy and pytest (the GPU check runs the tests). PYTHON: by default
+# python3 or python, the first that has all three, else python3 once they are installed. One
+# start of it (torch takes seconds to import) checks them and counts the GPUs.
+check="import torch, numpy, pytest; print(torch.cuda.device_count())"
+for candidate in ${PYTHON:-python3 python}; do
+  gpus=$("$candidate" -c "$check" 2>/dev/null) && PYTHON=$candidate && break
+done
+if [ -z "${gpus:-}" ]; then
   : "${PYTHON:=$(command -v python3 || command -v python)}"
+  "$PYTHON" -m pip install -q -r requirements.txt
+  gpus=$("$PYTHON" -c "$check")
 fi
-# Every mode needs all three (the GPU check runs the tests): install what is missing.
-"$PYTHON" -c "import torch, numpy, pytest" 2>/dev/null || "$PYTHON" -m pip install -q -r requirements.txt
 export PYTHONUNBUFFERED=1  # progress shows as it happens, also through a pipe
 case "${1:-}" in
   bench)  # all of them run; the exit code says if any failed
@@ -28,7 +31,6 @@ case "${1:-}" in
     exit "$status" ;;
   gpu) exec "$PYTHON" benchmarks/gpu_check.py "${@:2}" ;;
 esac
-gpus=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -ge 1 ]; then
   : "${MODEL:=llama2-7b}" "${BATCH:=8}" "${SEQ:=2048}" "${STEPS:=10}" "${DATA:=dummy}"
   : "${NPROC:=$(( gpus < 2 ? gpus : 2 ))}"

@@ -1070,18 +1070,18 @@ def _lesson_worker(rank, world, port, argv, out_path):
 
 
 @pytest.mark.parametrize("compile", ["--no-compile", "--compile"])
-def test_part_one_runs_alone_and_equals_the_whole_file(compile, tmp_path):
+def test_part_one_runs_alone_and_equals_the_whole_file(compile, whole_file_micro, tmp_path):
     """Part I's text, run as a module of its own in which no Part II name exists, trains a small
-    Llama on 2 gloo ranks (its FullyShard, ForeachAdamW, plain compiled kernels), with the losses
-    of the whole file's default path (FSDP, AdamW, q, k and v sharing x A^T) on the same weights,
-    seed and data, to fp32's rounding (1e-5; Adam's eps of 1, as BASE's, keeps rounding noise
-    from being amplified into a different update)."""
-    argv = [a for a in BASE if a != "--no-compile"] + ["--model", "micro", "--batch_size", "2"]
-    argv += ["--steps", "3", compile]
+    Llama on 2 gloo ranks (its FullyShard, ForeachAdamW, plain kernels, eager or compiled), with
+    the losses of the whole file's default path (FSDP, AdamW, q, k and v sharing x A^T; eager:
+    compiled blocks equal eager ones to fp32's rounding, tested on their own) on the same
+    weights, seed and data, to fp32's rounding (1e-5; Adam's eps of 1, as BASE's, keeps rounding
+    noise from being amplified into a different update)."""
+    argv = [a for a in LESSON if a != "--no-compile"] + [compile]
     out = str(tmp_path / "lesson")
     spawn(_lesson_worker, (2, free_port(), argv, out), 2)
     lesson = [torch.load(f"{out}.{r}") for r in range(2)]
-    whole = run_sharded(2, argv, tmp_path)
+    whole = whole_file_micro
     assert lesson[0] == lesson[1]
     torch.testing.assert_close(
         torch.tensor(lesson[0]), torch.tensor(whole[0]["losses"]), rtol=1e-5, atol=1e-5
@@ -1111,6 +1111,14 @@ BASE = [
     "--adam_eps",
     "1",
 ]
+
+LESSON = BASE + ["--model", "micro", "--batch_size", "2", "--steps", "3"]
+
+
+@pytest.fixture(scope="module")
+def whole_file_micro(tmp_path_factory):
+    """The whole file's eager run of LESSON on 2 gloo ranks."""
+    return run_sharded(2, LESSON, tmp_path_factory.mktemp("whole"))
 
 
 def assert_same_run(sharded, single):
@@ -5081,18 +5089,26 @@ def test_one_error_line_under_torchrun(tmp_path):
 def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
     """run.sh makes sure torch, numpy and pytest all import before any mode runs (the GPU check
     runs the tests): a Python without pytest gets the requirements installed, one with all three
-    does not. The Python here is a stand-in that logs how it is called."""
+    does not; one start of Python checks them and counts the GPUs. The Python here is a
+    stand-in that logs how it is called (it has pytest once pip has installed it)."""
     fake = tmp_path / "python"
-    fails = f'*"import"*"{missing}"*) exit 1 ;;' if missing else ""
-    fake.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path}/calls\ncase "$*" in {fails} esac\n')
+    lines = ["#!/bin/sh", f'echo "$@" >> {tmp_path}/calls']
+    lines.append(f'case "$*" in *"pip install"*) touch {tmp_path}/installed ;; esac')
+    if missing:
+        lines.append(
+            f'case "$*" in *"import"*"{missing}"*) [ -e {tmp_path}/installed ] || exit 1 ;; esac'
+        )
+    lines.append('case "$*" in *"device_count"*) echo 0 ;; esac')
+    fake.write_text("\n".join(lines) + "\n")
     fake.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake)}
     run_sh = ["bash", os.path.join(HERE, "run.sh"), "gpu"]
     subprocess.run(run_sh, check=True, capture_output=True, timeout=60, env=env)
     calls = (tmp_path / "calls").read_text().splitlines()
-    assert calls[0] == "-c import torch, numpy, pytest"
-    installed = "-m pip install -q -r requirements.txt" in calls
-    assert installed == (missing is not None) and calls[-1] == "benchmarks/gpu_check.py"
+    check = "-c import torch, numpy, pytest; print(torch.cuda.device_count())"
+    install = "-m pip install -q -r requirements.txt"
+    want = [check, install, check] if missing else [check]
+    assert calls == want + ["benchmarks/gpu_check.py"]
 
 
 def test_a_rank_that_never_joins_gets_a_hint():
