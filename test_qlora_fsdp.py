@@ -978,13 +978,14 @@ def free_port():
 
 
 def spawn(fn, args, nprocs):
-    """Ranks start from a forkserver that has imported torch and this file once: a rank costs a
-    fork, not a fresh interpreter's imports. (The preload list matters only when the forkserver
-    starts; the process-wide setting is put back after.)"""
+    """Ranks start from a forkserver that has imported torch, this file and torch.compile's
+    machinery (which qlora_fsdp imports at its first use) once: a rank costs a fork, not a fresh
+    interpreter's imports. (The preload list matters only when the forkserver starts; the
+    process-wide setting is put back after.)"""
     from multiprocessing import forkserver
 
     saved = forkserver._forkserver._preload_modules
-    mp.set_forkserver_preload([__name__])
+    mp.set_forkserver_preload([__name__, "torch._dynamo", "torch._inductor.compile_fx"])
     try:
         mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
     finally:
@@ -3163,8 +3164,16 @@ def test_hybrid_sharding_equals_one_process_and_only_gradients_cross(shape, comp
     loss, the count of targets)."""
     replicas, shard = shape
     world = replicas * shard
-    argv = HSDP + ["--shard_size", str(shard)] + ["--compile"] * compile
-    single = run_single(BASE + ["--steps", "4", "--batch_size", str(world), "--seq_len", "32"])
+    argv = HSDP + ["--shard_size", str(shard)]
+    rows = 1
+    if compile:
+        # 2 rows a rank, as in test_compiled_blocks_equal_eager: the same block graphs, which
+        # the compile cache (shared by processes) then holds for whichever test runs second.
+        rows = 2
+        argv += ["--compile", "--batch_size", "2"]
+    single = run_single(
+        BASE + ["--steps", "4", "--batch_size", str(rows * world), "--seq_len", "32"]
+    )
     out = str(tmp_path / "hsdp")
     spawn(_traffic_worker, (world, free_port(), argv, out), world)
     for rank in range(world):
