@@ -4594,10 +4594,11 @@ def sparkline(values, width=40):
     return "".join(bars[min(7, int((v - lo) / span * 8))] for v in means)
 
 
-def progress(items, what, total, nbytes):
+def progress(items, what, total, nbytes, compiling=False):
     """(name, tensor) items as they come, with a line on rank 0 every PROGRESS_S: done, and
-    from the second line (the first's time holds the fixed costs, compiles) the rate since the
-    line before and the time left; one more line at the end."""
+    from the second line the rate since the line before and the time left (the first's time
+    holds the fixed costs: `compiling` says they include the kernels' compiles); one more line
+    at the end."""
     start = time.perf_counter()
     said = None  # (time, bytes) at the last line
     n = 0
@@ -4613,6 +4614,8 @@ def progress(items, what, total, nbytes):
             rate = (done - said[1]) / (now - said[0])
             left = max(0, nbytes - done) / max(rate, 1e-9)
             line += f", {fmt_bytes(rate)}/s, {left:.0f} s left"
+        elif compiling:
+            line += ", compiling the NF4 kernels"
         said = (now, done)
         print0(line)
     seconds = max(time.perf_counter() - start, 1e-9)
@@ -4657,7 +4660,8 @@ def build(args, config, device, checkpoint=None):
         what = "drawing a random base"
         nbytes = 4 * sum(map(math.prod, shapes.values()))
         checkpoint = Checkpoint(initial_weights(shapes, args.seed, device), nbytes)
-    tensors = progress(_finite(checkpoint.tensors, args), what, len(shapes), checkpoint.nbytes)
+    items = _finite(checkpoint.tensors, args)
+    tensors = progress(items, what, len(shapes), checkpoint.nbytes, args.compile)
     load_weights(fsdp, tensors, args.compile)
     load_weights(fsdp, initial_weights(fsdp.adapter_shapes(), args.seed), args.compile)
     return model, fsdp

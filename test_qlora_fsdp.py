@@ -3410,6 +3410,18 @@ def test_loading_and_drawing_report_progress(tmp_path, hf_dir, monkeypatch, caps
         )
 
 
+def test_the_first_progress_line_says_the_kernels_compile(monkeypatch, capsys):
+    """With the NF4 kernels compiled, the first line, whose time holds their compiles, says so
+    and gives no rate; the lines after give theirs."""
+    monkeypatch.setattr(qf, "PROGRESS_S", 0.0)
+    items = [(f"w{i}", torch.zeros(64)) for i in range(3)]
+    for compile in (True, False):
+        list(qf.progress(items, "drawing", 3, 768, compile))
+        first, second = capsys.readouterr().out.splitlines()[:2]
+        assert first.endswith(", compiling the NF4 kernels") == compile and "/s" not in first
+        assert "/s" in second and "compiling" not in second
+
+
 def test_time_left_is_honest_after_slow_first_tensors(monkeypatch, capsys):
     """Progress after three slow tensors (1 s each, as the quantize kernel's first compiles are, one
     per new shape) and 200 fast ones (0.05 s each), on a clock of the test's own, predicts the time
