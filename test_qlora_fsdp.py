@@ -3423,8 +3423,8 @@ def test_the_first_progress_line_says_the_kernels_compile(monkeypatch, capsys):
 
 
 def test_time_left_is_honest_after_slow_first_tensors(monkeypatch, capsys):
-    """Progress after three slow tensors (1 s each, as the quantize kernel's first compiles are, one
-    per new shape) and 200 fast ones (0.05 s each), on a clock of the test's own, predicts the time
+    """Progress after three slow tensors (1 s each, as when the first ones wait for the kernels'
+    compiles) and 200 fast ones (0.05 s each), on a clock of the test's own, predicts the time
     left within 10% of what it turns out to be: each rate is measured since the line before, never
     over the first line's time (a rate from the end of the first tensor says 1.7x too much)."""
     clock = [0.0]
