@@ -993,7 +993,9 @@ def spawn(fn, args, nprocs):
         mp.set_forkserver_preload(saved)
 
 
-def _worker(rank, world, port, argv, out_path):
+def _become_rank(rank, world, port):
+    """A spawned process set up as torchrun sets up rank `rank` of `world` (one thread, and the
+    tests' micro config: no fixture runs here)."""
     os.environ.update(
         RANK=str(rank),
         WORLD_SIZE=str(world),
@@ -1002,7 +1004,11 @@ def _worker(rank, world, port, argv, out_path):
         MASTER_PORT=str(port),
     )
     torch.set_num_threads(1)
-    qf.CONFIGS["micro"] = MICRO  # a spawned process of its own: no fixture runs here
+    qf.CONFIGS["micro"] = MICRO
+
+
+def _worker(rank, world, port, argv, out_path):
+    _become_rank(rank, world, port)
     summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv))
     adapters = fsdp.full_adapters()
     shard_sizes = {
@@ -1044,15 +1050,7 @@ def run_single(argv):
 
 def _lesson_worker(rank, world, port, argv, out_path):
     """A rank that trains with Part I alone: its text run as a module of its own."""
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-    )
-    torch.set_num_threads(1)
-    qf.CONFIGS["micro"] = MICRO  # a spawned process of its own: no fixture runs here
+    _become_rank(rank, world, port)
     lesson = exec_module("qlora_lesson", part_one())
     assert not hasattr(lesson, "FSDP") and not hasattr(lesson, "CausalLM")
     args = qf.parse_args(argv)  # any object with the fields the lesson reads
@@ -4741,14 +4739,8 @@ def test_a_bad_jsonl_line_is_one_error_line(tmp_path, capsys):
 
 
 def _tokenize_worker(rank, world, port, path, ckpt, cache, out):
-    os.environ.update(
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        XDG_CACHE_HOME=cache,
-    )
+    _become_rank(rank, world, port)
+    os.environ["XDG_CACHE_HOME"] = cache
     torch.distributed.init_process_group("gloo")
     calls = []
     real = qf.tokenize
