@@ -122,8 +122,7 @@ def memory_budget(counts):
     total = counts.linear + counts.head + counts.dense
     # Everything trains in bf16: weights, gradients, two moments.
     full = StateBytes(params=2 * total, grads=2 * total, optimizer=4 * total)
-    # An NF4 base, the rest of it in bf16, and fp32 adapters, alone with gradients and
-    # moments.
+    # An NF4 base, the rest in bf16, and fp32 adapters, the only ones with gradients and moments.
     nf4 = counts.linear * NF4_BITS_PER_PARAM / 8
     qlora = StateBytes(
         params=nf4 + 2 * (total - counts.linear) + 4 * counts.lora,
@@ -226,7 +225,9 @@ def compile_dynamic(fn):
         compiled = compiled or torch.compile(fn, dynamic=True)
         args = [a.detach() if torch.is_tensor(a) else a for a in args]  # not views
         sizes = fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
-        with sizes, torch._C._AutoDispatchBelowADInplaceOrView():
+        # The caches key on the graph, not these settings: keep out one cached under other guards.
+        tag = torch.compiler.config.patch(cache_key_tag="sizes: oblivious, not duck")
+        with sizes, tag, torch._C._AutoDispatchBelowADInplaceOrView():
             return compiled(*args)
 
     return call
@@ -356,8 +357,7 @@ class NF4Tensor(torch.Tensor):
     def _stable_hash_for_caching(self):
         """The key torch.compile's cache files this tensor under: its layout, not its data."""
         inner = [(tuple(t.shape), str(t.dtype), t.device.type) for t in self.inner()]
-        blocks = (self.block_size, self.scaler_block_size)
-        key = (tuple(self.shape), str(self.dtype), blocks, self.requires_grad, inner)
+        key = (self.__tensor_flatten__()[1], self.requires_grad, inner)
         return hashlib.blake2b(repr(key).encode(), digest_size=16).hexdigest()
 
     def __repr__(self):

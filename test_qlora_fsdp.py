@@ -373,6 +373,31 @@ def test_one_compile_serves_every_shape():
         assert graphs() == before, (shape, rows, graphs(), why)
 
 
+def _compiled_elsewhere(x):
+    return x.sin().sum(dim=0) * 2
+
+
+def _our_kernel(x):  # the graph of _compiled_elsewhere: the compile caches cannot tell them apart
+    return x.sin().sum(dim=0) * 2
+
+
+def test_a_graph_cached_under_other_settings_brings_no_guards():
+    """compile_dynamic's kernel serves 1 row after 17 even where the compile caches already
+    hold its graph compiled by a plain torch.compile(dynamic=True), whose guards say 2 <= rows
+    (CI's cache held such graphs from an older version): the caches key on the graph, not on
+    the size settings, and compile_dynamic's tag keeps those apart."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list as compiled_graphs
+    from torch._dynamo.utils import guard_failures
+
+    torch.compile(_compiled_elsewhere, dynamic=True)(torch.randn(17, 3))
+    kernel = qf.compile_dynamic(_our_kernel)
+    for rows in (17, 1):
+        x = torch.randn(rows, 3)
+        torch.testing.assert_close(kernel(x), _our_kernel(x))
+    why = guard_failures.get(_our_kernel.__code__)
+    assert len(compiled_graphs(_our_kernel.__code__)) == 1, why
+
+
 def test_vectorized_dequantize_equals_table_lookup():
     """The select-tree + packed-pairs formulation (what torch.compile gets for bf16) gives the
     table lookup's bf16 values bit for bit: every code, zero blocks, tiny and huge scales, and
