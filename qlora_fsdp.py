@@ -225,7 +225,7 @@ def compile_dynamic(fn):
         compiled = compiled or torch.compile(fn, dynamic=True)
         args = [a.detach() if torch.is_tensor(a) else a for a in args]  # not views
         sizes = fx_config.patch(use_duck_shape=False, backed_size_oblivious=True)
-        # The caches key on the graph, not these settings: keep out one cached under other guards.
+        # Caches key a graph by its code, not these settings: the tag keeps out its other guards.
         tag = torch.compiler.config.patch(cache_key_tag="sizes: oblivious, not duck")
         with sizes, tag, torch._C._AutoDispatchBelowADInplaceOrView():
             return compiled(*args)
