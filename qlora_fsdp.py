@@ -3449,9 +3449,8 @@ def load_checkpoint(path, config):
         for name in sf.entries:
             if not name.endswith("rotary_emb.inv_freq"):
                 sources[name] = (sf, name)
-    has_head = "lm_head.weight" in sources
-    if config.tie_word_embeddings and not has_head and "model.embed_tokens.weight" in sources:
-        sources["lm_head.weight"] = sources["model.embed_tokens.weight"]  # tied: the embedding
+    if config.tie_word_embeddings and "model.embed_tokens.weight" in sources:
+        sources.setdefault("lm_head.weight", sources["model.embed_tokens.weight"])  # tied
     layers = config.num_hidden_layers
     for name, (sf, key) in sources.items():
         entry = sf.entries[key]
@@ -3470,10 +3469,12 @@ def load_checkpoint(path, config):
             entry.dtype.is_floating_point,
             f"{where} is {DTYPE_NAMES[entry.dtype]}, not floating point",
         )
-    missing = [n for i in (None, *range(layers)) for n in hf_shapes(config, i) if n not in sources]
-    if missing:  # counted, and one named (never all listed)
-        n = len(missing)
-        raise UserError(f"{path}: {n:,} tensors missing from the checkpoint, e.g. {missing[0]}")
+    # Each name present is expected (above): the missing are counted, not listed, and one named.
+    n = len(hf_shapes(config)) + layers * len(hf_shapes(config, 0)) - len(sources)
+    if n:
+        expected = (name for i in (None, *range(layers)) for name in hf_shapes(config, i))
+        first = next(name for name in expected if name not in sources)
+        raise UserError(f"{path}: {n:,} tensors missing from the checkpoint, e.g. {first}")
     nbytes = sum(sf.entries[key].end - sf.entries[key].begin for sf, key in sources.values())
     tensors = ((name, sf.get(key)) for name, (sf, key) in sources.items())
     return Checkpoint(tensors, nbytes)
