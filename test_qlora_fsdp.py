@@ -345,8 +345,12 @@ def test_one_compile_serves_every_shape():
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list as compiled_graphs
     from torch._dynamo.utils import guard_failures
 
-    kernels = [qf._quantize_blocks, qf._dequantize, qf._dequantize_bf16_pairs]
-    kernels.append(qf._cross_entropy_rows)
+    kernels = [
+        qf._quantize_blocks,
+        qf._dequantize,
+        qf._dequantize_bf16_pairs,
+        qf._cross_entropy_rows,
+    ]
 
     def graphs():
         return {k.__name__: len(compiled_graphs(k.__code__)) for k in kernels}
