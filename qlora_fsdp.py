@@ -1817,16 +1817,19 @@ NF4_OPS.update(
 
 class _Use:
     """One pass of a forward through a unit, each module called at most once; its backward is
-    over when its _PostBackward nodes have run (with none, at the end of backward)."""
+    over when its _PostBackward nodes have run. A call whose inputs need no gradient (an
+    embedding's) has no node to say when its backward is over: a use with one such call is over
+    at the end of backward, so that its weights live until then."""
 
     def __init__(self):
         self.ran = set()  # the modules called in it
         self.nodes = 0  # _PostBackward nodes made on its calls' inputs
         self.nodes_done = 0  # of those, the ones whose backward has run
+        self.unsignalled = False  # a call made no node: over only at the end of backward
         self.started = False  # a gradient reached one of its outputs: its backward began
 
     def done(self):
-        return self.nodes > 0 and self.nodes_done == self.nodes
+        return not self.unsignalled and self.nodes_done == self.nodes
 
 
 class _Sharded:
@@ -1874,6 +1877,8 @@ class AnyUnit(ShardedUnit):
         for p in self.params:
             for module, attr in p.places:
                 _mark_sharded(module, attr, p.fqn)
+        for slot in self.adapters:
+            slot.got = False  # a gradient reached it in this backward
 
     def _register_hooks(self):
         for m in self.modules:
@@ -1935,6 +1940,7 @@ class AnyUnit(ShardedUnit):
         leaves, spec = pytree.tree_flatten((args, kwargs))
         need = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
         if not need:
+            use.unsignalled = True
             return args, kwargs
         use.nodes += 1
         wrapped = _PostBackward.apply(self, use, *(leaves[i] for i in need))
@@ -1984,9 +1990,12 @@ class AnyUnit(ShardedUnit):
         self.started = []
         self.needs_backward = False
         grads = [slot.full.grad for slot in self.adapters]
+        # A unit may reduce more than once in one backward (a use over early, another one
+        # later): a slot that a gradient reached in any of them gets each reduction added, the
+        # zeros that stood in for it included; one that none reached keeps its .grad.
         for slot, g in zip(self.adapters, grads):
-            slot.got = g is not None  # none reached it: its .grad stays as it was
-        if any(slot.got for slot in self.adapters):
+            slot.got |= g is not None
+        if any(g is not None for g in grads):
             filled = []
             for slot, g in zip(self.adapters, grads):
                 filled.append(torch.zeros_like(slot.full) if g is None else g)
@@ -2022,6 +2031,17 @@ def _collect_params(module, prefix, unit, tops, found):
     for name, child in module._modules.items():
         if child is not None and child not in tops:
             _collect_params(child, f"{prefix}{name}.", unit, tops, found)
+
+
+def _refuse_nesting(names):
+    """Refuse a unit that lists a module and one inside it: the inner one's call would end
+    the unit's pass while the outer one still runs. (A unit may lie inside another unit.)"""
+    for outer in names:
+        for inner in names:
+            if outer and inner.startswith(outer + "."):
+                raise ValueError(
+                    f"FSDP: a unit lists {inner} and {outer}, which holds it; list only {outer}"
+                )
 
 
 def _mesh_groups(mesh):
@@ -2090,6 +2110,8 @@ class FSDP(FullyShard):
         outside = [type(m).__name__ for m in tops if m not in names]
         if outside:
             raise ValueError(f"FSDP: a unit's {outside[0]} is not a submodule of the model")
+        for group in groups:
+            _refuse_nesting([names[m] for m in group])
         # The root's parameters, then each unit's. The walk stops at each unit's modules,
         # so a unit's parameters are never the root's; one found in two units is refused.
         found = {}
@@ -2142,6 +2164,9 @@ class FSDP(FullyShard):
             if any(slot.full.grad is not None for slot in unit.adapters):
                 unit.needs_backward = True
         super()._end_of_backward()
+        for unit in self.all_units:
+            for slot in unit.adapters:
+                slot.got = False  # the next backward starts afresh
 
     def add_grad(self, slot, grad):
         if slot.got:  # no gradient reached it: its .grad stays as it was (None)
