@@ -2098,10 +2098,13 @@ class FSDP(FullyShard):
         self.time_waits = False  # record each wait for a collective (the run reads them)
         self.waits = []  # (start, end) of each wait, while time_waits
         super().__init__(model, units, device, compute_dtype, offload, group)
-        # Buffers are not sharded: they move to the device, as FSDP2 moves them.
+        # Buffers are not sharded: they move to the device, as FSDP2 moves them (one on "meta"
+        # is made there, for its module to fill as its weights load).
         for module in model.modules():
             for key, buffer in module._buffers.items():
-                if buffer is not None:
+                if buffer is not None and buffer.is_meta:
+                    module._buffers[key] = torch.empty_like(buffer, device=device)
+                elif buffer is not None:
                     module._buffers[key] = buffer.to(device)
 
     def _make_units(self, model, groups):
@@ -2414,9 +2417,9 @@ def as_family(config):
     return FamilyConfig(**dataclasses.asdict(config))
 
 
-def count_family_params(config, lora_rank=8, nf4_head=False):
+def count_family_params(config, lora_rank=8, nf4_head=False, dora=False):
     """count_params, with the family's biases and Qwen3's q_norm and k_norm (and an NF4 head
-    counted with the NF4 projections)."""
+    counted with the NF4 projections, DoRA's magnitudes with the adapters)."""
     c = as_family(config)
     counts = count_params(c, lora_rank)
     shapes = linear_shapes(c)
@@ -2428,6 +2431,9 @@ def count_family_params(config, lora_rank=8, nf4_head=False):
     counts = counts._replace(dense=counts.dense + c.num_hidden_layers * per_block)
     if nf4_head:
         counts = counts._replace(linear=counts.linear + counts.head, head=0)
+    if dora:  # a magnitude per output row of each projection
+        magnitudes = c.num_hidden_layers * sum(out for out, _ in shapes.values())
+        counts = counts._replace(lora=counts.lora + magnitudes)
     return counts
 
 
@@ -2441,6 +2447,146 @@ def shared_input(x, *layers):
     xA = F.linear(x, A)  # (..., sum of the ranks)
     parts = xA.split([m.rank for m in layers], dim=-1)
     return [m(x, part) for m, part in zip(layers, parts)]
+
+
+# DoRA (Liu et al. 2024) splits each adapted weight into a direction and a magnitude: W' = m V /
+# ||V||, row by row, V = W + s B A, with a trainable magnitude m (out,) that starts at ||W||; B =
+# 0, so the layer starts as W. The norm is detached (the paper's section 4.3), as PEFT has it:
+#   y = (m / n) * (x W^T + s x A^T B^T) + bias,   n = ||W + s B A|| per row.
+# PEFT, with dropout d in training, applies the magnitude's change to the dropped input:
+#   y = x W^T + (m / n - 1) * d(x) W^T + (m / n) * s d(x) A^T B^T + bias.
+# n needs no dense W + s B A, nor a second dequantize of W: row by row,
+#   ||W_i + s (B A)_i||^2 = ||W_i||^2 + 2 s B_i . (W A^T)_i + s^2 B_i (A A^T) B_i^T.
+# W is frozen, so ||W_i||^2 is taken once, when W is set; A W^T (rank, out) comes from the one
+# dequantize that gives x W^T. What a step adds is (out x rank) work and the scale by m / n.
+
+
+def squared_row_norms(weight, compile=None):
+    """||W_i||^2 (out,), fp32, of an NF4 weight dequantized in its dtype, as a forward sees it
+    (summed a few rows at a time: no fp32 copy of W)."""
+    w = weight.dequantize(compile=compile).view(weight.shape[0], -1)  # (out, in)
+    rows = max(1, DEQUANT_CHUNK // w.shape[1])
+    return torch.cat([part.float().square().sum(dim=1) for part in w.split(rows)])
+
+
+@torch.library.custom_op(f"{OPS}::dora_nf4", mutates_args=())
+def _dora_nf4(
+    x: torch.Tensor,
+    A: torch.Tensor,
+    inner: list[torch.Tensor],
+    sizes: list[int],
+    compile: Optional[bool],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x W^T (..., out) and A W^T (rank, out) from one dequantize of W (out, in). sizes: out,
+    the block sizes."""
+    out_features, block_size, scaler_block_size = sizes
+    w = dequantize_nf4(*inner, block_size, scaler_block_size, x.dtype, compile)
+    w = w.view(out_features, -1)  # (out, in)
+    return x @ w.T, A @ w.T
+
+
+@_dora_nf4.register_fake
+def _(x, A, inner, sizes, compile):
+    out_features = sizes[0]
+    return x.new_empty(*x.shape[:-1], out_features), A.new_empty(A.shape[0], out_features)
+
+
+def _dora_nf4_setup(ctx, inputs, output):
+    x, A, inner, sizes, compile = inputs
+    _matmul_nf4_setup(ctx, (x, inner, sizes, True, compile), output)
+
+
+def _dora_nf4_backward(ctx, grad_y, grad_AW):
+    """x's gradient only, grad_y W, as linear_nf4's: A W^T is a constant here (n is detached)."""
+    grad_x = _matmul_nf4_backward(ctx, grad_y)[0]
+    return grad_x, None, [None] * 4, None, None
+
+
+_dora_nf4.register_autograd(_dora_nf4_backward, setup_context=_dora_nf4_setup)
+
+
+def dora_scale(magnitude, lora_A, lora_B, scaling, AW, weight_norm_sq):
+    """m / n (out,), n = ||W + s B A|| per row (detached) from ||W_i||^2, A W^T (AW, (rank,
+    out)) and A A^T."""
+    with torch.no_grad():
+        B = lora_B.float()  # (out, rank)
+        A = lora_A.float()  # (rank, in)
+        cross = (B * AW.float().T).sum(dim=1)  # B_i . (W A^T)_i
+        quadratic = ((B @ (A @ A.T)) * B).sum(dim=1)  # B_i (A A^T) B_i^T
+        n_sq = weight_norm_sq + 2 * scaling * cross + scaling**2 * quadratic
+        n = n_sq.clamp_min(0).sqrt()
+    return magnitude / n
+
+
+def dora_merge(v, magnitude):
+    """DoRA's merged weight from V = W + s B A (out, in): (m / ||V_i||) V_i, row by row."""
+    return (magnitude.to(v.dtype) / v.norm(dim=1))[:, None] * v
+
+
+class DoRALinear(LoRALinear):
+    """QDoRA's layer: LoRALinear's (the same arguments, and from_linear) plus a trainable fp32
+    magnitude, lora_magnitude_vector (out,), that starts at W's row norms (PEFT's use_dora).
+    weight_norm_sq, ||W_i||^2, is a buffer outside state_dict, taken whenever W is set: built,
+    loaded by load_state_dict, or by section 13's load_weights (sharded)."""
+
+    def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, **kw):
+        super().__init__(in_features, out_features, rank, alpha, dropout, **kw)
+        self._add_magnitude()
+
+    @classmethod
+    def from_lora(cls, layer):
+        """A LoRALinear made a DoRALinear in place (as fully_shard swaps a module's class): its
+        tensors kept, nothing quantized again, its magnitude added."""
+        layer.__class__ = cls
+        layer._add_magnitude()
+        return layer
+
+    def _add_magnitude(self):
+        norms = squared_row_norms(self.weight, self.compile_kernels)
+        self.register_buffer("weight_norm_sq", norms, persistent=False)
+        self.lora_magnitude_vector = nn.Parameter(norms.sqrt())
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "weight" in state_dict:  # a new W: its norms follow
+            self.weight_norm_sq = squared_row_norms(self.weight, self.compile_kernels)
+
+    def forward(self, x, xA=None):
+        """x (..., in) -> (..., out). xA: dropout(x) A^T, if the caller made it already."""
+        dropout = self.training and isinstance(self.dropout, nn.Dropout)
+        dropped = self.dropout(x) if dropout else x
+        if xA is None:
+            xA = F.linear(dropped, self.lora_A.to(x.dtype))  # (..., rank)
+        A = self.lora_A.detach().to(x.dtype)
+        sizes = [self.out_features, self.weight.block_size, self.weight.scaler_block_size]
+        both = torch.stack([x, dropped]) if dropout else x  # (2, ..., in): one dequantize
+        y, AW = _dora_nf4(both, A, self.weight.inner(), sizes, self.compile_kernels)
+        m = self.lora_magnitude_vector
+        scale = dora_scale(m, self.lora_A, self.lora_B, self.scaling, AW, self.weight_norm_sq)
+        scale = scale.to(x.dtype)
+        B = self.lora_B.to(x.dtype)
+        if dropout:
+            lora = self.scaling * F.linear(xA, B)  # (..., out)
+            y = y[0] + (scale - 1) * y[1] + scale * lora
+        else:  # (m / n) (x W^T + s xA B^T), the sum as LoRA's one addmm
+            y2d = y.view(-1, y.shape[-1])
+            xA2d = xA.view(-1, self.rank)
+            y = scale * torch.addmm(y2d, xA2d, B.T, alpha=self.scaling).view(y.shape)
+        return y if self.bias is None else y + self.bias
+
+    def merged_weight(self, dtype=torch.float32):
+        """(m / n) (W + s B A), n its row norms, dense: PEFT's merge."""
+        v = super().merged_weight(torch.float32)
+        return dora_merge(v, self.lora_magnitude_vector.detach().float()).to(dtype)
+
+
+def dora_magnitudes(model):
+    """{name of each DoRA magnitude: W's row norms, where it starts}."""
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, DoRALinear):
+            found[f"{name}.lora_magnitude_vector"] = m.weight_norm_sq.sqrt()
+    return found
 
 
 def _add_bias(linear, dtype):
@@ -2533,14 +2679,18 @@ def document_mask(documents):
 
 class CausalLM(Llama):
     """Llama and its family (Mistral, Qwen2, Qwen3) as transformers' <Family>ForCausalLM.
-    nf4_head: the lm_head in NF4. documents (B, T): packed rows, a document id per token, each
-    document as if alone. offload_activations: section 12's OffloadedInputs, or None."""
+    nf4_head: the lm_head in NF4. dora: DoRALinear on every projection. documents (B, T): packed
+    rows, a document id per token, each document as if alone. offload_activations: section 12's
+    OffloadedInputs, or None."""
 
     Block = FamilyDecoderLayer
 
-    def __init__(self, config, *args, nf4_head=False, **kwargs):
+    def __init__(self, config, *args, nf4_head=False, dora=False, **kwargs):
         """config: a LlamaConfig or FamilyConfig; the other arguments are Llama's."""
         super().__init__(as_family(config), *args, **kwargs)
+        if dora:
+            for layer in [m for m in self.modules() if isinstance(m, LoRALinear)]:
+                DoRALinear.from_lora(layer)
         self.offload_activations = None
         if nf4_head:
             weight = to_nf4(self.lm_head.weight.detach(), compile=self.lm_head.compile_kernels)
@@ -2770,18 +2920,20 @@ def _block_unit_bytes(config, counts, elt):
     return _nf4_bytes(counts.linear / layers) + 2 * d * elt + (counts.lora / layers) * elt
 
 
-def _block_saved_per_token(config, elt, lora_rank):
+def _block_saved_per_token(config, elt, lora_rank, dora=False):
     """Bytes per token that one block saves for backward, op by op: each RMSNorm its fp32
     input and its output; attention q, k, v, its output and an fp32 log-sum-exp per head;
     o_proj's LoRA its input; SwiGLU the gate, both factors and the product; each projection
-    its LoRA intermediate. (NF4 linears save only their packed weight.)"""
+    its LoRA intermediate, and with DoRA its output before the magnitude's scale (for m's
+    gradient). (NF4 linears save only their packed weight.)"""
     d = config.hidden_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
     norms = 2 * (4 * d + elt * d)
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * config.num_attention_heads
     mlp = elt * 4 * config.intermediate_size
-    return norms + attention + mlp + 7 * elt * lora_rank
+    unscaled = elt * sum(out for out, _ in linear_shapes(config).values()) if dora else 0
+    return norms + attention + mlp + 7 * elt * lora_rank + unscaled
 
 
 def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, flags):
@@ -2791,7 +2943,7 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
     vocab = config.vocab_size
     layers = config.num_hidden_layers
     q_dim = config.num_attention_heads * config.head_dim
-    block_saved = _block_saved_per_token(config, elt, lora_rank)
+    block_saved = _block_saved_per_token(config, elt, lora_rank, flags.dora)
     # Backward frees each saved tensor once its op's backward is done, so beside them there is
     # about one (tokens, ffn) gradient and one (tokens, d) at a time. Attention's backward
     # accumulates in fp32 (flash). Not per token: the dense weight inside the NF4 matmul that
@@ -2882,6 +3034,7 @@ class StepFlags(NamedTuple):
     compile: bool = True
     nf4_head: bool = False
     pack: bool = False
+    dora: bool = False
     capability: Optional[tuple] = None  # the GPU's (major, minor), for cuBLAS's workspaces
 
 
@@ -2891,7 +3044,7 @@ def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, 
     flags = StepFlags(**kw)
     elt = dtype_bytes
     tokens = batch_size * seq_len
-    counts = count_family_params(config, lora_rank)
+    counts = count_family_params(config, lora_rank, dora=flags.dora)
     state = _state_rows(counts, world, elt, flags.nf4_head)
     # All-gathers: two block units at a time, the one being computed and the next one's
     # receive buffer (prefetched after the copy-out, whose receive buffer is gone by then).
@@ -2970,7 +3123,7 @@ def step_traffic(config, args, world):
     shard = shard_size(args, world)
     replicas = world // shard
     elt = 2 if args.dtype == "bf16" else 4
-    counts = count_family_params(config, args.lora_rank)
+    counts = count_family_params(config, args.lora_rank, dora=args.dora)
     layers = config.num_hidden_layers
     head = _nf4_bytes(counts.head) if args.nf4_head else counts.head * elt
     once = (counts.dense - layers * 2 * config.hidden_size) * elt + head
@@ -3505,11 +3658,14 @@ def load_checkpoint(path, config):
     return Checkpoint(tensors, nbytes)
 
 
-def initial_weights(shapes, seed, device="cpu"):
+def initial_weights(shapes, seed, device="cpu", magnitudes=None):
     """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one
-    at a time from generators seeded by name on `device` (the adapters' on the CPU)."""
+    at a time from generators seeded by name on `device` (the adapters' on the CPU).
+    magnitudes: DoRA's, dora_magnitudes(model), once the base is loaded."""
     for name, shape in shapes.items():
-        if name.endswith("lora_A"):
+        if name.endswith("lora_magnitude_vector"):  # W's row norms
+            yield name, magnitudes[name].cpu()
+        elif name.endswith("lora_A"):
             yield name, lora_A_init(shape, seeded(seed, name))
         elif name.endswith("lora_B"):  # B = 0: the model starts as the base
             yield name, torch.zeros(shape)
@@ -3526,13 +3682,17 @@ def initial_weights(shapes, seed, device="cpu"):
 
 def load_weights(fsdp, tensors, compile=None):
     """Each (name, full tensor) into this rank's pieces: a frozen one in the compute dtype
-    (an NF4 weight quantized), a trainable one into its fp32 master as it is."""
+    (an NF4 weight quantized), a trainable one into its fp32 master as it is. A DoRA layer
+    takes its W's row norms here, where the whole of W passes."""
     for name, t in tensors:
         p = fsdp.param_of[name][1]
         if not p.trainable:
             t = t.to(fsdp.device, fsdp.compute_dtype)
         if p.subclass:  # an NF4 weight
             t = to_nf4(t, compile=compile)
+            for module, _ in p.places:
+                if isinstance(module, DoRALinear):
+                    module.weight_norm_sq = squared_row_norms(t, compile)
         fsdp.load_full(name, t)
 
 
@@ -3545,16 +3705,18 @@ def from_pretrained(
     device=None,
     seed=0,
     nf4_head=False,
+    dora=False,
 ):
-    """A CausalLM (Llama, Mistral, Qwen2, Qwen3) with fresh adapters from a Hugging Face
-    directory, unsharded: built on "meta", each weight put in place (quantized) as it is read,
-    so that memory stays near the NF4 size, never a bf16 model's."""
+    """A CausalLM (Llama, Mistral, Qwen2, Qwen3) with fresh adapters (DoRA's with dora) from a
+    Hugging Face directory, unsharded: built on "meta", each weight put in place (quantized) as
+    it is read, so that memory stays near the NF4 size, never a bf16 model's."""
     config_path = os.path.join(path, "config.json")
     config = config_from_hf(read_json(config_path), config_path)
     device = torch.device(device or "cpu")
     checkpoint = load_checkpoint(path, config)  # every header checked
     with torch.device("meta"):
-        model = CausalLM(config, dtype, lora_rank, lora_alpha, lora_dropout, nf4_head=nf4_head)
+        lora = (lora_rank, lora_alpha, lora_dropout)
+        model = CausalLM(config, dtype, *lora, nf4_head=nf4_head, dora=dora)
     nf4 = {n for n, p in model.named_parameters() if isinstance(p, NF4Tensor)}
     for name, t in checkpoint.tensors:
         t = t.to(device, dtype)
@@ -3562,7 +3724,8 @@ def from_pretrained(
             t = to_nf4(t)
         model.load_state_dict({name: t}, strict=False, assign=True)
     adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-    drawn = {n: t.to(device) for n, t in initial_weights(adapters, seed)}
+    drawn = initial_weights(adapters, seed, magnitudes=dora_magnitudes(model))
+    drawn = {n: t.to(device) for n, t in drawn}
     model.load_state_dict(drawn, strict=False, assign=True)
     return model
 
@@ -3575,10 +3738,17 @@ PEFT_PREFIX = "base_model.model."
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
+def peft_key(name):
+    """PEFT's key of an adapter: base_model.model.<name>.weight (DoRA's magnitude: no .weight)."""
+    if name.endswith("lora_magnitude_vector"):
+        return PEFT_PREFIX + name
+    return PEFT_PREFIX + name + ".weight"
+
+
 def save_adapters(out_dir, adapters, args):
     """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight), its config."""
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {PEFT_PREFIX + name + ".weight": t.float() for name, t in adapters.items()}
+    tensors = {peft_key(name): t.float() for name, t in adapters.items()}
     specs = [(key, torch.float32, tuple(t.shape)) for key, t in tensors.items()]
     save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), specs, tensors.__getitem__)
     config = {
@@ -3592,6 +3762,7 @@ def save_adapters(out_dir, adapters, args):
         "fan_in_fan_out": False,
         "inference_mode": True,
         "base_model_name_or_path": args.checkpoint or "",
+        "use_dora": args.dora,
     }
     write_json(os.path.join(out_dir, "adapter_config.json"), config)
 
@@ -3599,11 +3770,14 @@ def save_adapters(out_dir, adapters, args):
 def load_adapters(path):
     """{name: tensor} from a PEFT adapter directory (the inverse of save_adapters)."""
     sf = SafetensorsFile(os.path.join(path, "adapter_model.safetensors"))
-    return {key[len(PEFT_PREFIX) : -len(".weight")]: sf.get(key) for key in sf.entries}
+    return {key[len(PEFT_PREFIX) :].removesuffix(".weight"): sf.get(key) for key in sf.entries}
 
 
 # The flags a checkpoint is saved with that --resume must be given again.
-RESUME_MUST_MATCH = "model checkpoint lora_rank lora_alpha lora_dropout seed nf4_head pack".split()
+RESUME_MUST_MATCH = (
+    "model checkpoint lora_rank lora_alpha lora_dropout seed nf4_head pack dora".split()
+)
+SAVED_BEFORE = {"dora": False}  # a flag added since: what a checkpoint without it ran with
 
 
 def _moment(optimizer, key, p):
@@ -3672,7 +3846,7 @@ def _read_training_state(args):
         raise UserError(f"{path}: cannot be read ({type(e).__name__})") from None
     require(isinstance(state, dict), f"{path}: not a training state")
     for key in RESUME_MUST_MATCH:
-        saved = state.get(key)
+        saved = state.get(key, SAVED_BEFORE.get(key))
         mine = getattr(args, key)
         require(
             saved == mine,
@@ -3746,9 +3920,10 @@ def _merged_config(model, source):
 
 
 def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
-    """Collective. Rank 0 writes the base with the adapters merged, W + (alpha/rank) B A, unit
-    by unit, as Hugging Face does (sharded files and an index above max_shard_bytes), and
-    config.json (the `source`'s other keys kept) and its generation_config.json."""
+    """Collective. Rank 0 writes the base with the adapters merged, W + (alpha/rank) B A (with
+    DoRA, dora_merge's), unit by unit, as Hugging Face does (sharded files and an index above
+    max_shard_bytes), and config.json (the `source`'s other keys kept) and its
+    generation_config.json."""
     adapters = fsdp.full_adapters()
     base = fsdp.full_base()  # (name, full tensor), unit by unit, in the order of base_shapes()
 
@@ -3761,6 +3936,9 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
             scaling = model.get_submodule(prefix).scaling
             delta = adapters[prefix + ".lora_B"] @ adapters[prefix + ".lora_A"]
             w = w + scaling * delta.to(w.device)
+        magnitude = adapters.get(prefix + ".lora_magnitude_vector")
+        if magnitude is not None:
+            w = dora_merge(w, magnitude.to(w.device))
         return w.to(model.dtype)
 
     if world_and_rank()[1] == 0:
@@ -4656,8 +4834,9 @@ def build(args, config, device, checkpoint=None):
     weight at a time: `checkpoint`'s (load_checkpoint's, checked finite), or drawn."""
     dtype = DTYPES[args.dtype]
     lora = (args.lora_rank, args.lora_alpha, args.lora_dropout)
+    kw = dict(compile=args.compile, nf4_head=args.nf4_head, dora=args.dora)
     with torch.device("meta"):
-        model = CausalLM(config, dtype, *lora, compile=args.compile, nf4_head=args.nf4_head)
+        model = CausalLM(config, dtype, *lora, **kw)
     model.checkpointing = args.checkpointing
     if args.offload_activations:
         # A stream of its own: a wait for a collective (on FSDP's side stream) must not wait
@@ -4689,7 +4868,9 @@ def build(args, config, device, checkpoint=None):
     items = _finite(checkpoint.tensors, args)
     tensors = progress(items, what, len(shapes), checkpoint.nbytes, args.compile)
     load_weights(fsdp, tensors, args.compile)
-    load_weights(fsdp, initial_weights(fsdp.adapter_shapes(), args.seed), args.compile)
+    magnitudes = dora_magnitudes(model)  # W's row norms, taken as W loaded
+    adapters = initial_weights(fsdp.adapter_shapes(), args.seed, magnitudes=magnitudes)
+    load_weights(fsdp, adapters, args.compile)
     return model, fsdp
 
 
@@ -5265,7 +5446,7 @@ def prepare(args):
     s = set_up(args)
     args = s.args
     check_writable(args, s.rank)
-    counts = count_family_params(s.config, args.lora_rank, args.nf4_head)
+    counts = count_family_params(s.config, args.lora_rank, args.nf4_head, args.dora)
     print0(format_budget(s.name, memory_budget(counts)))
     model, fsdp = build(args, s.config, s.device, s.checkpoint)
     # The peaks of training, not of loading (--estimate has both): what loading left cached
@@ -5376,6 +5557,8 @@ def _add_flags(parser):
     p.add_argument("--lora_rank", type=int, default=8)
     p.add_argument("--lora_alpha", type=float, default=16.0)
     p.add_argument("--lora_dropout", type=float, default=0.0)
+    dora = "DoRA instead of LoRA: a trained magnitude per output row too (PEFT's use_dora)"
+    p.add_argument("--dora", action="store_true", help=dora)
     families = "a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory"
     p.add_argument("--checkpoint", metavar="DIR", help=f"{families}; overrides --model")
     p.add_argument("--nf4_head", action="store_true", help="the lm_head in NF4 (default: dense)")
@@ -5501,7 +5684,7 @@ def estimate(args):
         cuda = torch.cuda.is_available() and args.device != "cpu"
         args = fit(args, world, config, torch.device("cuda" if cuda else "cpu"))
     est = predicted_memory(args, world, config)
-    counts = count_family_params(config, args.lora_rank, args.nf4_head)
+    counts = count_family_params(config, args.lora_rank, args.nf4_head, args.dora)
     print0(format_budget(name, memory_budget(counts)))
     print0(format_estimate(name, est, shard_size(args, world)))
     print0(format_traffic(config, args, world))

@@ -254,14 +254,16 @@ def family_config(family, **changes):
     return dataclasses.replace(tiny, **{**FAMILIES[family], **changes})
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_count_params_equals_the_model(family):
+def test_count_params_equals_the_model(family, dora):
     """count_family_params gives the parameter counts of a built model of each family (GQA's
     smaller k and v, an explicit head_dim, biases, Qwen3's q_norm and k_norm included): the NF4
-    projections, the lm_head, the frozen dense embeddings, norms and biases, the adapters."""
+    projections, the lm_head, the frozen dense embeddings, norms and biases, the adapters (with
+    DoRA, their magnitudes too)."""
     config = family_config(family)
-    model = qf.CausalLM(config, dtype=torch.float32, compile=False)
-    linear, head, dense, lora = qf.count_family_params(config, lora_rank=8)
+    model = qf.CausalLM(config, dtype=torch.float32, compile=False, dora=dora)
+    linear, head, dense, lora = qf.count_family_params(config, lora_rank=8, dora=dora)
     named = list(model.named_parameters())
     assert linear == sum(p.numel() for _, p in named if isinstance(p, qf.NF4Tensor))
     assert head == model.lm_head.weight.numel() and not isinstance(
@@ -955,6 +957,8 @@ def reference_logits(model, tokens):
         y = x @ dense(m.weight).T
         if m.bias is not None:
             y = y + m.bias.float()
+        if isinstance(m, qf.DoRALinear):  # the bias is outside the magnitude's scale
+            return dora_reference(m, x, x)
         if isinstance(m, qf.LoRALinear):
             y = y + m.scaling * (x @ m.lora_A.float().T @ m.lora_B.float().T)
         return y
@@ -2702,15 +2706,16 @@ def randomize_dense(model, seed=0):
             p.add_(noise * 0.1)
 
 
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_llama_equals_reference_with_adapters(family):
+def test_llama_equals_reference_with_adapters(family, dora):
     """For each family, with non-zero adapters, biases and norms, the model equals the plain
     fp32 reference (GQA, RoPE, SwiGLU, RMSNorm with an eps of 0.5, large enough to show; the
     family's biases and q/k norms), logits and adapter gradients (q, k, v and gate, up share one
-    x A^T matmul; the reference not)."""
+    x A^T matmul; the reference not), with LoRA and with DoRA (magnitudes moved too)."""
     torch.manual_seed(0)
     config = family_config(family, rms_norm_eps=0.5)
-    model = qf.CausalLM(config, dtype=torch.float32, compile=False)
+    model = qf.CausalLM(config, dtype=torch.float32, compile=False, dora=dora)
     randomize_dense(model)
     tokens = torch.randint(256, (2, 24))
     adapters = [p for p in model.parameters() if p.requires_grad]
@@ -2938,6 +2943,114 @@ def test_each_norm_in_its_place():
         )
 
 
+# ---- 11. DoRA (DoRALinear, --dora) ------------------------------------------------------------
+
+
+def dora_layer(bias=False, dropout=0.0, dtype=torch.float32, compile=False, seed=0):
+    """A DoRALinear (128 -> 96, rank 4) from an nn.Linear, with nonzero B and a magnitude moved
+    off W's row norms, so that every term of DoRA's formula shows."""
+    torch.manual_seed(seed)
+    linear = torch.nn.Linear(128, 96, bias=bias, dtype=dtype)
+    layer = qf.DoRALinear.from_linear(linear, rank=4, alpha=8.0, dropout=dropout, compile=compile)
+    with torch.no_grad():
+        layer.lora_B.normal_(0, 0.1)
+        layer.lora_magnitude_vector.mul_(1 + 0.2 * torch.rand(96))
+    return layer
+
+
+def dora_reference(layer, x, dropped):
+    """DoRA as the paper and PEFT write it, dense and in fp32: V = W + s B A, n = ||V|| row by row
+    (detached), y = x W^T + (m / n - 1) d(x) W^T + (m / n) s d(x) A^T B^T + bias, d(x) = dropped."""
+    W = layer.weight.dequantize(torch.float32)
+    A, B, m = layer.lora_A, layer.lora_B, layer.lora_magnitude_vector
+    n = (W + layer.scaling * B.detach() @ A.detach()).norm(dim=1)
+    x, dropped = x.float(), dropped.float()
+    scale = m / n
+    y = x @ W.T + (scale - 1) * (dropped @ W.T) + scale * layer.scaling * (dropped @ A.T @ B.T)
+    return y if layer.bias is None else y + layer.bias.float()
+
+
+def dora_outputs(layer, fn, x, seed=5):
+    """fn(x) (..., out) and the gradients of x, A, B and m for a fixed random upstream gradient;
+    the global RNG seeded first, so that dropout draws the same mask for each fn."""
+    x = x.detach().clone().requires_grad_()
+    torch.manual_seed(seed)
+    y = fn(x)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+    params = [layer.lora_A, layer.lora_B, layer.lora_magnitude_vector]
+    grads = torch.autograd.grad(y, [x, *params], g)
+    return [y.detach(), *grads]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dora_linear_equals_the_dense_formula(bias, dropout, dtype):
+    """DoRALinear over NF4 (its norm from x W^T's one dequantize, A W^T and A A^T, never a dense
+    W + s B A) equals DoRA's dense formula on the dequantized W: the output and the gradients of x,
+    A, B and m, to fp32 rounding (bf16: to bf16's), with and without a bias, with dropout (the
+    same mask) and without."""
+    layer = dora_layer(bias, dropout, dtype)
+    layer.train()
+    x = torch.randn(3, 5, 128, dtype=dtype)
+    got = dora_outputs(layer, layer, x)
+
+    def reference(x):
+        dropped = layer.dropout(x) if dropout else x
+        return dora_reference(layer, x, dropped)
+
+    want = dora_outputs(layer, reference, x)
+    rtol = 1e-5 if dtype == torch.float32 else 2e-2  # bf16: 8 bits of mantissa
+    for name, a, b in zip(["y", "x", "A", "B", "m"], got, want):
+        scale = b.abs().max().item()
+        assert scale > 0, name
+        torch.testing.assert_close(a.float(), b.float(), rtol=rtol, atol=rtol * scale, msg=name)
+
+
+def test_dora_starts_as_the_base_and_merges_as_forward():
+    """A fresh DoRALinear (B = 0, m = ||W|| row by row) is exactly its LoRALinear: m / n = 1. Its
+    magnitude is its lora_magnitude_vector, fp32 and trainable beside lora_A and lora_B. Trained,
+    merged_weight() = (m / n)[:, None] (W + s B A) gives its forward (eval)."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(128, 96, bias=True)
+    x = torch.randn(4, 128)
+    lora = qf.LoRALinear.from_linear(linear, rank=4, compile=False)
+    dora = qf.DoRALinear.from_linear(linear, rank=4, compile=False)
+    with torch.no_grad():
+        dora.lora_A.copy_(lora.lora_A)
+        assert torch.equal(dora(x), lora(x))
+    W = dora.weight.dequantize(torch.float32)
+    torch.testing.assert_close(dora.lora_magnitude_vector.detach(), W.norm(dim=1))
+    trainable = [n for n, p in dora.named_parameters() if p.requires_grad]
+    assert trainable == ["lora_A", "lora_B", "lora_magnitude_vector"]
+    assert dora.lora_magnitude_vector.dtype == torch.float32
+    layer = dora_layer(bias=True).eval()
+    with torch.no_grad():
+        merged = F.linear(x, layer.merged_weight(), layer.bias)
+        torch.testing.assert_close(layer(x), merged, rtol=1e-5, atol=1e-5)
+
+
+def dora_outputs_and_saved_weights(layer, fn, x):
+    """dora_outputs, and what saved_weights finds saved while they are made."""
+    got = []
+    found = saved_weights(lambda: got.extend(dora_outputs(layer, fn, x)), [layer.weight.shape])
+    return got, found
+
+
+def test_dora_linear_compiles_fullgraph_and_saves_no_dense_weight():
+    """A DoRALinear with compiled kernels compiles with fullgraph=True; eager and compiled, its
+    output and gradients equal DoRA's dense formula, and neither saves a dense (96, 128) weight
+    for backward."""
+    layer = dora_layer(compile=True)
+    x = torch.randn(3, 5, 128)
+    want = dora_outputs(layer, lambda x: dora_reference(layer, x, x), x)
+    for fn in (layer, torch.compile(layer, fullgraph=True)):
+        got, found = dora_outputs_and_saved_weights(layer, fn, x)
+        assert found == []
+        for name, a, b in zip(["y", "x", "A", "B", "m"], got, want):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
 # ---- 8. predicting the peak, and what a step keeps for backward ----------------------------
 
 # A 512-wide model whose activations (4 x 512 tokens: 2048 rows) outweigh its weights, and
@@ -3037,6 +3150,7 @@ def _step_memory(args):
 
 # (compiled blocks, checkpointing)
 PATHS = [(True, True), (True, False), (False, True), (False, False)]
+DORA_PATHS = [(True, True), (False, True), (False, False)]
 
 
 def _packed_step_memory(folder, dtype, checkpointing):
@@ -3093,18 +3207,15 @@ def _mem_worker(out_path):
     qf.CONFIGS["mem"] = MEM
     out = {"dtype": mem_dtype()}
     for compile, checkpointing in PATHS:
-        args = qf.parse_args(
-            MEM_ARGV
-            + ["--dtype", out["dtype"]]
-            + [
-                "--compile" if compile else "--no-compile",
-                "--checkpointing" if checkpointing else "--no-checkpointing",
-            ]
-        )
+        argv = MEM_ARGV + ["--dtype", out["dtype"]]
+        argv.append("--compile" if compile else "--no-compile")
+        argv.append("--checkpointing" if checkpointing else "--no-checkpointing")
         # as train() sets it: the NF4 kernels and the loss follow --compile too
         qf.COMPILE = compile
-        out["saved", compile, checkpointing] = _saved_for_backward(args)
-        out["memory", compile, checkpointing] = _step_memory(args)
+        for dora in ([], ["--dora"]) if (compile, checkpointing) in DORA_PATHS else ([],):
+            args = qf.parse_args(argv + dora)
+            out[" ".join(["saved"] + dora), compile, checkpointing] = _saved_for_backward(args)
+            out[" ".join(["memory"] + dora), compile, checkpointing] = _step_memory(args)
     for checkpointing in (True, False):
         folder = os.path.dirname(out_path)
         out["packed", checkpointing] = _packed_step_memory(folder, out["dtype"], checkpointing)
@@ -3156,6 +3267,19 @@ def test_estimate_matches_measured_activations(compile, checkpointing, mem_runs)
     actually sees during a training step (CPU, mem_dtype's, one rank): the default path (blocks
     compiled, checkpointing), and eager blocks with and without checkpointing."""
     measured, predicted = mem_runs["memory", compile, checkpointing]
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
+
+
+@pytest.mark.parametrize("compile,checkpointing", DORA_PATHS)
+def test_a_dora_step_saves_no_dense_weight_and_stays_inside_its_estimate(
+    compile, checkpointing, mem_runs
+):
+    """With --dora, the real step (as in the two tests above) saves no dense base weight for
+    backward, gives every master a gradient, and its peak is within 10% of the estimate, which
+    counts DoRA's own saves (each projection's output before the magnitude's scale)."""
+    found, seen, all_grads = mem_runs["saved --dora", compile, checkpointing]
+    assert found == [] and all_grads
+    measured, predicted = mem_runs["memory --dora", compile, checkpointing]
     assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
 
 
@@ -3513,17 +3637,22 @@ def train_run(argv):
     )
 
 
-def test_peft_adapter_files(tmp_path):
+@pytest.mark.parametrize("dora", [[], ["--dora"]], ids=["lora", "dora"])
+def test_peft_adapter_files(tmp_path, dora):
     """--out writes adapter_model.safetensors with PEFT's keys
-    (base_model.model.<module>.lora_A.weight, A rank x in, B out x rank) and adapter_config.json;
+    (base_model.model.<module>.lora_A.weight, A rank x in, B out x rank; with --dora also
+    base_model.model.<module>.lora_magnitude_vector, out) and adapter_config.json (use_dora);
     they load back exactly."""
     out = str(tmp_path / "out")
-    run = train_run(BASE + ["--steps", "2", "--batch_size", "2", "--out", out, "--lora_rank", "4"])
+    argv = BASE + ["--steps", "2", "--batch_size", "2", "--out", out, "--lora_rank", "4"]
+    run = train_run(argv + dora)
     with open(os.path.join(out, "adapter_model.safetensors"), "rb") as f:  # read the header by hand
         n = int.from_bytes(f.read(8), "little")
         header = json.loads(f.read(n))
     keys = {k for k in header if k != "__metadata__"}
-    assert len(keys) == 2 * 7 * 4
+    assert len(keys) == (3 if dora else 2) * 7 * 4
+    magnitude = header.get("base_model.model.model.layers.1.mlp.gate_proj.lora_magnitude_vector")
+    assert (magnitude and magnitude["shape"]) == ([384] if dora else None)
     assert header["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"]["shape"] == [
         4,
         128,
@@ -3549,29 +3678,34 @@ def test_peft_adapter_files(tmp_path):
         "down_proj",
     }
     assert cfg["task_type"] == "CAUSAL_LM" and cfg["bias"] == "none"
+    assert cfg["use_dora"] is bool(dora)
     loaded = qf.load_adapters(out)
     assert loaded.keys() == run["adapters"].keys()
     for k, v in run["adapters"].items():
         assert torch.equal(loaded[k], v), k
 
 
-@pytest.mark.parametrize("dropout", ["0", "0.2"])
-def test_resume_equals_uninterrupted(tmp_path, dropout):
+@pytest.mark.parametrize("dropout, dora", [("0", []), ("0.2", []), ("0.2", ["--dora"])])
+def test_resume_equals_uninterrupted(tmp_path, dropout, dora):
     """Stopped after step 3 and resumed with --resume, a run ends with bitwise the same adapters
-    (and losses) as an uninterrupted one (CPU, fp32, same world size), with LoRA dropout too; only
-    the newest checkpoint stays in --out."""
-    argv = BASE + [
-        "--steps",
-        "6",
-        "--batch_size",
-        "2",
-        "--lr",
-        "0.5",
-        "--adam_eps",
-        "1e-8",
-        "--lora_dropout",
-        dropout,
-    ]
+    (and losses) as an uninterrupted one (CPU, fp32, same world size), with LoRA dropout too, and
+    with DoRA (its magnitudes too); only the newest checkpoint stays in --out."""
+    argv = (
+        dora
+        + BASE
+        + [
+            "--steps",
+            "6",
+            "--batch_size",
+            "2",
+            "--lr",
+            "0.5",
+            "--adam_eps",
+            "1e-8",
+            "--lora_dropout",
+            dropout,
+        ]
+    )
     full = train_run(argv)
     out = str(tmp_path / "run")
     first = train_run(argv + ["--out", out, "--save_every", "3", "--stop_at", "3"])
@@ -3580,8 +3714,42 @@ def test_resume_equals_uninterrupted(tmp_path, dropout):
     # only the newest kept
     assert [d for d in os.listdir(out) if d.startswith("checkpoint-")] == ["checkpoint-6"]
     assert first["losses"] + rest["losses"] == full["losses"]
+    magnitudes = [k for k in full["adapters"] if k.endswith("lora_magnitude_vector")]
+    assert len(magnitudes) == (7 * 4 if dora else 0)
     for k, v in full["adapters"].items():
         assert torch.equal(rest["adapters"][k], v), k
+
+
+# (world, global batch, flags for both runs, flags for the sharded run only)
+DORA_WORLDS = {
+    "2 ranks, accumulated, offloaded": (2, 4, ["--grad_accum", "2"], ["--cpu_offload"]),
+    "3 ranks, padded": (3, 6, [], []),
+    "2 x 2 hybrid": (4, 4, [], ["--shard_size", "2"]),
+    "2 ranks, packed": (2, 4, ["--pack", "--eos_id", "255", "--data", "packed"], []),
+}
+
+
+@pytest.mark.parametrize("case", list(DORA_WORLDS))
+def test_dora_sharded_equals_single_process(case, tmp_path):
+    """--dora trains alike at any world size: 2 ranks with --grad_accum and --cpu_offload, 3
+    (shards padded), 2 x 2 hybrid (--shard_size), 2 packed, each equal to one process on the same
+    global batch (fp32): losses, adapters and magnitudes, which start at W's row norms (the first
+    loss is LoRA's: both start as the base) and move."""
+    world, batch, both, sharded = DORA_WORLDS[case]
+    both = [packed_file(tmp_path) if a == "packed" else a for a in both]
+    lora = run_single(BASE + both + ["--batch_size", str(batch), "--steps", "1"])
+    argv = BASE + ["--dora"] + both
+    single = run_single(argv + ["--batch_size", str(batch)])
+    assert single["losses"][0] == pytest.approx(lora["losses"][0], rel=1e-6)
+    _, fsdp = qf.build(qf.parse_args(argv), qf.CONFIGS["tiny"], torch.device("cpu"))
+    start = fsdp.full_adapters()
+    argv += sharded + ["--batch_size", str(batch // world)]
+    for r in run_sharded(world, argv, tmp_path):
+        assert_same_run(r, single)
+    magnitudes = [k for k in start if k.endswith("lora_magnitude_vector")]
+    assert len(magnitudes) == 7 * 4
+    for k in magnitudes:
+        assert (single["adapters"][k] - start[k]).abs().max() > 1e-3, k
 
 
 def test_resume_at_another_world_size(tmp_path):
@@ -3791,11 +3959,13 @@ def test_interrupted_save_keeps_previous_checkpoint(dies, tmp_path, monkeypatch)
         assert torch.equal(resumed["adapters"][k], v), k
 
 
-def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
+@pytest.mark.parametrize("dora", [[], ["--dora"]], ids=["lora", "dora"])
+def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir, dora):
     """--merge_to writes config.json + model.safetensors in which every projection is
-    W' = W + (alpha/r) B A (W the NF4 base, B and A the adapters --out wrote) and every other
-    weight is the checkpoint's own; from_pretrained reads it back. The config keeps the source's
-    other keys (its token ids), and its generation_config.json comes along."""
+    W' = W + (alpha/r) B A (W the NF4 base, B and A the adapters --out wrote; with --dora,
+    (m / n)[:, None] W', n the row norms of W', m the magnitude) and every other weight is the
+    checkpoint's own; from_pretrained reads it back. The config keeps the source's other keys
+    (its token ids), and its generation_config.json comes along."""
     path, sd = str(tmp_path / "base"), hf_dir[1]
     shutil.copytree(hf_dir[0], path)
     with open(os.path.join(path, "config.json")) as f:
@@ -3819,6 +3989,7 @@ def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
             "--merge_to",
             merged,
         ]
+        + dora
     )
     adapters = qf.load_adapters(out)
     sf = qf.SafetensorsFile(os.path.join(merged, "model.safetensors"))
@@ -3833,6 +4004,9 @@ def test_merge_to_writes_merged_hf_checkpoint(tmp_path, hf_dir):
             expected = expected + 2.0 * (
                 adapters[module + ".lora_B"] @ adapters[module + ".lora_A"]
             )
+            if dora:
+                m = adapters[module + ".lora_magnitude_vector"]
+                expected = (m / expected.norm(dim=1))[:, None] * expected
         torch.testing.assert_close(sf.get(name), expected, rtol=1e-6, atol=1e-6, msg=name)
     reloaded = qf.Llama.from_pretrained(merged, dtype=torch.float32)
     assert isinstance(reloaded.model.layers[0].mlp.up_proj.weight, qf.NF4Tensor)
@@ -4178,6 +4352,22 @@ def _bad(tmp_path, hf_dir, case):
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
         return ["--out", out, "--resume", "--lora_rank", "4"], "saved with --lora_rank 8"
+    if case == "resume LoRA with --dora":
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
+        return ["--out", out, "--resume", "--dora"], "saved with --dora False, this run has --dora"
+    if case == "resume DoRA without --dora":
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out, "--dora"])
+        return ["--out", out, "--resume"], "saved with --dora True, this run has --dora False"
+    if case == "resume a checkpoint older than --dora with it":  # one that has no "dora" key
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
+        path = os.path.join(out, "checkpoint-1", "training_state.pt")
+        state = torch.load(path)
+        del state["dora"]
+        torch.save(state, path)
+        return ["--out", out, "--resume", "--dora"], "saved with --dora False, this run has --dora"
     # the moments as an older version saved them: {name: {exp_avg, ...}}
     if case == "resume another layout":
         out = str(tmp_path / "out")
@@ -4285,6 +4475,9 @@ BAD_CHECKPOINT_CASES = [  # section 9: checkpoints, their config.json, resuming,
     "merge onto the base",
     "out holds a checkpoint",
     "resume other rank",
+    "resume LoRA with --dora",
+    "resume DoRA without --dora",
+    "resume a checkpoint older than --dora with it",
     "resume another layout",
     "resume other seed",
     "resume other shapes",
@@ -5365,11 +5558,12 @@ def test_compiled_blocks_equal_eager():
         torch.testing.assert_close(compiled["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
 
 
-def test_fit_runs_the_plan_it_prints(capsys):
+@pytest.mark.parametrize("dora", [[], ["--dora"]], ids=["lora", "dora"])
+def test_fit_runs_the_plan_it_prints(capsys, dora):
     """A --fit run on the tiny model trains with the plan it chose, and its losses are those of the
     same run with the plan's flags given by hand (bitwise), and of the run it replaces (the same
-    rows: any split of the batch)."""
-    argv = BASE + ["--batch_size", "4", "--steps", "2"]
+    rows: any split of the batch); with LoRA and with DoRA."""
+    argv = BASE + dora + ["--batch_size", "4", "--steps", "2"]
     args = qf.parse_args(argv)
     plans = qf.fit_plans(args)
     peaks = [qf.predicted_memory(p, 1, qf.CONFIGS[p.model]).gpu_peak for p in plans]
@@ -6841,3 +7035,72 @@ def test_each_family_equals_transformers_and_round_trips(family, tmp_path):
     assert loss == pytest.approx(run["summary"]["val_loss"], rel=1e-4)
     with open(os.path.join(merged, "config.json")) as f:
         assert json.load(f)["model_type"] == model_cls.config_class.model_type
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_dora_linear_equals_peft(bias, dropout):
+    """DoRALinear and PEFT's DoRA layer (LoraConfig(use_dora=True)) over the same dequantized base
+    weight, with the same A, B, magnitude and input (and dropout mask), give the same output and
+    the same gradients of x, A, B and m, to fp32 rounding."""
+    peft = pytest.importorskip("peft")
+    ours = dora_layer(bias, dropout)
+    holder = torch.nn.Module()
+    holder.proj = torch.nn.Linear(128, 96, bias=bias)
+    with torch.no_grad():
+        holder.proj.weight.copy_(ours.weight.dequantize(torch.float32))
+        if bias:
+            holder.proj.bias.copy_(ours.bias)
+    config = peft.LoraConfig(
+        r=4, lora_alpha=8.0, lora_dropout=dropout, use_dora=True, target_modules=["proj"]
+    )
+    theirs = peft.get_peft_model(holder, config).base_model.model.proj
+    named = dict(theirs.named_parameters())
+    params = [named[f"{k}.default.weight"] for k in ("lora_A", "lora_B", "lora_magnitude_vector")]
+    with torch.no_grad():
+        for p, mine in zip(params, [ours.lora_A, ours.lora_B, ours.lora_magnitude_vector]):
+            p.copy_(mine)
+    ours.train()
+    theirs.train()
+    x = torch.randn(3, 5, 128)
+    got = dora_outputs(ours, ours, x)
+    x_theirs = x.clone().requires_grad_()
+    torch.manual_seed(5)  # as dora_outputs seeds: the same dropout mask
+    y = theirs(x_theirs)
+    g = torch.randn(y.shape, generator=torch.Generator().manual_seed(1))
+    want = [y.detach(), *torch.autograd.grad(y, [x_theirs, *params], g)]
+    for name, a, b in zip(["y", "x", "A", "B", "m"], got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_peft_loads_our_dora_adapters_and_merges_alike(tmp_path):
+    """A --dora run's --out loads into transformers' model with PeftModel.from_pretrained (every
+    projection a DoRA layer) and its logits equal ours; its --merge_to, loaded by transformers,
+    gives the logits of PEFT's merge_and_unload() of the same adapters."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    base, out, merged = str(tmp_path / "base"), str(tmp_path / "out"), str(tmp_path / "merged")
+    model_cls, hf = hf_family_checkpoint(transformers, "llama, tied", base)
+    argv = ["--checkpoint", base, "--steps", "3", "--batch_size", "2", "--lora_rank", "4"]
+    train_run(BASE + argv + ["--dora", "--out", out, "--merge_to", merged])
+    ours = qf.Llama.from_pretrained(base, dtype=torch.float32, lora_rank=4, dora=True).eval()
+    dense = {
+        n: p.dequantize(torch.float32) if isinstance(p, qf.NF4Tensor) else p.detach()
+        for n, p in ours.named_parameters()
+        if not p.requires_grad
+    }
+    hf.load_state_dict(dense, strict=False)
+    tokens = torch.randint(256, (2, 24))
+
+    def assert_logits_close(got, want):  # 1e-4 of the logits' scale: fp32 sums in another order
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4 * want.abs().max().item())
+
+    with torch.no_grad():
+        ours.load_state_dict(qf.load_adapters(out), strict=False)
+        tuned = peft.PeftModel.from_pretrained(hf.eval(), out).eval()
+        doras = [n for n, m in tuned.named_modules() if n.endswith("lora_magnitude_vector")]
+        assert len(doras) == 7 * 2
+        assert_logits_close(ours(tokens), tuned(tokens).logits)
+        theirs = tuned.merge_and_unload()(tokens).logits
+        back = model_cls.from_pretrained(merged, dtype=torch.float32).eval()
+        assert_logits_close(back(tokens).logits, theirs)
