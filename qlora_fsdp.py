@@ -2355,12 +2355,12 @@ class AdamW(ForeachAdamW):
 
 
 # -----------------------------------------------------------------------------
-# 11. The Llama family, and packed documents
+# 11. The Llama family, packed documents, DoRA, generation with a KV cache
 # -----------------------------------------------------------------------------
-# Needs: import dataclasses, math, torch, torch.nn as nn, torch.nn.functional as F; from
-# dataclasses import dataclass; from typing import NamedTuple, Optional; from
-# torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention; from
-# above: sections 1-7.
+# Needs: import contextlib, dataclasses, functools, math, torch, torch.distributed as dist,
+# torch.nn as nn, torch.nn.functional as F; from dataclasses import dataclass; from typing
+# import NamedTuple, Optional; from torch.nn.attention.flex_attention import BlockMask,
+# create_block_mask, flex_attention; from above: sections 1-8.
 #
 # The family people fine-tune is Llama with a few deltas, as transformers' modular files
 # write them (modular_qwen2.py is essentially Qwen2Attention(LlamaAttention) with biases):
@@ -2696,7 +2696,9 @@ class CausalLM(Llama):
             weight = to_nf4(self.lm_head.weight.detach(), compile=self.lm_head.compile_kernels)
             self.lm_head.weight = nn.Parameter(weight, requires_grad=False)
 
-    def forward(self, tokens, targets=None, reduction="mean", documents=None):
+    def forward(self, tokens, targets=None, reduction="mean", documents=None, positions=None):
+        """Llama's, with documents (above); positions (T,) or (B, T): Llama's (generation's, after
+        the cached ones)."""
         T = tokens.shape[1]
         window = self.config.sliding_window
         if window is not None and T > window:  # Mistral v0.1: each token sees 4096 back at most
@@ -2707,10 +2709,131 @@ class CausalLM(Llama):
         if self.offload_activations is not None:
             self.offload_activations.start(None)  # a new forward: a new chain of inputs
         if documents is None:
-            return super().forward(tokens, targets, reduction)
+            return super().forward(tokens, targets, reduction, positions)
         packed = document_mask(documents)
         mask = packed.dense if packed.block_mask is None else packed.block_mask
         return super().forward(tokens, targets, reduction, packed.positions, mask)
+
+
+# Generation. A new token needs only the last position's logits, and the keys and values of the
+# positions before it never change: each attention keeps them, (B, n_kv, length, head_dim), so
+# that the prompt is one forward and each new token one more, over that token alone (not the
+# whole sequence again). The cache takes each attention's attend while installed (an attribute
+# of the module over its class's method), so Part I's attention serves as it is, every family's.
+
+
+class KVCache:
+    """The keys and values of a model's attentions, up to `length` positions. Inside `with
+    cache.on(model):`, cache.forward(model, ids) runs ids (B, T), the tokens after the cached
+    ones, and caches theirs."""
+
+    def __init__(self, length):
+        self.length = length
+        self.filled = 0  # positions cached so far
+        self.keys = {}  # attention -> (B, n_kv, length, head_dim)
+        self.values = {}
+
+    @contextlib.contextmanager
+    def on(self, model):
+        attentions = [m for m in model.modules() if isinstance(m, LlamaAttention)]
+        for attention in attentions:
+            attention.attend = functools.partial(self.attend, attention)
+        try:
+            yield self
+        finally:
+            for attention in attentions:
+                del attention.attend  # the class's method again
+
+    def forward(self, model, ids):
+        """model's logits (B, T, vocab) for ids (B, T) at the positions after the cached ones."""
+        T = ids.shape[1]
+        positions = torch.arange(self.filled, self.filled + T, device=ids.device)
+        logits = model(ids, positions=positions)
+        self.filled += T
+        return logits
+
+    def attend(self, attention, q, k, v, mask=None):
+        """q (B, nh, T, hd), k and v (B, nkv, T, hd) of the T new positions -> attention over
+        every position so far (B, nh, T, hd), each query seeing keys up to its own position.
+        mask: generation has none."""
+        start = self.filled
+        end = start + q.shape[2]
+        if attention not in self.keys:
+            shape = (*k.shape[:2], self.length, k.shape[3])
+            self.keys[attention] = k.new_empty(shape)
+            self.values[attention] = v.new_empty(shape)
+        keys = self.keys[attention][:, :, :end]
+        values = self.values[attention][:, :, :end]
+        keys[:, :, start:] = k
+        values[:, :, start:] = v
+        position = torch.arange(start, end, device=q.device)[:, None]
+        visible = torch.arange(end, device=q.device) <= position  # (T, end)
+        gqa = attention.n_kv != attention.n_heads
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=gqa)
+
+
+@contextlib.contextmanager
+def eager_forwards(model):
+    """Each module runs its class's forward for the duration: a compiled one set on the
+    instance (build's blocks) would compile again for every new length. (The NF4 kernels stay
+    compiled: one graph serves every shape.)"""
+    replaced = {m: vars(m).pop("forward") for m in model.modules() if "forward" in vars(m)}
+    try:
+        yield
+    finally:
+        for m, forward in replaced.items():
+            m.forward = forward
+
+
+def next_token(logits, temperature, generator):
+    """The argmax of logits (vocab,) at temperature 0, else a draw from softmax(logits / T)
+    by `generator` (on the CPU, so that every device draws alike): (1,) on logits' device."""
+    if temperature == 0:
+        return logits.argmax().view(1)
+    # In float64, shifted by the max: no overflow down to T = 1e-300.
+    scaled = (logits - logits.max()).double() / max(temperature, 1e-300)
+    probs = torch.softmax(scaled, -1).cpu()
+    return torch.multinomial(probs, 1, generator=generator).to(logits.device)
+
+
+@torch.no_grad()
+def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache=True, device=None):
+    """New token ids after `ids` (a list, or (1, T)), at most max_new_tokens, ending at the
+    first id in `stop` (returned last): greedy at temperature 0, else drawn from softmax(logits
+    / T), seeded by `seed`. With the KV cache the prompt is one forward and each new token one
+    more; cache=False reruns the whole sequence for each (the reference). Under FSDP every rank
+    calls it and rank 0's tokens are every rank's. device: where a list goes (the CPU). The
+    model runs in eval mode (no dropout), and is then put back in the mode it was in."""
+    ids = torch.as_tensor(ids, device=device).view(1, -1)
+    window = getattr(model.config, "sliding_window", None)
+    length = ids.shape[1] + max_new_tokens
+    if window is not None and length > window:
+        raise ValueError(f"{length} tokens exceed the model's sliding_window of {window}")
+    generator = seeded(seed, "sample")
+    kv = KVCache(length) if cache else None
+    training = model.training
+    model.eval()
+    new = []
+    try:
+        with eager_forwards(model), kv.on(model) if kv else contextlib.nullcontext():
+            step = ids  # what the next forward reads: with the cache, the new token alone
+            for _ in range(max_new_tokens):
+                logits = kv.forward(model, step) if kv else model(ids)
+                token = next_token(logits[0, -1].float(), temperature, generator)
+                if dist.is_initialized():
+                    dist.broadcast(token, src=0)
+                new.append(token.item())
+                if new[-1] in stop:
+                    break
+                step = token.view(1, 1)
+                ids = torch.cat([ids, step], dim=1)
+    finally:
+        model.train(training)
+    return new
+
+
+# Part I's model generates too (as the API has it): registered here, as from_pretrained is.
+Llama.generate = generate
 
 
 # -----------------------------------------------------------------------------
@@ -4199,6 +4322,12 @@ class Tokenizer:
         """The text of ids with the special tokens in it: what the model sees."""
         return self.backend.decode(list(ids), skip_special_tokens=False)
 
+    def encode_chat(self, messages, where="the chat"):
+        """The ids of a chat up to the assistant's turn: apply_chat_template(messages,
+        add_generation_prompt=True, tokenize=True)'s (its template writes any BOS)."""
+        text = self.render(messages, True, where)
+        return self.plain.encode_batch([text], add_special_tokens=False)[0].ids
+
     def render(self, messages, add_generation_prompt, where="the chat"):
         """The chat as apply_chat_template(tokenize=False) writes it."""
         require(self.chat_template is not None, f"{where}: the checkpoint has no chat template")
@@ -4230,8 +4359,8 @@ class Example(NamedTuple):
     messages: Optional[list] = None
 
 
-def _example(obj, where):
-    """The Example in one .jsonl line's JSON value, checked."""
+def _example(obj, where, to_learn=True):
+    """The Example in one .jsonl line's JSON value, checked (to_learn: a chat has a reply)."""
     require(isinstance(obj, dict), f"{where}: not a JSON object")
     keys = [k for k in ("text", "prompt", "completion", "messages") if k in obj]
     require(
@@ -4249,12 +4378,14 @@ def _example(obj, where):
             ok = isinstance(m, dict) and isinstance(m.get(key), str)
             require(ok, f"{where}: messages[{i}] has no '{key}' string")
     roles = [m["role"] for m in messages]
-    require("assistant" in roles, f"{where}: the chat has no assistant turn to learn from")
+    has_reply = "assistant" in roles or not to_learn
+    require(has_reply, f"{where}: the chat has no assistant turn to learn from")
     return Example(where, messages=messages)
 
 
-def read_examples(path):
-    """The examples in a data file: .jsonl one a line, any other file one (its whole text)."""
+def read_examples(path, to_learn=True):
+    """The examples in a data file: .jsonl one a line, any other file one (its whole text).
+    to_learn: each chat has a reply to learn (a file of prompts need not)."""
     require(os.path.isfile(path), f"{path}: no such file")
     with open(path, "rb") as f:
         raw = f.read()
@@ -4276,7 +4407,7 @@ def read_examples(path):
             obj = json.loads(line)
         except json.JSONDecodeError as e:
             raise UserError(f"{where}: not JSON ({e.msg} at column {e.colno})") from None
-        examples.append(_example(obj, where))
+        examples.append(_example(obj, where, to_learn))
     return examples
 
 
@@ -4671,30 +4802,61 @@ def encode_prompt(text, vocab_size, tokenizer=None):
     return ids
 
 
-@torch.no_grad()
-def generate(model, prompt, n, window, device, temperature=0.0, seed=0):
-    """n tokens continuing `prompt`: greedy (temperature 0), or drawn from softmax(logits / T)
-    by a seeded CPU generator. No KV cache: forward re-runs on the last `window` tokens."""
-    generator = seeded(seed, "sample")
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)  # (1, T)
-    model.eval()  # no LoRA dropout
-    # Compiled blocks would compile again for every new length: eager (the NF4 kernels stay
-    # compiled).
-    with torch.compiler.set_stance("eager_on_recompile"):
-        for _ in range(n):
-            logits = model(ids[:, -window:])[0, -1].float()  # (V,): the last position's
-            if temperature > 0:
-                # In float64, shifted by the max: no overflow down to T = 1e-300.
-                scaled = (logits - logits.max()).double() / max(temperature, 1e-300)
-                probs = torch.softmax(scaled, -1)
-                nxt = torch.multinomial(probs.cpu(), 1, generator=generator).to(device)
-            else:
-                nxt = logits.argmax().view(1)
-            if dist.is_initialized():
-                dist.broadcast(nxt, src=0)
-            ids = torch.cat([ids, nxt.view(1, 1)], dim=1)
-    model.train()
-    return ids[0, len(prompt) :].tolist()
+class Prompt(NamedTuple):
+    """What a sample continues: its ids; for a chat, its messages (and the reply a
+    --prompt_file line held, kept beside the model's)."""
+
+    ids: list
+    messages: Optional[list] = None
+    reference: Optional[str] = None
+
+
+def read_prompts(args, config, tokenizer):
+    """--sample's prompts: --prompt (with --chat, one user turn in the chat template), or each
+    chat of --prompt_file (a last assistant turn held out as the reference)."""
+    prompts = _read_prompts(args, config, tokenizer)
+    window = config.sliding_window
+    longest = max(len(p.ids) for p in prompts) + args.sample
+    require(
+        window is None or longest <= window,
+        f"--sample {args.sample}: a prompt and its sample, {longest} tokens, exceed the "
+        f"model's sliding_window of {window}",
+    )
+    return prompts
+
+
+def _read_prompts(args, config, tokenizer):
+    if not (args.chat or args.prompt_file):
+        return [Prompt(encode_prompt(args.prompt, config.vocab_size, tokenizer))]
+    flag = "--prompt_file" if args.prompt_file else "--chat"
+    has_template = tokenizer is not None and tokenizer.chat_template is not None
+    require(has_template, f"{flag}: --checkpoint {args.checkpoint} has no chat template")
+    if not args.prompt_file:
+        messages = [{"role": "user", "content": args.prompt}]
+        return [Prompt(tokenizer.encode_chat(messages, "--chat"), messages)]
+    prompts = []
+    for e in read_examples(args.prompt_file, to_learn=False):
+        require(e.messages is not None, f'{e.where}: --prompt_file takes {{"messages": [...]}}')
+        messages = e.messages
+        reference = None
+        if messages[-1]["role"] == "assistant":
+            reference = messages[-1]["content"]
+            messages = messages[:-1]
+        require(messages, f"{e.where}: no turn before the assistant's")
+        prompts.append(Prompt(tokenizer.encode_chat(messages, e.where), messages, reference))
+    return prompts
+
+
+def stop_ids(args):
+    """The ids that end a sample, as transformers' generate reads them: generation_config.json's
+    eos_token_id (one id or a list), else config.json's; and --eos_id."""
+    ids = []
+    for name in ("generation_config.json", "config.json") if args.checkpoint else ():
+        eos = _json_if_any(os.path.join(args.checkpoint, name)).get("eos_token_id")
+        if eos is not None:
+            ids = eos if isinstance(eos, list) else [eos]
+            break
+    return ids + ([] if args.eos_id is None else [args.eos_id])
 
 
 def check_writable(args, rank):
@@ -5110,11 +5272,11 @@ class Run:
             max_shard_bytes = args.max_shard_size * 1e9
             save_merged(args.merge_to, self.fsdp, self.model, args.checkpoint, max_shard_bytes)
             print0(f"merged model written to {args.merge_to}")
-        sample = None
+        samples = {}
         if args.sample:  # after the saves: what was trained is on disk whatever happens here
-            sample = self._sample()
+            samples = self._sample()
         self._print_curves()
-        return self._summary(steady, sample)
+        return self._summary(steady, samples)
 
     def curves(self):
         """(losses, val losses) of the whole run: after --resume, the earlier steps' records."""
@@ -5134,30 +5296,48 @@ class Run:
             curve += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
         print0(curve)
 
-    def _sample(self):
-        args = self.args
-        config = self.setup.config
-        prompt = self.setup.prompt
-        window = min(args.seq_len, config.max_position_embeddings)
-        ids = generate(
-            self.model, prompt, args.sample, window, self.device, args.temperature, args.seed
-        )
-        self.fsdp.reshard()  # the last forward left its last unit gathered
-        sample = ids
-        shown = ids
-        tokenizer = self.setup.tokenizer
-        if tokenizer is not None:  # text, special tokens and all: what the model wrote
-            sample = tokenizer.decode(ids)
-            shown = printable(tokenizer.decode(prompt) + sample)
-        elif config.vocab_size == 256:
-            # A byte-level model: text (invalid UTF-8 as U+FFFD), shown with escapes where a
-            # byte would not print (a control byte, invalid UTF-8), as repr() writes them.
-            sample = bytes(ids).decode("utf-8", errors="replace")
-            shown = printable(bytes(prompt).decode("utf-8", errors="replace") + sample)
-        print0(f"sample ({args.sample} tokens, temperature {args.temperature}):\n{shown}")
-        return sample
+    def _text(self, ids):
+        """ids as a sample shows them: text, special tokens and all (a byte-level model's
+        UTF-8, invalid bytes as U+FFFD), or the ids where there is no tokenizer."""
+        if self.setup.tokenizer is not None:
+            return self.setup.tokenizer.decode(ids)
+        if self.setup.config.vocab_size == 256:
+            return bytes(ids).decode("utf-8", errors="replace")
+        return list(ids)
 
-    def _summary(self, steady, sample):
+    def _sample(self):
+        """A reply to each prompt, printed (the stop token not), and with --out written to
+        OUT/samples.jsonl, an object a line; -> the summary's fields."""
+        args = self.args
+        stop = stop_ids(args)
+        prompts = self.setup.prompts
+        records = []
+        for i, prompt in enumerate(prompts, 1):
+            kw = dict(stop=stop, seed=args.seed, device=self.device)
+            ids = generate(self.model, prompt.ids, args.sample, args.temperature, **kw)
+            stopped = bool(ids) and ids[-1] in stop
+            reply = self._text(ids[:-1] if stopped else ids)
+            end = f"stopped at {self._text(ids[-1:])!r}" if stopped else "reached its length"
+            n = len(ids) - stopped
+            head = f"sample {i}/{len(prompts)}" if len(prompts) > 1 else "sample"
+            print0(f"{head} ({n} tokens, {end}; temperature {args.temperature}):")
+            # Escaped where a character would not print (a control byte, invalid UTF-8).
+            print0(reply if isinstance(reply, list) else printable(self._text(prompt.ids) + reply))
+            record = dict(messages=prompt.messages) if prompt.messages else dict(prompt=args.prompt)
+            record.update(reply=reply, stopped=stopped, tokens=n)
+            if prompt.reference is not None:
+                record["reference"] = prompt.reference
+            records.append(record)
+        self.fsdp.reshard()  # the last forward left its last unit gathered
+        if args.out and self.setup.rank == 0:
+            lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+            path = os.path.join(args.out, "samples.jsonl")
+            atomic_write(path, lambda f: f.write(lines.encode("utf-8")))
+        if len(records) == 1:
+            return dict(sample=records[0]["reply"], sample_stopped=records[0]["stopped"])
+        return dict(samples=len(records), samples_stopped=sum(r["stopped"] for r in records))
+
+    def _summary(self, steady, samples):
         args = self.args
         records = self.records
         # Medians over the steps after the first (which compiles), in ms.
@@ -5196,8 +5376,7 @@ class Run:
         if val_losses:
             summary["first_val_loss"] = val_losses[0]
             summary["val_loss"] = val_losses[-1]
-        if sample is not None:
-            summary["sample"] = sample
+        summary.update(samples)
         return summary
 
 
@@ -5212,7 +5391,7 @@ class Setup(NamedTuple):
     config: object
     data: Optional[TokenData]  # None: random tokens
     val: Optional[TokenData]
-    prompt: Optional[list]
+    prompts: Optional[list]  # read_prompts', where --sample samples
     checkpoint: object  # load_checkpoint's, or None
     tokenizer: object  # --checkpoint's Tokenizer, or None
 
@@ -5313,7 +5492,7 @@ def checkpoint_tokenizer(args):
     if not args.checkpoint:
         return None
     files = [f for f in (args.data or __file__, args.val_data) if f and f != "dummy"]
-    if any(is_text(f) for f in files):
+    if any(is_text(f) for f in files) or args.chat or args.prompt_file:
         return Tokenizer.load(args.checkpoint)
     with contextlib.suppress(UserError):
         return Tokenizer.load(args.checkpoint) if args.sample else None
@@ -5363,9 +5542,7 @@ def set_up(args):
         args = fit(args, world, config, device)
     tokenizer = checkpoint_tokenizer(args)
     data, val = read_data(args, config, tokenizer)
-    prompt = None
-    if args.sample:
-        prompt = encode_prompt(args.prompt, config.vocab_size, tokenizer)
+    prompts = read_prompts(args, config, tokenizer) if args.sample else None
     checkpoint = None
     if args.checkpoint:
         checkpoint = load_checkpoint(args.checkpoint, config)  # every header checked
@@ -5376,7 +5553,7 @@ def set_up(args):
         f"{args.seq_len}; sliding-window attention is not followed by this file",
     )
     check_fits(args, config, world, device)
-    return Setup(args, device, world, rank, name, config, data, val, prompt, checkpoint, tokenizer)
+    return Setup(args, device, world, rank, name, config, data, val, prompts, checkpoint, tokenizer)
 
 
 class Interrupted(Exception):
@@ -5576,7 +5753,8 @@ def _add_flags(parser):
     p.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: at end)")
     p.add_argument("--eval_seqs", type=int, default=64, help="evaluate the first K sequences")
     p.add_argument("--pack", action="store_true", help="rows of whole documents, as if alone")
-    p.add_argument("--eos_id", type=int, help="--pack: the token that ends a document")
+    ends = "the token that ends a document (--pack) and a sample"
+    p.add_argument("--eos_id", type=int, help=ends)
     p = parser.add_argument_group("the optimization")
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--grad_accum", type=int, default=1)
@@ -5616,8 +5794,14 @@ def _add_flags(parser):
     p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (and CUDA's memory) to DIR")
     p.add_argument("--log_every", type=int, default=1)
     p = parser.add_argument_group("a sample after training")
-    p.add_argument("--sample", type=int, default=0, metavar="N", help="then continue --prompt")
-    p.add_argument("--prompt", help="text for byte-level models, else token ids: 1,791")
+    most = "at most N new tokens after the prompt (given a prompt: 256 unless set)"
+    p.add_argument("--sample", type=int, default=0, metavar="N", help=most)
+    text = "text (the checkpoint's tokens, else bytes), or token ids: 1,791"
+    p.add_argument("--prompt", help=text)
+    chat = "--prompt is a user's turn, rendered by --checkpoint's chat template"
+    p.add_argument("--chat", action="store_true", help=chat)
+    chats = 'a reply to each {"messages": [...]} line, also in --out\'s samples.jsonl'
+    p.add_argument("--prompt_file", metavar="FILE.jsonl", help=chats)
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
 
 
@@ -5650,6 +5834,14 @@ def _check_args(p, args):
         p.error(f"--tokenize_to {args.tokenize_to}: the file must end in .npz")
     if (args.save_every or args.resume) and not args.out:
         p.error("--save_every and --resume need --out DIR")
+    if args.prompt_file and args.prompt is not None:
+        p.error("--prompt and --prompt_file: give one of them")
+    if args.chat and args.prompt is None and not args.prompt_file:
+        p.error("--chat needs --prompt TEXT, a user's turn")
+    if (args.chat or args.prompt_file) and not args.checkpoint:
+        p.error("--chat and --prompt_file need --checkpoint (a tokenizer with a chat template)")
+    if not args.sample and (args.prompt is not None or args.prompt_file):
+        args.sample = 256  # a prompt asks for a sample: at most this many tokens
     if args.offload_activations and not args.checkpointing:
         p.error(
             "--offload_activations offloads the checkpointed block inputs: it needs --checkpointing"

@@ -4148,6 +4148,11 @@ def _bad(tmp_path, hf_dir, case):
         return ckpt(cfg={**cfg, "model_type": "mistral", "sliding_window": 16}), (
             "sliding_window 16 is shorter than --seq_len 32"
         )
+    if case == "sample past the sliding window":  # --seq_len 32 fits, the prompt and sample not
+        mistral = ckpt(cfg={**cfg, "model_type": "mistral", "sliding_window": 40})
+        return mistral + ["--prompt", "1,2,3", "--sample", "38"], (
+            "--sample 38: a prompt and its sample, 41 tokens, exceed the model's sliding_window"
+        )
     if case == "gelu":
         return ckpt(cfg={**cfg, "hidden_act": "gelu"}), "hidden_act 'gelu' is not supported"
     if case == "rope yarn":
@@ -4456,6 +4461,7 @@ BAD_CHECKPOINT_CASES = [  # section 9: checkpoints, their config.json, resuming,
     "odd head dim",
     "qwen sliding window",
     "mistral window shorter",
+    "sample past the sliding window",
     "gelu",
     "rope yarn",
     "llama3 rope without factor",
@@ -5403,6 +5409,106 @@ def test_chats_fine_tune_from_jsonl_and_from_its_tokenize_to(tmp_path, monkeypat
     assert first["final_loss"] == again["final_loss"] == from_npz["final_loss"]
 
 
+def chat_stops(ckpt, prompt):
+    """A generation_config.json for ckpt whose eos_token_id list holds an id that is no token
+    and the 4th token of the base's greedy reply to `prompt` (ids; --lr 0 keeps B at 0, so a run
+    samples from the base): the reply stops there. -> the reply's ids before it."""
+    base = qf.Llama.from_pretrained(ckpt, dtype=torch.float32)
+    greedy = base.generate(prompt, 8)
+    end = greedy.index(greedy[3])
+    with open(os.path.join(ckpt, "generation_config.json"), "w") as f:
+        json.dump({"eos_token_id": [639, greedy[3]]}, f)
+    return greedy[:end]
+
+
+def test_a_chat_prompt_is_a_user_turn_and_the_reply_stops_at_eos(tmp_path, capsys):
+    """--chat --prompt TEXT samples a reply to [{"role": "user", "content": TEXT}] rendered with
+    the generation prompt, as apply_chat_template(add_generation_prompt=True) writes it; the reply
+    stops at any of generation_config.json's eos_token_id (a list), the stop token not shown nor
+    in the summary's sample, and the line says it stopped; --out gets samples.jsonl."""
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    tokenizer = qf.Tokenizer.load(ckpt)
+    messages = [{"role": "user", "content": "How do I reverse a list?"}]
+    prompt = tokenizer.encode_chat(messages)
+    rendered = tokenizer.decode(prompt)
+    assert rendered.endswith("<|im_start|>assistant\n") and "How do I reverse" in rendered
+    reply = chat_stops(ckpt, prompt)
+    out = str(tmp_path / "out")
+    argv = CHAT_RUN + ["--checkpoint", ckpt, "--lr", "0", "--out", out, "--sample", "8", "--chat"]
+    summary = qf.main(argv + ["--prompt", messages[0]["content"]])
+    printed = capsys.readouterr().out
+    assert f"sample ({len(reply)} tokens, stopped at " in printed
+    assert summary["sample"] == tokenizer.decode(reply) and summary["sample_stopped"] is True
+    records = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert records == [
+        dict(messages=messages, reply=summary["sample"], stopped=True, tokens=len(reply))
+    ]
+
+
+def test_a_prompt_file_gets_a_reply_to_each_chat(tmp_path, capsys):
+    """--prompt_file FILE.jsonl answers each {"messages": [...]} line (a last assistant turn is
+    held out as the reference), each reply the greedy generate of the rendered chat; printed,
+    and written to OUT/samples.jsonl in order; the summary counts them and those that stopped."""
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    tokenizer = qf.Tokenizer.load(ckpt)
+    chats = [
+        [{"role": "user", "content": "Name a prime."}, {"role": "assistant", "content": "7"}],
+        [{"role": "user", "content": "hi"}],
+        [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "a?"},
+            {"role": "assistant", "content": "b."},
+            {"role": "user", "content": "c?"},
+        ],
+    ]
+    path = tmp_path / "questions.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in chats))
+    questions = [chats[0][:1], chats[1], chats[2]]
+    base = qf.Llama.from_pretrained(ckpt, dtype=torch.float32)
+    replies = [base.generate(tokenizer.encode_chat(q), 5) for q in questions]
+    out = str(tmp_path / "out")
+    argv = CHAT_RUN + ["--checkpoint", ckpt, "--lr", "0", "--out", out, "--sample", "5"]
+    summary = qf.main(argv + ["--prompt_file", str(path)])
+    assert "sample 3/3 (5 tokens, reached its length" in capsys.readouterr().out
+    assert summary["samples"] == 3 and summary["samples_stopped"] == 0
+    records = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
+    assert [r["messages"] for r in records] == questions
+    assert [r["reply"] for r in records] == [tokenizer.decode(r) for r in replies]
+    assert records[0]["reference"] == "7" and "reference" not in records[1]
+
+
+def test_chat_prompts_refused_in_one_line(tmp_path, hf_dir, capsys):
+    """--chat with a checkpoint that has no chat template, and a --prompt_file line that is not a
+    chat, are each one error line naming what is wrong."""
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"text": "hello"}) + "\n")
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    cases = [
+        (["--checkpoint", hf_dir[0], "--chat", "--prompt", "hi"], "has no chat template"),
+        (["--checkpoint", ckpt, "--prompt_file", str(path)], "p.jsonl:1: --prompt_file takes"),
+    ]
+    for argv, words in cases:
+        with pytest.raises(SystemExit) as exc:
+            qf.main(CHAT_RUN + argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1 and words in err[0], err
+
+
+def test_stop_ids_are_generation_configs_else_config_jsons_and_eos_id(tmp_path):
+    """Samples stop at generation_config.json's eos_token_id (one id or a list), else
+    config.json's, as transformers' generate reads them, and at --eos_id too."""
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps({"eos_token_id": 2}))
+    args = qf.parse_args(["--checkpoint", str(d)])
+    assert qf.stop_ids(args) == [2]
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
+    assert qf.stop_ids(args) == [128001, 128009]
+    assert qf.stop_ids(qf.parse_args(["--checkpoint", str(d), "--eos_id", "7"]))[-1] == 7
+    assert qf.stop_ids(qf.parse_args(["--eos_id", "10"])) == [10]
+    assert qf.stop_ids(qf.parse_args([])) == []
+
+
 def test_text_with_a_checkpoint_without_a_tokenizer_is_refused(tmp_path, capsys):
     """A text --data with a checkpoint that has no tokenizer.json (and is not byte-level) is one
     error line before anything is built: never bytes into a BPE vocabulary."""
@@ -5495,6 +5601,9 @@ def test_bad_data_or_flag_one_line_error(case, tmp_path, hf_dir, capsys):
         (["--batch_size", "0"], "--batch_size must be >= 1, got 0"),
         (["--max_shard_size", "0"], "--max_shard_size must be a positive number"),
         (["--fit", "-1"], "--fit must be a positive number (GB), got -1.0"),
+        (["--chat", "--prompt", "hi"], "--chat and --prompt_file need --checkpoint"),
+        (["--chat", "--checkpoint", "d"], "--chat needs --prompt TEXT"),
+        (["--prompt_file", "p.jsonl", "--prompt", "hi"], "--prompt and --prompt_file: give one"),
     ],
 )
 def test_bad_flag_refused_by_the_parser(argv, words, capsys):
@@ -6270,9 +6379,9 @@ def test_output_paths_checked_without_creating_them(tmp_path):
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_sample_equals_stepwise_reference(temperature, monkeypatch):
     """--sample N continues --prompt (comma-separated ids for a model that is not byte-level) one
-    token at a time over the last seq_len tokens: the argmax of forward's last logits at
-    temperature 0, else a draw from softmax(logits / T) by the --seed generator -- as computed
-    here from the trained adapters."""
+    token at a time, past --seq_len: the argmax of the whole sequence's last logits at temperature
+    0, else a draw from softmax(logits / T) by the --seed generator -- as computed here from the
+    trained adapters, without a KV cache."""
     monkeypatch.setitem(
         qf.CONFIGS, "micro-ids", dataclasses.replace(qf.CONFIGS["micro"], vocab_size=320)
     )
@@ -6295,8 +6404,8 @@ def test_sample_equals_stepwise_reference(temperature, monkeypatch):
         ref.load_full(name, t)
     ids, g = [5, 17, 300], qf.seeded(qf.parse_args(argv).seed, "sample")
     with torch.no_grad():
-        for _ in range(8):  # 3 + 8 tokens: the window of 8 slides
-            logits = model(torch.tensor([ids[-8:]]))[0, -1].float()
+        for _ in range(8):  # 3 + 8 tokens, more than --seq_len
+            logits = model(torch.tensor([ids]))[0, -1].float()
             probs = torch.softmax(logits / temperature, -1) if temperature else None
             ids.append(
                 int(torch.multinomial(probs, 1, generator=g))
@@ -6306,13 +6415,14 @@ def test_sample_equals_stepwise_reference(temperature, monkeypatch):
     assert summary["sample"] == ids[3:]
 
 
-def test_sample_same_on_two_ranks(tmp_path):
-    """Sharded over 2 ranks, --sample (here drawn at temperature 0.8 from the --seed generator)
-    gives the single process's text on every rank."""
+@pytest.mark.parametrize("world", [2, 3])
+def test_sample_same_on_two_ranks(world, tmp_path):
+    """Sharded over 2 or 3 ranks, --sample (with the KV cache, here drawn at temperature 0.8 from
+    the --seed generator) gives the single process's text on every rank."""
     argv = BASE + ["--steps", "1", "--sample", "16", "--prompt", "def ", "--temperature", "0.8"]
-    single, _, _ = qf.fine_tune(qf.parse_args(argv + ["--batch_size", "4"]))
+    single, _, _ = qf.fine_tune(qf.parse_args(argv + ["--batch_size", "6"]))
     assert isinstance(single["sample"], str) and single["sample"]
-    for r in run_sharded(2, argv + ["--batch_size", "2"], tmp_path):
+    for r in run_sharded(world, argv + ["--batch_size", str(6 // world)], tmp_path):
         assert r["summary"]["sample"] == single["sample"]
 
 
@@ -6320,8 +6430,86 @@ def test_sampling_at_a_tiny_temperature_is_greedy():
     """Drawing at temperature 1e-40 picks the most likely token every time, as greedy decoding
     does (the logits / T overflow float32; the softmax runs in float64)."""
     model = make_model()
-    greedy = qf.generate(model, [10, 20, 30], 8, 32, torch.device("cpu"))
-    assert qf.generate(model, [10, 20, 30], 8, 32, torch.device("cpu"), temperature=1e-40) == greedy
+    greedy = model.generate([10, 20, 30], 8)
+    assert model.generate([10, 20, 30], 8, temperature=1e-40) == greedy
+
+
+def generation_model(family, dora=False, seed=0):
+    """A tiny CausalLM of the family (fp32), its adapters, biases and norms made nonzero."""
+    torch.manual_seed(seed)
+    model = qf.CausalLM(family_config(family), dtype=torch.float32, compile=False, dora=dora)
+    randomize_dense(model, seed)
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES) + ["part one's llama", "llama, dora"])
+def test_cached_logits_equal_the_whole_sequences(family):
+    """With the KV cache, the prompt's forward and each one-token forward after it give the logits
+    of a forward over the whole sequence so far, at every position (fp32, 1e-5 of their scale):
+    for each family (GQA, biases, Qwen3's q/k norms), Part I's plain Llama and DoRA."""
+    if family == "part one's llama":
+        torch.manual_seed(0)
+        model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
+        randomize_dense(model)
+    else:
+        model = generation_model(family.removesuffix(", dora"), dora=family.endswith("dora"))
+    model.eval()
+    ids = torch.randint(256, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = qf.KVCache(12)
+    with torch.no_grad(), cache.on(model):
+        got = [cache.forward(model, ids[:, :7])]
+        for i in range(7, 12):
+            got.append(cache.forward(model, ids[:, i : i + 1]))
+    with torch.no_grad():
+        want = model(ids)
+    got = torch.cat(got, dim=1)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+    assert not any("attend" in vars(m) for m in model.modules())  # the class's own again
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_with_the_cache_equals_without(family, temperature):
+    """Llama.generate with its KV cache gives, token for token, what the cache-free path (the
+    whole sequence again for each token) gives: greedy, and drawn at the same seed."""
+    model = generation_model(family)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    cached = model.generate(prompt, 16, temperature=temperature, seed=7)
+    plain = model.generate(prompt, 16, temperature=temperature, seed=7, cache=False)
+    assert cached == plain and len(cached) == 16
+
+
+def test_generate_stops_at_a_stop_id_and_keeps_the_models_mode():
+    """generate stops at the first new id in `stop` and returns it last; it runs in eval mode (a
+    LoRA dropout would change the tokens), then puts the model back in the mode it was in, and
+    the model then computes what one that never generated computes (the cache is gone)."""
+    model = generation_model("llama")
+    for m in model.modules():
+        if isinstance(m, qf.LoRALinear):
+            m.dropout = torch.nn.Dropout(0.5)
+    model.train()
+    greedy = model.generate([3, 1, 4], 10)
+    assert model.training and len(greedy) == 10
+    model.eval()
+    assert model.generate([3, 1, 4], 10) == greedy
+    stop = greedy[4]
+    first = greedy.index(stop)
+    assert model.generate([3, 1, 4], 10, stop=[stop, 10**6]) == greedy[: first + 1]
+    tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
+    fresh = generation_model("llama").eval()
+    torch.testing.assert_close(model(tokens, tokens), fresh(tokens, tokens), rtol=0, atol=0)
+
+
+def test_generate_refuses_more_than_a_sliding_window():
+    """A prompt and new tokens beyond Mistral v0.1's sliding_window are refused, not attended
+    past the window without a word."""
+    torch.manual_seed(0)
+    config = family_config("mistral", sliding_window=16)
+    model = qf.CausalLM(config, dtype=torch.float32, compile=False)
+    with pytest.raises(ValueError, match="20 tokens exceed the model's sliding_window of 16"):
+        model.generate(list(range(10)), 10)
+    assert len(model.generate(list(range(10)), 6)) == 6
 
 
 def test_compile_notice_before_the_first_step(monkeypatch, capsys):
@@ -6978,6 +7166,28 @@ def hf_family_checkpoint(transformers, family, path):
     return model_cls, model
 
 
+def assert_greedy_equals_transformers(ours, theirs, prompt, n):
+    """ours.generate (KV cache, stopping at the checkpoint's EOS ids) and transformers'
+    generate(do_sample=False) on `theirs` (the merged export) give the same tokens, up to the
+    first step where our two best logits are within 1e-3 (a tie either may break)."""
+    eos = theirs.generation_config.eos_token_id
+    stop = [] if eos is None else eos if isinstance(eos, list) else [eos]
+    got = ours.generate(prompt, n, stop=stop)
+    tokens = torch.tensor([prompt])
+    out = theirs.generate(
+        tokens, attention_mask=torch.ones_like(tokens), max_new_tokens=n, do_sample=False
+    )
+    want = out[0, len(prompt) :].tolist()
+    for i, (a, b) in enumerate(zip(got, want)):
+        if a != b:
+            logits = ours(torch.tensor([prompt + got[:i]]))[0, -1]
+            best = logits.topk(2).values
+            assert best[0] - best[1] < 1e-3, (i, got, want)
+            return
+    assert got == want
+    return got
+
+
 def hf_val_loss(model, ids, T, n):
     """The mean cross entropy of the first n sequences [i T, i T + T + 1) of ids, in one batch."""
     rows = torch.stack(
@@ -7032,6 +7242,7 @@ def test_each_family_equals_transformers_and_round_trips(family, tmp_path):
         back = transformers.AutoModelForCausalLM.from_pretrained(merged, dtype=torch.float32)
         assert type(back) is model_cls
         loss = hf_val_loss(back.eval(), ids, 32, 8)
+        assert_greedy_equals_transformers(ours, back, [5, 17, 42, 99, 3], 24)
     assert loss == pytest.approx(run["summary"]["val_loss"], rel=1e-4)
     with open(os.path.join(merged, "config.json")) as f:
         assert json.load(f)["model_type"] == model_cls.config_class.model_type
@@ -7104,3 +7315,36 @@ def test_peft_loads_our_dora_adapters_and_merges_alike(tmp_path):
         theirs = tuned.merge_and_unload()(tokens).logits
         back = model_cls.from_pretrained(merged, dtype=torch.float32).eval()
         assert_logits_close(back(tokens).logits, theirs)
+
+
+SMOLLM2 = os.environ.get("SMOLLM2")  # a SmolLM2-135M-Instruct directory, where there is one
+
+
+@pytest.mark.skipif(not SMOLLM2, reason="set SMOLLM2 to a SmolLM2-135M-Instruct directory")
+def test_smollm2_greedy_chat_equals_transformers_on_the_merged_weights():
+    """SmolLM2-135M-Instruct (fp32), with nonzero adapters: a chat prompt rendered by its template
+    (--chat's ids) is answered greedily, with the KV cache, as transformers' generate answers it on
+    the merged weights (every projection's merged_weight(), what --merge_to writes), stopping at
+    its EOS, up to logit ties within 1e-3."""
+    transformers = pytest.importorskip("transformers")
+    ours = qf.Llama.from_pretrained(SMOLLM2, dtype=torch.float32, lora_rank=8).eval()
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for m in ours.modules():
+            if isinstance(m, qf.LoRALinear):
+                m.lora_B.copy_(torch.randn(m.lora_B.shape, generator=g) * 0.01)
+    merged = {}
+    for name, m in ours.named_modules():
+        if isinstance(m, qf.LoRALinear):
+            merged[f"{name}.weight"] = m.merged_weight()
+    dense = {n: p.detach() for n, p in ours.named_parameters() if not p.requires_grad}
+    dense = {**dense, **merged}
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(SMOLLM2, dtype=torch.float32)
+    missing, unexpected = theirs.load_state_dict(dense, strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}  # tied
+    tokenizer = qf.Tokenizer.load(SMOLLM2)
+    question = [{"role": "user", "content": "What is 2 + 2?"}]
+    prompt = tokenizer.encode_chat(question)
+    with torch.no_grad():
+        got = assert_greedy_equals_transformers(ours, theirs.eval(), prompt, 48)
+    assert got is None or got[-1] == tokenizer.backend.token_to_id("<|im_end|>")  # it stopped
