@@ -6887,13 +6887,18 @@ def test_cuda_eager_dequantize_copies_nothing_to_the_gpu():
 @cuda
 @pytest.mark.parametrize(
     "extra",
-    [["--compile"], ["--no-compile"], ["--no-compile", "--cpu_offload", "--offload_activations"]],
+    [
+        ["--compile"],
+        ["--no-compile"],
+        ["--no-compile", "--cpu_offload", "--offload_activations"],
+        ["--no-compile", "--dora"],
+    ],
 )
 def test_cuda_training_equals_cpu(extra, hf_dir):
     """One process on the GPU (fp32) gives the CPU run's losses and adapters, compiled and eager,
-    and with shards, optimizer and block inputs offloaded to the host (side-stream copies). Both
-    start from one checkpoint (a random base drawn on the GPU is another one than the CPU's).
-    Tolerance: matmuls and attention sum in another order on the GPU."""
+    with shards, optimizer and block inputs offloaded to the host (side-stream copies), and with
+    DoRA (eager: no graph more to compile in the GPU check's time). Both start from one checkpoint (a random base drawn on the GPU is another one
+    than the CPU's). Tolerance: matmuls and attention sum in another order on the GPU."""
     argv = [a for a in BASE if a not in ("--device", "cpu", "--no-compile")] + [
         "--batch_size",
         "4",
@@ -6901,13 +6906,31 @@ def test_cuda_training_equals_cpu(extra, hf_dir):
         hf_dir[0],
     ]
     # eager: compiled equals it (tested above)
-    on_cpu = run_single(argv + ["--device", "cpu", "--no-compile"])
+    on_cpu = run_single(argv + ["--device", "cpu", "--no-compile"] + extra[1:])
     on_gpu = run_single(argv + ["--device", "cuda"] + extra)
     torch.testing.assert_close(
         torch.tensor(on_gpu["losses"]), torch.tensor(on_cpu["losses"]), rtol=1e-4, atol=1e-4
     )
     for k, v in on_cpu["adapters"].items():
         torch.testing.assert_close(on_gpu["adapters"][k], v, rtol=1e-3, atol=1e-4, msg=k)
+
+
+@cuda
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_cuda_generate_equals_cpu(family):
+    """Llama.generate on the GPU (fp32, the KV cache on the GPU) gives the CPU's greedy tokens,
+    up to the first step whose two best logits on the CPU are within 1e-3 (a tie either breaks)."""
+    model = generation_model(family).eval()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    on_cpu = model.generate(prompt, 24)
+    on_gpu = model.to("cuda").generate(prompt, 24, device="cuda")
+    model.to("cpu")
+    for i, (a, b) in enumerate(zip(on_gpu, on_cpu)):
+        if a != b:
+            best = model(torch.tensor([prompt + on_cpu[:i]]))[0, -1].topk(2).values
+            assert best[0] - best[1] < 1e-3, (i, on_gpu, on_cpu)
+            return
+    assert on_gpu == on_cpu
 
 
 @cuda
