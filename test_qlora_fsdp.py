@@ -6897,8 +6897,9 @@ def test_cuda_eager_dequantize_copies_nothing_to_the_gpu():
 def test_cuda_training_equals_cpu(extra, hf_dir):
     """One process on the GPU (fp32) gives the CPU run's losses and adapters, compiled and eager,
     with shards, optimizer and block inputs offloaded to the host (side-stream copies), and with
-    DoRA (eager: no graph more to compile in the GPU check's time). Both start from one checkpoint (a random base drawn on the GPU is another one
-    than the CPU's). Tolerance: matmuls and attention sum in another order on the GPU."""
+    DoRA (eager: no graph more to compile in the GPU check's time). Both start from one
+    checkpoint (a random base drawn on the GPU is another one than the CPU's). Tolerance: matmuls
+    and attention sum in another order on the GPU."""
     argv = [a for a in BASE if a not in ("--device", "cpu", "--no-compile")] + [
         "--batch_size",
         "4",
