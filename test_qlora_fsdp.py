@@ -1496,15 +1496,15 @@ class Net(torch.nn.Module):
         )
 
 
-def qlora_net():
-    """Net (fp32) with every nn.Linear a LoRALinear.from_linear of itself; embeddings and LayerNorms
-    frozen."""
+def qlora_net(cls=qf.LoRALinear):
+    """Net (fp32) with every nn.Linear a LoRALinear.from_linear (or cls's) of itself; embeddings
+    and LayerNorms frozen."""
     torch.manual_seed(0)
     net = Net()
     for m in list(net.modules()):
         for name, child in list(m.named_children()):
             if isinstance(child, torch.nn.Linear):
-                setattr(m, name, qf.LoRALinear.from_linear(child, rank=4, alpha=8.0, compile=False))
+                setattr(m, name, cls.from_linear(child, rank=4, alpha=8.0, compile=False))
     net.embed.requires_grad_(False)
     for b in net.blocks:
         b.norm.requires_grad_(False)
@@ -1662,6 +1662,31 @@ def test_sections_5_6_and_10_lift_into_a_model_of_your_own():
     for name, p in ref.named_parameters():
         if p.requires_grad:
             torch.testing.assert_close(adapters[name], p.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_dora_in_a_model_of_your_own_sharded_equals_it_unsharded():
+    """DoRALinear.from_linear over the linears of a model that is not Llama (blocks taking keyword
+    arguments and returning tuples, a block called alone), sharded by FSDP and stepped by AdamW,
+    trains as the same model unsharded under torch.optim.AdamW: losses, adapters and magnitudes
+    (which move)."""
+    ref = qlora_net(qf.DoRALinear)
+    start = {n: p.detach().clone() for n, p in ref.named_parameters() if p.requires_grad}
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    torch_adamw = torch.optim.AdamW(trainable, lr=0.05, eps=1e-4, weight_decay=0.1)
+    want = run_net(ref, torch_adamw, micro=False)
+    net = qlora_net(qf.DoRALinear)
+    fsdp = qf.FSDP(net, [net.embed, *net.blocks, net.head], device="cpu")
+    optimizer = qf.AdamW(fsdp.parameters(), lr=0.05, eps=1e-4, weight_decay=0.1)
+    losses = run_net(net, optimizer)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    adapters = fsdp.full_adapters()
+    magnitudes = [n for n in start if n.endswith("lora_magnitude_vector")]
+    assert magnitudes and adapters.keys() == start.keys()
+    for name, p in ref.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(adapters[name], p.detach(), rtol=1e-5, atol=1e-6)
+    for name in magnitudes:
+        assert (adapters[name] - start[name]).abs().max() > 1e-3, name
 
 
 def test_a_parameter_in_two_units_is_refused():
