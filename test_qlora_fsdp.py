@@ -1643,6 +1643,27 @@ def test_sections_2_to_4_lift_into_a_model_of_your_own():
     assert losses[-1] < losses[0] - 0.1, losses
 
 
+def test_dora_lifts_out_with_sections_2_to_4():
+    """Section 11's DoRA block (from its comment to dora_magnitudes), pasted after sections 2-4
+    alone, makes a DoRALinear over a model's nn.Linear equal to qlora_fsdp's: its output and the
+    gradients of x, A, B and m."""
+    text = open(qf.__file__).read()
+    block = text[text.index("# DoRA (Liu et al. 2024)") : text.index("def _add_bias(")]
+    lifted_dora = exec_module("lifted_dora", lifted([2, 3, 4]) + "\n" + block)
+    assert not hasattr(lifted_dora, "Llama") and not hasattr(lifted_dora, "FSDP")
+    linear = torch.nn.Linear(128, 96)
+    x = torch.randn(3, 5, 128)
+    outs = []
+    for cls in (lifted_dora.DoRALinear, qf.DoRALinear):
+        torch.manual_seed(0)
+        layer = cls.from_linear(linear, rank=4, alpha=8.0, compile=False)
+        with torch.no_grad():
+            layer.lora_B.normal_(0, 0.1, generator=torch.Generator().manual_seed(1))
+        outs.append(dora_outputs(layer, layer, x))
+    for name, a, b in zip(["y", "x", "A", "B", "m"], *outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
+
+
 def test_sections_5_6_and_10_lift_into_a_model_of_your_own():
     """Sections 5 and 6 with section 10 (FSDP for any model, AdamW as a drop-in), pasted alone
     with their imports, shard a model that is not Llama and train it as qlora_fsdp's FSDP does:
