@@ -6547,6 +6547,33 @@ def test_generate_stops_at_a_stop_id_and_keeps_the_models_mode():
     torch.testing.assert_close(model(tokens, tokens), fresh(tokens, tokens), rtol=0, atol=0)
 
 
+def test_generate_on_the_compiled_path_runs_blocks_eagerly_and_kernels_compiled(monkeypatch):
+    """On --compile's path (compiled NF4 kernels, each block's forward compiled on the instance),
+    generate gives the eager model's tokens; it runs each block's class forward (a compiled one
+    would compile for every new length) and puts the compiled ones back after; and the NF4
+    kernels run compiled, also in a model that never trained (a compile stance must not turn
+    them eager)."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = generation_model("llama").generate(prompt, 12)
+    torch.manual_seed(0)
+    model = qf.CausalLM(family_config("llama"), dtype=torch.float32, compile=True)
+    randomize_dense(model)
+
+    def compiled_forward(*args, **kwargs):
+        raise AssertionError("a block's compiled forward ran while generating")
+
+    for layer in model.model.layers:
+        layer.forward = compiled_forward
+    calls = []
+    real = qf._dequantize_compiled
+    monkeypatch.setattr(qf, "_dequantize_compiled", lambda *a: calls.append(1) or real(*a))
+    stances = []  # eager_on_recompile would run a kernel never compiled before eagerly
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(a))
+    assert model.generate(prompt, 12) == want
+    assert all(vars(layer)["forward"] is compiled_forward for layer in model.model.layers)
+    assert len(calls) >= 7 * 4 * 12 and stances == []  # every projection, every token
+
+
 def test_generate_refuses_more_than_a_sliding_window():
     """A prompt and new tokens beyond Mistral v0.1's sliding_window are refused, not attended
     past the window without a word."""
