@@ -21,6 +21,7 @@ Run it (more in the README and --help):
 """
 
 import contextlib
+import functools
 import hashlib
 import itertools
 import math
@@ -36,6 +37,7 @@ import torch.distributed as dist
 import torch.fx.experimental._config as fx_config
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils._pytree as pytree
 from torch.utils.checkpoint import checkpoint
 
 GiB = 1024**3
@@ -576,8 +578,9 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, itertools, math, torch, torch.distributed as dist, torch.nn as
-# nn, torch.nn.functional as F; from typing import NamedTuple, Optional.
+# Needs: import contextlib, functools, itertools, math, torch, torch.distributed as dist,
+# torch.nn as nn, torch.nn.functional as F, torch.utils._pytree as pytree; from typing import
+# NamedTuple, Optional.
 #
 # The model is cut into *units*, as FSDP2's fully_shard cuts it: for Llama the embeddings,
 # each block, and the final norm with lm_head. Only the unit that runs has its full
@@ -733,12 +736,12 @@ def _to_host(t, stream):
 
 
 class _PostBackward(torch.autograd.Function):
-    """The identity on a unit's inputs, whose backward ends the unit's (FSDP2's too)."""
+    """The identity on a use's inputs, whose backward says that the use's is over (FSDP2's)."""
 
     @staticmethod
     def forward(ctx, unit, use, *inputs):
         ctx.unit = unit
-        ctx.use = use  # section 10's pass through the unit; None here
+        ctx.use = use
         ctx.set_materialize_grads(False)  # no gradient: None, not a tensor of zeros
         return inputs
 
@@ -748,13 +751,29 @@ class _PostBackward(torch.autograd.Function):
         return (None, None) + grads
 
 
+class _Use:
+    """One pass of a forward through a unit, each of its modules called at most once. Its
+    backward is over when its _PostBackward nodes have run. A call whose inputs need no
+    gradient (the embedding's) makes no node: such a use is over at the end of backward."""
+
+    def __init__(self):
+        self.ran = set()  # the modules called in it
+        self.nodes = 0  # _PostBackward nodes made on its calls' inputs
+        self.nodes_done = 0  # of those, the ones whose backward has run
+        self.unsignalled = False  # a call made no node
+        self.started = False  # a gradient reached one of its outputs: its backward began
+
+    def done(self):
+        return not self.unsignalled and self.nodes_done == self.nodes
+
+
 class ShardedUnit:
-    """The parameters of some modules (called one after another, once in a forward),
-    sharded; hooks on the modules gather and free them."""
+    """The parameters of some modules, sharded; hooks on the modules gather and free them.
+    index: the place in forward's order; -1 is the root unit (the model's other parameters)."""
 
     def __init__(self, fsdp, index, name, modules, params, reshard_after_forward):
         self.fsdp = fsdp
-        self.index = index  # the place in forward's order
+        self.index = index
         self.name = name
         self.modules = modules
         self.reshard_after_forward = reshard_after_forward
@@ -762,13 +781,20 @@ class ShardedUnit:
         all_slots = [slot for p in self.params for slot in p.slots]
         self.slots = sorted(all_slots, key=_layout_order)
         self.adapters = [slot for slot in self.slots if slot.trainable]
+        for slot in self.adapters:
+            slot.got = False  # a gradient reached it in this backward
         self._lay_out()
         self._allocate()
         self._take_over([p for _, _, p in params])
         self.gathered = False
         self.inflight = None  # its all-gather in flight, an _AllGather
+        self.version = None  # _version() when it was gathered or prefetched
+        self.use = None  # the _Use that its modules' calls join
+        self.started = []  # the uses whose backward began and is not over
         self.needs_backward = False  # an output needs a gradient: a backward will come
-        self._register_hooks()
+        for m in modules:
+            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+            m.register_forward_hook(self._post_forward)
 
     def _lay_out(self):
         """Each slot's offset in the shard bytes; a trainable one's start in the master."""
@@ -827,10 +853,10 @@ class ShardedUnit:
                     module._parameters[attr] = p.slots[0].local
                 self.places.append((module, attr, p.value))
 
-    def _register_hooks(self):
-        for m in self.modules:
-            m.register_forward_pre_hook(self._pre_forward, prepend=True)
-        self.modules[-1].register_forward_hook(self._post_forward)
+    def _version(self):
+        """Moves whenever this rank's pieces are written (an optimizer step, a load)."""
+        master_version = self.master._version if self.master is not None else None
+        return self.shard_bytes._version, master_version
 
     def prefetch(self):
         """Issue this unit's all-gather, unless it is gathered or in flight already."""
@@ -847,6 +873,7 @@ class ShardedUnit:
             self._cast_masters(send)
             work = _collective(out, send, fsdp.group)
         self.inflight = _AllGather(work, out)
+        self.version = self._version()
 
     def _cast_masters(self, send):
         """The fp32 masters into the bytes to send, one cast per dtype (side by side)."""
@@ -860,6 +887,8 @@ class ShardedUnit:
 
     def gather(self):
         """The full tensors on their modules, copied out of the unit's all-gather in one op."""
+        if self.version is not None and self.version != self._version():
+            self.free()  # gathered or prefetched before its pieces were written (a step)
         if self.gathered or not self.slots:
             return
         self.prefetch()
@@ -877,6 +906,9 @@ class ShardedUnit:
             )
         for module, attr, value in self.places:
             module.__dict__[attr] = value  # as long as the full tensors exist
+        # A trainable tensor gets a gradient only while its parameter asks for one.
+        for slot in self.adapters:
+            slot.full.requires_grad_(slot.local.requires_grad)
         self.gathered = True
 
     def free(self):
@@ -887,60 +919,156 @@ class ShardedUnit:
         for module, attr, _ in self.places:
             module.__dict__.pop(attr, None)
         self.gathered = False
+        self.version = None
+        self.use = None  # what runs next is another forward
 
-    def _pre_forward(self, module, args):
+    # The hooks stay eager under a torch.compile'd model, as FSDP2's: torch.compiler.disable,
+    # in the form torch uses itself, which imports the compiler at the first call, not here.
+    @torch._disable_dynamo
+    def _pre_forward(self, module, args, kwargs):
+        # A recompute inside backward (a checkpoint around the module) needs the weights
+        # only: its backward was set up by the forward it repeats.
+        if torch._C._current_graph_task_id() != -1:
+            self.gather()
+            return args, kwargs
+        if self.index < 0:  # the root: a new forward of the whole model
+            args, kwargs = self.fsdp.cast_inputs(args, kwargs)
+            for unit in self.fsdp.all_units:
+                unit.use = None
         self.gather()
         if self.index + 1 < len(self.fsdp.units):
             self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
-        if module is not self.modules[0] or not torch.is_grad_enabled():
-            return args
-        # The inputs that need a gradient pass through _PostBackward.
-        need = [i for i, a in enumerate(args) if torch.is_tensor(a) and a.requires_grad]
-        marked = list(args)
-        if need:
-            outputs = _PostBackward.apply(self, None, *(args[i] for i in need))
-            for i, t in zip(need, outputs):
-                marked[i] = t
-        return tuple(marked)
+        # A module called again starts another pass through the unit.
+        if self.use is None or module in self.use.ran:
+            self.use = _Use()
+        self.use.ran.add(module)
+        if torch.is_grad_enabled():
+            args, kwargs = self._mark_inputs(self.use, args, kwargs)
+        return args, kwargs
 
+    def _mark_inputs(self, use, args, kwargs):
+        """The inputs that need a gradient, passed through a _PostBackward node of `use`."""
+        leaves, spec = pytree.tree_flatten((args, kwargs))
+        need = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
+        if not need:
+            use.unsignalled = True
+            return args, kwargs
+        use.nodes += 1
+        wrapped = _PostBackward.apply(self, use, *(leaves[i] for i in need))
+        for i, t in zip(need, wrapped):
+            leaves[i] = t
+        return pytree.tree_unflatten(leaves, spec)
+
+    @torch._disable_dynamo
     def _post_forward(self, module, args, output):
-        if torch.is_grad_enabled() and output.requires_grad:
-            output.register_hook(self._pre_backward)  # the first gradient to arrive
-            self.needs_backward = True
-        # A no-grad forward has no backward to keep the weights for.
-        if self.reshard_after_forward or not torch.is_grad_enabled():
-            self.free()
+        if torch._C._current_graph_task_id() != -1:  # a recompute
+            return None
+        use = self.use
+        if torch.is_grad_enabled():
+            for t in pytree.tree_leaves(output):
+                # The first gradient to arrive at an output starts the use's backward.
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(functools.partial(self._pre_backward, use))
+                    self.needs_backward = True
+        # Once each module has run, the pass is over: free, unless backward needs the unit
+        # at once. A module that does not run keeps the unit gathered until backward ends.
+        if use.ran.issuperset(self.modules):
+            self.use = None
+            if self.reshard_after_forward or not torch.is_grad_enabled():
+                self.free()
         return None
 
-    def _pre_backward(self, grad):
+    def _pre_backward(self, use, grad):
         self.fsdp.queue_end_of_backward()
-        self.gather()
+        self.gather()  # again if another use's backward freed it
+        if use.started:
+            return
+        use.started = True
+        self.started.append(use)
         if self.index > 0:
             previous = self.fsdp.units[self.index - 1]
             if previous.needs_backward:
                 previous.prefetch()  # the unit whose backward comes next
 
-    def node_done(self, use):  # its _PostBackward node has run: its backward is over
-        self.post_backward()
+    def node_done(self, use):
+        """A _PostBackward node of `use` has run; if no use is left in backward, nor is the
+        unit's."""
+        use.nodes_done += 1
+        if use.started and use.done():
+            self.started.remove(use)
+            if not self.started:
+                self.post_backward()
 
     def post_backward(self):
         """Reduce-scatter this unit's gradients, free its weights."""
+        for use in self.started:
+            use.started = False  # over for this backward; another may reach it again
+        self.started = []
         self.needs_backward = False
-        if self.adapters:
-            self.fsdp.reduce(self, [slot.full.grad for slot in self.adapters])
+        grads = [slot.full.grad for slot in self.adapters]
+        # A unit may reduce more than once in one backward (a use over early, another one
+        # later): a slot that a gradient reached in any of them gets each reduction added,
+        # the zeros that stood in for it included; one that none reached keeps its .grad.
+        for slot, g in zip(self.adapters, grads):
+            slot.got |= g is not None
+        if any(g is not None for g in grads):
+            filled = []
+            for slot, g in zip(self.adapters, grads):
+                filled.append(torch.zeros_like(slot.full) if g is None else g)
+            self.fsdp.reduce(self, filled)
             for slot in self.adapters:
                 slot.full.grad = None
         self.free()
 
 
+class _Found(NamedTuple):
+    """A parameter found in the model: its name, the places that hold it, its unit."""
+
+    fqn: str
+    places: list  # [(module, attribute name)]: more than one if tied
+    param: torch.Tensor
+    unit: int  # -1: the root
+
+
+def _collect_params(module, prefix, unit, tops, found):
+    """Record module's parameters and its children's, down to (not into) the units of their
+    own. found: id(parameter) -> _Found. A parameter met twice in one unit (tied) gains a
+    place; met in two units it is refused."""
+    for attr, p in module._parameters.items():
+        if p is None:
+            continue
+        entry = found.setdefault(id(p), _Found(prefix + attr, [], p, unit))
+        if entry.unit != unit:
+            raise ValueError(
+                f"FSDP: parameter {prefix + attr} (also {entry.fqn}) is in two units; "
+                f"put the modules that share it in one unit"
+            )
+        entry.places.append((module, attr))
+    for name, child in module._modules.items():
+        if child is not None and child not in tops:
+            _collect_params(child, f"{prefix}{name}.", unit, tops, found)
+
+
+def _refuse_nesting(names):
+    """Refuse a unit that lists a module and one inside it: the inner one's call would end
+    the unit's pass while the outer one still runs. (A unit may lie inside another unit.)"""
+    for outer in names:
+        for inner in names:
+            if outer and inner.startswith(outer + "."):
+                raise ValueError(
+                    f"FSDP: a unit lists {inner} and {outer}, which holds it; list only {outer}"
+                )
+
+
 class FullyShard:
     """Shards a model's units over `group`, as FSDP2's fully_shard does, in plain tensors.
 
-    units: in forward's order, each a module or a list of modules run one after another,
-    once in a forward and once in its backward (section 10's FSDP lifts these limits);
-    every parameter of `model` lies in one. compute_dtype (FSDP2's param_dtype): frozen
-    floating tensors are kept and gathered in it, trainable ones gathered in it from fp32
-    masters; gradients reduce in fp32. offload: shards, masters and AdamW on the host.
+    units: in forward's order, each a module or a list of modules gathered together; every
+    other parameter of `model` forms the root unit, gathered for the whole forward.
+    compute_dtype (FSDP2's param_dtype): frozen floating tensors are kept and gathered in it,
+    trainable ones gathered in it from fp32 masters, the root's floating inputs cast to it
+    (cast_forward_inputs); gradients reduce in fp32. offload: shards, masters and AdamW on
+    the host. replicate_group: hybrid sharding (HSDP), the ranks that hold the same pieces.
 
         fsdp = FullyShard(model, model.units(), "cuda", torch.bfloat16)
         optimizer = ForeachAdamW(fsdp.parameters())  # the pieces: make it after sharding
@@ -949,14 +1077,24 @@ class FullyShard:
         optimizer.step()
     """
 
-    Unit = ShardedUnit  # section 10's FSDP makes units of its own
-
-    def __init__(self, model, units, device, compute_dtype=None, offload=False, group=None):
+    def __init__(
+        self,
+        model,
+        units,
+        device,
+        compute_dtype=None,
+        offload=False,
+        group=None,
+        replicate_group=None,
+        cast_forward_inputs=True,
+    ):
         device = torch.device(device)
         self.device = device
         self.compute_dtype = compute_dtype
         self.offload = offload
         self.group = group
+        self.replicate_group = replicate_group
+        self.cast_forward_inputs = cast_forward_inputs
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
         self.store_device = torch.device("cpu") if offload else device
@@ -970,28 +1108,33 @@ class FullyShard:
         self._make_units(model, groups)
 
     def _make_units(self, model, groups):
-        """self.units: one per group of modules, holding their parameters."""
+        """self.units: one per group of modules; self.root: the other parameters'."""
         names = {m: name for name, m in model.named_modules()}
-        found = []  # per group: [(name, [(module, attribute)], parameter)]
+        tops = {m for group in groups for m in group}
+        outside = [type(m).__name__ for m in tops if m not in names]
+        if outside:
+            raise ValueError(f"FSDP: a unit's {outside[0]} is not a submodule of the model")
         for group in groups:
-            params = {}
+            _refuse_nesting([names[m] for m in group])
+        # The root's parameters, then each unit's. The walk stops at each unit's modules,
+        # so a unit's parameters are never the root's.
+        found = {}
+        _collect_params(model, "", -1, tops, found)
+        for i, group in enumerate(groups):
             for m in group:
-                for prefix, sub in m.named_modules(prefix=names[m]):
-                    for attr, p in sub.named_parameters(recurse=False):
-                        entry = params.setdefault(id(p), (f"{prefix}.{attr}", [], p))
-                        entry[1].append((sub, attr))
-            found.append(list(params.values()))
-        taken = {id(p) for params in found for _, _, p in params}
-        for name, p in model.named_parameters():
-            if id(p) not in taken:
-                raise ValueError(f"FullyShard: parameter {name} is in no unit")
+                _collect_params(m, f"{names[m]}." if names[m] else "", i, tops, found)
+        params = {i: [] for i in range(-1, len(groups))}
+        for entry in found.values():
+            params[entry.unit].append((entry.fqn, entry.places, entry.param))
+        self.root = ShardedUnit(self, -1, "root", [model], params[-1], False)
         self.units = []
         for i, group in enumerate(groups):
             name = "+".join(names[m] for m in group)
-            last = i == len(groups) - 1  # needed at once by backward: kept after forward
-            self.units.append(self.Unit(self, i, name, group, found[i], not last))
-        self.all_units = self.units
-        self.trained = [u for u in self.units if u.master is not None]
+            # The last unit is needed at once by backward: it keeps its weights after forward.
+            last = i == len(groups) - 1
+            self.units.append(ShardedUnit(self, i, name, group, params[i], not last))
+        self.all_units = [self.root] + self.units
+        self.trained = [u for u in self.all_units if u.master is not None]
         self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
 
     def parameters(self):
@@ -1002,6 +1145,17 @@ class FullyShard:
         """(name, piece) of every trainable parameter, in the order of the units' layouts."""
         return [(s.name, s.local) for unit in self.trained for s in unit.adapters]
 
+    def cast_inputs(self, args, kwargs):
+        """The root's floating-point inputs in compute_dtype (FSDP2's cast_forward_inputs)."""
+        dtype = self.compute_dtype
+        if dtype is None or not self.cast_forward_inputs:
+            return args, kwargs
+
+        def cast(t):
+            return t.to(dtype) if t.is_floating_point() else t
+
+        return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
+
     def queue_end_of_backward(self):
         """Queue _end_of_backward on the autograd engine, once per backward, from inside it."""
         task = torch._C._current_graph_task_id()
@@ -1011,18 +1165,24 @@ class FullyShard:
             engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self):
-        """Finish every unit's reduction, add it to the pieces' .grad, free every unit."""
+        """Reduce every unit still in backward (one whose use made no node; the root), add each
+        reduced piece to its .grad, free every unit."""
         self.task = None
         for unit in self.all_units:
-            if unit.needs_backward:
+            if unit.needs_backward or any(s.full.grad is not None for s in unit.adapters):
                 unit.post_backward()
         self._finish_reduction()
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
         for arrived in self.arrived:
             for slot in arrived.unit.adapters:
-                self.add_grad(slot, arrived.output[slot.start : slot.start + slot.shard_numel])
+                grad = arrived.output[slot.start : slot.start + slot.shard_numel]
+                if slot.got:  # one that no gradient reached keeps its .grad (None)
+                    self.add_grad(slot, grad)
         self.arrived = []
+        for unit in self.all_units:
+            for slot in unit.adapters:
+                slot.got = False  # the next backward starts afresh
         self.reshard()
 
     def add_grad(self, slot, grad):
@@ -1058,9 +1218,18 @@ class FullyShard:
         self.arrived.append(pending._replace(work=None, output=grad, input=None))
 
     def reduced(self, grad):
-        """A reduce-scatter's output as the mean over ranks, as FSDP2's gradients."""
+        """A reduce-scatter's output as the mean over ranks, as FSDP2's gradients; with HSDP
+        then the mean over the replicas, an all-reduce of the adapters' gradient pieces: all
+        that crosses between groups."""
         if not _averages(self.group):
             grad.div_(self.world)  # gloo summed
+        replicas = self.replicate_group
+        if replicas is not None:
+            with torch.profiler.record_function("fsdp::all_reduce"):
+                op = dist.ReduceOp.AVG if _averages(replicas) else dist.ReduceOp.SUM
+                dist.all_reduce(grad, op=op, group=replicas)
+                if not _averages(replicas):
+                    grad.div_(dist.get_world_size(replicas))
         return grad
 
     def wait(self, work, label):
@@ -1074,13 +1243,21 @@ class FullyShard:
                 # No process group: the "collective" was a copy on the side stream.
                 torch.cuda.current_stream(self.device).wait_stream(self.side_stream)
 
-    def clip_grad_norm_(self, max_norm):
-        """clip_grad_norm_ over all ranks' pieces: their squares sum to the norm's square."""
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squares = torch.nn.utils.get_total_norm(grads).to(self.device) ** 2
-        if dist.is_initialized():
-            dist.all_reduce(squares, group=self.group)
-        norm = squares.sqrt()
+    def clip_grad_norm_(self, max_norm, norm_type=2.0):
+        """clip_grad_norm_ over all ranks' pieces: the ranks' sums of |g|^p (for inf the max)
+        make the norm."""
+        p = float(norm_type)
+        grads = [piece.grad for piece in self.parameters() if piece.grad is not None]
+        local = torch.nn.utils.get_total_norm(grads, p).to(self.device)
+        if p == math.inf:
+            if dist.is_initialized():
+                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
+            norm = local
+        else:
+            powered = local**p
+            if dist.is_initialized():
+                dist.all_reduce(powered, group=self.group)
+            norm = powered ** (1.0 / p)
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
         return norm
 
@@ -1668,7 +1845,6 @@ import argparse
 import bisect
 import dataclasses
 import datetime
-import functools
 import io
 import json
 import logging
@@ -1681,7 +1857,6 @@ import sys
 import tempfile
 import threading
 
-import torch.utils._pytree as pytree
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.attention.flex_attention import (
     BlockMask,
@@ -1815,23 +1990,6 @@ NF4_OPS.update(
 #   - and the state in full, for checkpoints.
 
 
-class _Use:
-    """One pass of a forward through a unit, each module called at most once; its backward is
-    over when its _PostBackward nodes have run. A call whose inputs need no gradient (an
-    embedding's) has no node to say when its backward is over: a use with one such call is over
-    at the end of backward, so that its weights live until then."""
-
-    def __init__(self):
-        self.ran = set()  # the modules called in it
-        self.nodes = 0  # _PostBackward nodes made on its calls' inputs
-        self.nodes_done = 0  # of those, the ones whose backward has run
-        self.unsignalled = False  # a call made no node: over only at the end of backward
-        self.started = False  # a gradient reached one of its outputs: its backward began
-
-    def done(self):
-        return not self.unsignalled and self.nodes_done == self.nodes
-
-
 class _Sharded:
     """Mixed into the class of a module holding sharded parameters."""
 
@@ -1866,184 +2024,6 @@ def _mark_sharded(module, attr, fqn):
     module._fsdp_sharded[attr] = fqn
 
 
-class AnyUnit(ShardedUnit):
-    """A ShardedUnit of any model (the list above); index -1 is the root unit."""
-
-    def __init__(self, *args):
-        self.version = None  # _version() when it was gathered or prefetched
-        self.use = None  # the _Use that its modules' calls join, until each of them ran
-        self.started = []  # the uses whose backward began and is not over
-        super().__init__(*args)
-        for p in self.params:
-            for module, attr in p.places:
-                _mark_sharded(module, attr, p.fqn)
-        for slot in self.adapters:
-            slot.got = False  # a gradient reached it in this backward
-
-    def _register_hooks(self):
-        for m in self.modules:
-            m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            m.register_forward_hook(self._post_forward)
-
-    def _version(self):
-        """Moves whenever this rank's pieces are written (an optimizer step, load_full)."""
-        master_version = self.master._version if self.master is not None else None
-        return self.shard_bytes._version, master_version
-
-    def prefetch(self):
-        if self.gathered or self.inflight is not None or not self.slots:
-            return
-        super().prefetch()
-        self.version = self._version()
-
-    def gather(self):
-        if self.version is not None and self.version != self._version():
-            self.free()  # gathered or prefetched before its pieces were written (a step)
-        if self.gathered or not self.slots:
-            return
-        super().gather()
-        # A trainable tensor gets a gradient only while its parameter asks for one.
-        for slot in self.adapters:
-            slot.full.requires_grad_(slot.local.requires_grad)
-
-    def free(self):
-        super().free()
-        self.version = None
-        self.use = None  # what runs next is another forward
-
-    # The hooks stay eager under a torch.compile'd model, as FSDP2's: torch.compiler.disable,
-    # in the form torch uses itself, which imports the compiler at the first call, not here.
-    @torch._disable_dynamo
-    def _pre_forward(self, module, args, kwargs):
-        # A recompute inside backward (a checkpoint around the module) needs the weights
-        # only: its backward was set up by the forward it repeats.
-        if torch._C._current_graph_task_id() != -1:
-            self.gather()
-            return args, kwargs
-        if self.index < 0:  # the root: a new forward of the whole model
-            args, kwargs = self.fsdp.cast_inputs(args, kwargs)
-            for unit in self.fsdp.all_units:
-                unit.use = None
-        self.gather()
-        if self.index + 1 < len(self.fsdp.units):
-            self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
-        # A module called again starts another pass through the unit.
-        if self.use is None or module in self.use.ran:
-            self.use = _Use()
-        self.use.ran.add(module)
-        if torch.is_grad_enabled():
-            args, kwargs = self._mark_inputs(self.use, args, kwargs)
-        return args, kwargs
-
-    def _mark_inputs(self, use, args, kwargs):
-        """The inputs that need a gradient, passed through a _PostBackward node of `use`."""
-        leaves, spec = pytree.tree_flatten((args, kwargs))
-        need = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
-        if not need:
-            use.unsignalled = True
-            return args, kwargs
-        use.nodes += 1
-        wrapped = _PostBackward.apply(self, use, *(leaves[i] for i in need))
-        for i, t in zip(need, wrapped):
-            leaves[i] = t
-        return pytree.tree_unflatten(leaves, spec)
-
-    @torch._disable_dynamo
-    def _post_forward(self, module, args, output):
-        if torch._C._current_graph_task_id() != -1:  # a recompute
-            return None
-        use = self.use
-        if torch.is_grad_enabled():
-            for t in pytree.tree_leaves(output):
-                # The first gradient to arrive at an output starts the use's backward.
-                if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(functools.partial(self._use_backward, use))
-                    self.needs_backward = True
-        # Once each module has run, the pass is over: free, unless backward needs the unit
-        # at once. A module that does not run keeps the unit gathered until backward ends.
-        if use.ran.issuperset(self.modules):
-            self.use = None
-            if self.reshard_after_forward or not torch.is_grad_enabled():
-                self.free()
-        return None
-
-    def _use_backward(self, use, grad):
-        if not use.started:
-            use.started = True
-            self.started.append(use)
-            self._pre_backward(grad)
-        else:  # again if another use's backward freed it
-            self.gather()
-
-    def node_done(self, use):
-        """A _PostBackward node of `use` has run; if no use is left in backward, nor is the
-        unit."""
-        use.nodes_done += 1
-        if use.started and use.done():
-            self.started.remove(use)
-            if not self.started:
-                self.post_backward()
-
-    def post_backward(self):
-        for use in self.started:
-            use.started = False  # over for this backward; another may reach it again
-        self.started = []
-        self.needs_backward = False
-        grads = [slot.full.grad for slot in self.adapters]
-        # A unit may reduce more than once in one backward (a use over early, another one
-        # later): a slot that a gradient reached in any of them gets each reduction added, the
-        # zeros that stood in for it included; one that none reached keeps its .grad.
-        for slot, g in zip(self.adapters, grads):
-            slot.got |= g is not None
-        if any(g is not None for g in grads):
-            filled = []
-            for slot, g in zip(self.adapters, grads):
-                filled.append(torch.zeros_like(slot.full) if g is None else g)
-            self.fsdp.reduce(self, filled)
-            for slot in self.adapters:
-                slot.full.grad = None
-        self.free()
-
-
-class _Found(NamedTuple):
-    """A parameter found in the model: its name, the places that hold it, its unit."""
-
-    fqn: str
-    places: list  # [(module, attribute name)]: more than one if tied
-    param: torch.Tensor
-    unit: int  # -1: the root
-
-
-def _collect_params(module, prefix, unit, tops, found):
-    """Record module's parameters and its children's, down to (not into) the units of their
-    own. found: id(parameter) -> _Found. A parameter met twice in one unit (tied) gains a
-    place; met in two units it is refused."""
-    for attr, p in module._parameters.items():
-        if p is None:
-            continue
-        entry = found.setdefault(id(p), _Found(prefix + attr, [], p, unit))
-        if entry.unit != unit:
-            raise ValueError(
-                f"FSDP: parameter {prefix + attr} (also {entry.fqn}) is in two units; "
-                f"put the modules that share it in one unit"
-            )
-        entry.places.append((module, attr))
-    for name, child in module._modules.items():
-        if child is not None and child not in tops:
-            _collect_params(child, f"{prefix}{name}.", unit, tops, found)
-
-
-def _refuse_nesting(names):
-    """Refuse a unit that lists a module and one inside it: the inner one's call would end
-    the unit's pass while the outer one still runs. (A unit may lie inside another unit.)"""
-    for outer in names:
-        for inner in names:
-            if outer and inner.startswith(outer + "."):
-                raise ValueError(
-                    f"FSDP: a unit lists {inner} and {outer}, which holds it; list only {outer}"
-                )
-
-
 def _mesh_groups(mesh):
     """(shard group, replicate group) of a pair, or of a DeviceMesh (replicate, shard)."""
     if isinstance(mesh, (tuple, list)):
@@ -2073,8 +2053,6 @@ class FSDP(FullyShard):
     of=lambda m: optimizer.state[m]["exp_avg"], full_base(), load_full().
     """
 
-    Unit = AnyUnit
-
     def __init__(
         self,
         model,
@@ -2086,18 +2064,18 @@ class FSDP(FullyShard):
         cast_forward_inputs=True,
         mesh=None,
     ):
-        self.replicate_group = None  # HSDP: the ranks that hold the same pieces
+        replicate_group = None
         if mesh is not None:
-            group, self.replicate_group = _mesh_groups(mesh)
+            group, replicate_group = _mesh_groups(mesh)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
         if device == torch.device("cuda"):
             device = torch.device("cuda", torch.cuda.current_device())
-        self.cast_forward_inputs = cast_forward_inputs
         self.time_waits = False  # record each wait for a collective (the run reads them)
         self.waits = []  # (start, end) of each wait, while time_waits
-        super().__init__(model, units, device, compute_dtype, offload, group)
+        shard = (compute_dtype, offload, group, replicate_group, cast_forward_inputs)
+        super().__init__(model, units, device, *shard)
         # Buffers are not sharded: they move to the device, as FSDP2 moves them (one on "meta"
         # is made there, for its module to fill as its weights load).
         for module in model.modules():
@@ -2106,74 +2084,10 @@ class FSDP(FullyShard):
                     module._buffers[key] = torch.empty_like(buffer, device=device)
                 elif buffer is not None:
                     module._buffers[key] = buffer.to(device)
-
-    def _make_units(self, model, groups):
-        names = {m: name for name, m in model.named_modules()}
-        tops = {m for group in groups for m in group}
-        outside = [type(m).__name__ for m in tops if m not in names]
-        if outside:
-            raise ValueError(f"FSDP: a unit's {outside[0]} is not a submodule of the model")
-        for group in groups:
-            _refuse_nesting([names[m] for m in group])
-        # The root's parameters, then each unit's. The walk stops at each unit's modules,
-        # so a unit's parameters are never the root's; one found in two units is refused.
-        found = {}
-        _collect_params(model, "", -1, tops, found)
-        for i, group in enumerate(groups):
-            for m in group:
-                _collect_params(m, f"{names[m]}." if names[m] else "", i, tops, found)
-        params = {i: [] for i in range(-1, len(groups))}
-        for entry in found.values():
-            params[entry.unit].append((entry.fqn, entry.places, entry.param))
-        self.root = self.Unit(self, -1, "root", [model], params[-1], False)
-        self.units = []
-        for i, group in enumerate(groups):
-            name = "+".join(names[m] for m in group)
-            # The last unit is needed at once by backward: it keeps its weights after forward.
-            last = i == len(groups) - 1
-            self.units.append(self.Unit(self, i, name, group, params[i], not last))
-        self.all_units = [self.root] + self.units
-        self.trained = [u for u in self.all_units if u.master is not None]
-        self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
-
-    def cast_inputs(self, args, kwargs):
-        """The root's floating-point inputs in compute_dtype (FSDP2's cast_forward_inputs)."""
-        dtype = self.compute_dtype
-        if dtype is None or not self.cast_forward_inputs:
-            return args, kwargs
-
-        def cast(t):
-            return t.to(dtype) if t.is_floating_point() else t
-
-        return pytree.tree_map_only(torch.Tensor, cast, (args, kwargs))
-
-    def reduced(self, grad):
-        """FullyShard's mean over the shard group; with HSDP then the mean over the replicas: an
-        all-reduce of the adapters' gradient pieces, all that crosses between groups."""
-        grad = super().reduced(grad)
-        if self.replicate_group is None:
-            return grad
-        with torch.profiler.record_function("fsdp::all_reduce"):
-            averages = _averages(self.replicate_group)
-            op = dist.ReduceOp.AVG if averages else dist.ReduceOp.SUM
-            dist.all_reduce(grad, op=op, group=self.replicate_group)
-            if not averages:
-                grad.div_(dist.get_world_size(self.replicate_group))
-        return grad
-
-    def _end_of_backward(self):
-        # A unit whose use did not see its backward start (the root's gradients) reduces too.
         for unit in self.all_units:
-            if any(slot.full.grad is not None for slot in unit.adapters):
-                unit.needs_backward = True
-        super()._end_of_backward()
-        for unit in self.all_units:
-            for slot in unit.adapters:
-                slot.got = False  # the next backward starts afresh
-
-    def add_grad(self, slot, grad):
-        if slot.got:  # no gradient reached it: its .grad stays as it was (None)
-            super().add_grad(slot, grad)
+            for p in unit.params:
+                for module, attr in p.places:
+                    _mark_sharded(module, attr, p.fqn)
 
     def _now(self):
         """A point in time: a CUDA event on the compute stream, or the host's clock."""
@@ -2200,25 +2114,6 @@ class FSDP(FullyShard):
                 seconds += start.elapsed_time(end) / 1000
         self.waits = []
         return seconds
-
-    def clip_grad_norm_(self, max_norm, norm_type=2.0):
-        """FullyShard's, with any norm_type: the ranks' sum of |g|^p, for inf the max."""
-        norm_type = float(norm_type)
-        if norm_type == 2.0:
-            return super().clip_grad_norm_(max_norm)
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        local = torch.nn.utils.get_total_norm(grads, norm_type).to(self.device)
-        if norm_type == math.inf:
-            if dist.is_initialized():
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-            norm = local
-        else:
-            powered = local**norm_type
-            if dist.is_initialized():
-                dist.all_reduce(powered, group=self.group)
-            norm = powered ** (1.0 / norm_type)
-        torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
-        return norm
 
     # The state in full, for checkpoints. These are collectives: every rank gets (or gives)
     # all of it.
