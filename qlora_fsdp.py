@@ -1721,10 +1721,7 @@ class Batch(NamedTuple):
 def get_batch(data, step, micro, args, world, rank, vocab_size):
     """This rank's Batch of micro-batch `micro` of `step`: rows in the order (micro, rank,
     row) of a global batch that depends only on (seed, step), so any split sees the same
-    rows. data: token ids (windows at random places), None (random tokens), or an object
-    whose batch(step, micro, args, world, rank) makes it (section 15's)."""
-    if data is not None and not isinstance(data, np.ndarray):
-        return data.batch(step, micro, args, world, rank)
+    rows. data: token ids (windows at random places), or None (random tokens)."""
     generator = seeded(args.seed, "batch", step)
     n = args.batch_size * args.grad_accum * world  # rows in the global batch
     T = args.seq_len
@@ -1802,35 +1799,38 @@ def format_step(r, steps):
     )
 
 
-def train(model, fsdp, optimizer, data, args, device, start=0, end=None, run=None):
-    """The training loop: steps start + 1 to `end` (args.steps), a line every log_every.
-    `run` (section 15's) hears of each step and logs, evaluates, saves: True stops it."""
-    end = args.steps if end is None else end
+def run_step(model, fsdp, optimizer, batches, args, device, step):
+    """Step `step` (from 0) of the loop over this rank's micro-batches: its learning rate, its
+    dropout masks' seed, one train_step. -> its StepRecord; a non-finite loss raises."""
+    t0 = time.perf_counter()
     world, rank = world_and_rank()
-    vocab_size = model.config.vocab_size
+    lr = learning_rate(step, args)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    # LoRA dropout draws its masks from (seed, rank, step): a resumed run draws alike.
+    torch.manual_seed(seed_of(args.seed, "dropout", rank, step))
+    loss = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
+    seconds = time.perf_counter() - t0
+    if not math.isfinite(loss):
+        raise FloatingPointError(f"loss is {loss} at step {step + 1}; stopped before updating")
     tokens = args.batch_size * args.grad_accum * world * args.seq_len
+    return StepRecord(step + 1, loss, lr, seconds, tokens)
+
+
+def train(model, fsdp, optimizer, data, args, device):
+    """The training loop: args.steps steps, a line every log_every."""
+    world, rank = world_and_rank()
     records = []
-    for step in range(start, end):
-        t0 = time.perf_counter()
-        lr = learning_rate(step, args)
-        for group in optimizer.param_groups:
-            group["lr"] = lr
-        # LoRA dropout draws its masks from (seed, rank, step): a resumed run draws alike.
-        torch.manual_seed(seed_of(args.seed, "dropout", rank, step))
+    for step in range(args.steps):
         # This rank's micro-batches of the step's global batch; forward and backward over
         # each, the gradients reduced, one AdamW update.
         micros = range(args.grad_accum)
+        vocab_size = model.config.vocab_size
         batches = [get_batch(data, step, m, args, world, rank, vocab_size) for m in micros]
-        loss = train_step(model, fsdp, optimizer, batches, args.grad_clip, device)
-        seconds = time.perf_counter() - t0
-        if not math.isfinite(loss):
-            raise FloatingPointError(f"loss is {loss} at step {step + 1}; stopped before updating")
-        record = StepRecord(step + 1, loss, lr, seconds, tokens)
+        record = run_step(model, fsdp, optimizer, batches, args, device, step)
         records.append(record)
-        if run is None and (step % args.log_every == 0 or step + 1 == end):
+        if step % args.log_every == 0 or step + 1 == args.steps:
             print0(format_step(record, args.steps))
-        if run is not None and run.after_step(record):  # it logs, evaluates, saves, profiles
-            break
     return records
 
 
@@ -4996,9 +4996,9 @@ class StepTimes(NamedTuple):
 
 
 class Run:
-    """What a real run does between the loop's steps (section 8): log lines with the memory,
-    metrics.jsonl, --profile's trace of steps 3-5, step 1's peaks apart, evaluations and
-    checkpoints when due, and the summary (with each step's StepTimes)."""
+    """A run's state and what fine_tune's loop asks of it: log lines with the memory,
+    metrics.jsonl, --profile's trace of steps 3-5, step 1's peaks apart, evaluations,
+    checkpoints, and the summary (with each step's StepTimes)."""
 
     def __init__(self, setup, model, fsdp, optimizer, start, end):
         self.setup = setup  # the flags, the device, the data, the model's config
@@ -5012,7 +5012,6 @@ class Run:
         # The peak per GPU that --estimate predicts (GiB): the summary and an OOM quote it.
         self.predicted = predicted_memory(setup.args, setup.world, setup.config).gpu_peak / GiB
         self.step = start  # the last step done
-        self.in_hook = False  # whether after_step is running (an error there is not the step's)
         self.records = []
         self.val_losses = []
         self.first_peaks = None  # step 1's peaks: compiling, autotuning, first allocations
@@ -5080,8 +5079,7 @@ class Run:
             print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
 
     def after_step(self, r):
-        """The loop's hook, after each step: returns True to stop the loop (never, here)."""
-        self.in_hook = True
+        """What each step leaves: its record, its StepTimes, the profiler's step."""
         self.step = r.step
         self.records.append(r)
         # The step is done: so are its collectives' events.
@@ -5092,32 +5090,29 @@ class Run:
             # On CUDA, the allocator's history over steps 3-5 (Python stacks only: cheap).
             if self.profiler.step_num == 2 and self.device.type == "cuda":
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
-        # The step's line, with the peak memory (a collective: only on the steps that log).
-        if (r.step - 1) % self.args.log_every == 0 or r.step == self.end:
-            mem = peak_memory_gib(self.device)
-            memory = "mem" if self.device.type == "cuda" else "rss"
-            print0(f"{format_step(r, self.args.steps)} | {memory} {mem:.2f} GiB")
-            self.record(
-                step=r.step,
-                loss=r.loss,
-                lr=r.lr,
-                ms=round(r.seconds * 1000, 2),
-                tokens_per_s=round(r.tokens / r.seconds, 1),
-                mem_gib=round(mem, 4),
-            )
-        if r.step == self.start + 1:
-            if self.compiling is not None:
-                self.compiling.set()
-            self.first_peaks = self.peaks()
-            reset_peak_memory(self.device)
-        saved = self._evaluate_and_save(r.step)
-        stop = self._stop_requested()
-        if stop and self.args.out and not saved:  # the step is done: nothing is lost
-            self._save(r.step)
-        self.in_hook = False
-        return stop
 
-    def _stop_requested(self):
+    def log(self, r):
+        """The step's line, with the peak memory (a collective), and its metrics record."""
+        mem = peak_memory_gib(self.device)
+        memory = "mem" if self.device.type == "cuda" else "rss"
+        print0(f"{format_step(r, self.args.steps)} | {memory} {mem:.2f} GiB")
+        self.record(
+            step=r.step,
+            loss=r.loss,
+            lr=r.lr,
+            ms=round(r.seconds * 1000, 2),
+            tokens_per_s=round(r.tokens / r.seconds, 1),
+            mem_gib=round(mem, 4),
+        )
+
+    def first_step_done(self):
+        """Step 1's peaks (compiling, autotuning, first allocations) apart from the rest."""
+        if self.compiling is not None:
+            self.compiling.set()
+        self.first_peaks = self.peaks()
+        reset_peak_memory(self.device)
+
+    def stop_requested(self):
         """Whether any rank received SIGINT or SIGTERM: all stop at the same step."""
         signum = torch.tensor(float(self.signal or 0), device=self.device)
         if dist.is_initialized():
@@ -5126,7 +5121,7 @@ class Run:
             self.interrupted = int(signum.item())
         return self.interrupted is not None
 
-    def _save(self, step):
+    def save(self, step):
         start = time.perf_counter()
         save_checkpoint(self.args.out, step, self.fsdp, self.optimizer, self.args)
         seconds = time.perf_counter() - start
@@ -5142,18 +5137,6 @@ class Run:
         what = "packed rows" if self.args.pack else "sequences"
         print0(f"eval step {step} | val_loss {val_loss:.4f} | {n} {what} of --val_data")
         self.record(step=step, val_loss=val_loss)
-
-    def _evaluate_and_save(self, step):
-        """At the end (--stop_at's too: a checkpoint, not an evaluation) and when due."""
-        args = self.args
-        final = step == args.steps
-        if self.setup.val and (final or args.eval_every and step % args.eval_every == 0):
-            self.evaluate(step)
-        last = step == self.end
-        due = args.out and (last or args.save_every and step % args.save_every == 0)
-        if due:
-            self._save(step)
-        return due
 
     def finish(self):
         """After the loop: merge, sample, print the loss curve; returns the summary dict."""
@@ -5462,7 +5445,7 @@ class Interrupted(Exception):
 class Signals:
     """SIGINT and SIGTERM (a scheduler's) while `with` lasts: before and after training they
     interrupt at once; during it the loop stops after the step in progress, every rank at the
-    same step, saving it first with --out (Run.after_step): nothing is lost."""
+    same step, saving it first with --out (fine_tune's loop): nothing is lost."""
 
     def __init__(self):
         self.run = None  # the Run to tell, while it trains
@@ -5570,8 +5553,36 @@ def where_stopped(run):
     return where
 
 
+def step_batches(data, step, args, world, rank, vocab_size):
+    """This rank's micro-batches of `step`: rows of --data (read_data's), or random tokens."""
+    micros = range(args.grad_accum)
+    if data is None:
+        return [get_batch(None, step, m, args, world, rank, vocab_size) for m in micros]
+    return [data.batch(step, m, args, world, rank) for m in micros]
+
+
+def due(step, every):
+    """Whether `step` is one of every --eval_every / --save_every steps (0: none)."""
+    return every > 0 and step % every == 0
+
+
+def stepped(run, step):
+    """run_step for the loop below, its out-of-memory and non-finite loss one line each."""
+    s = run.setup
+    batches = step_batches(s.data, step, s.args, s.world, s.rank, s.config.vocab_size)
+    try:
+        return run_step(run.model, run.fsdp, run.optimizer, batches, s.args, s.device, step)
+    except torch.OutOfMemoryError:
+        raise UserError(out_of_memory(run)) from None
+    except FloatingPointError as e:  # no save since
+        out = s.args.out
+        intact = f"; the last checkpoint in {out} is intact" if out else ""
+        raise UserError(f"{e}{intact}") from None
+
+
 def fine_tune(args):
-    """Train as the flags say: set up, the loop, finish. -> (summary dict, losses, fsdp)."""
+    """Train as the flags say: set up, the loop over steps, finish. -> (summary dict, losses,
+    fsdp)."""
     with Signals() as signals:
         run = prepare(args)
         s = run.setup
@@ -5587,17 +5598,26 @@ def fine_tune(args):
         if args.compile:
             print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
             run.compiling = heartbeat("still compiling the first step: {seconds:.0f} s so far")
-        signals.run = run
-        try:  # the loop; its out-of-memory and non-finite losses one line each
-            data = s.data
-            train(run.model, run.fsdp, run.optimizer, data, args, s.device, run.start, run.end, run)
-        except torch.OutOfMemoryError:
-            if run.in_hook:  # in an evaluation or a save: main's one line says so
-                raise
-            raise UserError(out_of_memory(run)) from None
-        except FloatingPointError as e:  # a non-finite loss: no save since
-            intact = f"; the last checkpoint in {args.out} is intact" if args.out else ""
-            raise UserError(f"{e}{intact}") from None
+        signals.run = run  # a signal now stops the loop after its step
+        try:
+            for step in range(run.start, run.end):
+                r = stepped(run, step)
+                run.after_step(r)
+                if (r.step - 1) % args.log_every == 0 or r.step == run.end:
+                    run.log(r)
+                if r.step == run.start + 1:
+                    run.first_step_done()
+                # An evaluation at the end (not --stop_at's) and when due; a save at the end
+                # (--stop_at's too) and when due; on a signal after the step, a save first.
+                if s.val and (r.step == args.steps or due(r.step, args.eval_every)):
+                    run.evaluate(r.step)
+                saved = bool(args.out) and (r.step == run.end or due(r.step, args.save_every))
+                if saved:
+                    run.save(r.step)
+                if run.stop_requested():
+                    if args.out and not saved:
+                        run.save(r.step)
+                    break
         finally:
             signals.run = None
             if run.compiling is not None:
