@@ -1021,43 +1021,39 @@ class ShardedUnit:
         self.free()
 
 
-class _Found(NamedTuple):
-    """A parameter found in the model: its name, the places that hold it, its unit."""
+def _find_params(model, groups):
+    """{id(parameter): (name, [(module, attribute)], parameter, unit)} of every parameter of
+    model: its unit is that of the nearest module around it that a unit lists, -1 (the root)
+    where none does. A parameter held in several places of one unit (tied) lists each; held
+    in two units, or in a unit that lists a module and one inside it, it is refused."""
+    owner = {m: i for i, group in enumerate(groups) for m in group}
+    found = {}
 
-    fqn: str
-    places: list  # [(module, attribute name)]: more than one if tied
-    param: torch.Tensor
-    unit: int  # -1: the root
-
-
-def _collect_params(module, prefix, unit, tops, found):
-    """Record module's parameters and its children's, down to (not into) the units of their
-    own. found: id(parameter) -> _Found. A parameter met twice in one unit (tied) gains a
-    place; met in two units it is refused."""
-    for attr, p in module._parameters.items():
-        if p is None:
-            continue
-        entry = found.setdefault(id(p), _Found(prefix + attr, [], p, unit))
-        if entry.unit != unit:
+    def visit(module, prefix, unit, top=""):
+        if module in owner and owner[module] == unit:
+            inner = prefix[:-1]
             raise ValueError(
-                f"FSDP: parameter {prefix + attr} (also {entry.fqn}) is in two units; "
-                f"put the modules that share it in one unit"
+                f"FSDP: a unit lists {inner} and {top}, which holds it; list only {top}"
             )
-        entry.places.append((module, attr))
-    for name, child in module._modules.items():
-        if child is not None and child not in tops:
-            _collect_params(child, f"{prefix}{name}.", unit, tops, found)
-
-
-def _refuse_nesting(names):
-    """Refuse a unit that lists a module and one inside it: the inner one's call would end
-    the unit's pass while the outer one still runs. (A unit may lie inside another unit.)"""
-    for outer in names:
-        for inner in names:
-            if outer and inner.startswith(outer + "."):
+        if module in owner:
+            unit = owner[module]
+            top = prefix[:-1]
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            fqn, places, _, p_unit = found.setdefault(id(p), (prefix + attr, [], p, unit))
+            if p_unit != unit:
                 raise ValueError(
-                    f"FSDP: a unit lists {inner} and {outer}, which holds it; list only {outer}"
+                    f"FSDP: parameter {prefix + attr} (also {fqn}) is in two units; "
+                    f"put the modules that share it in one unit"
                 )
+            places.append((module, attr))
+        for name, child in module._modules.items():
+            if child is not None:
+                visit(child, f"{prefix}{name}.", unit, top)
+
+    visit(model, "", -1)
+    return found
 
 
 class FullyShard:
@@ -1110,22 +1106,12 @@ class FullyShard:
     def _make_units(self, model, groups):
         """self.units: one per group of modules; self.root: the other parameters'."""
         names = {m: name for name, m in model.named_modules()}
-        tops = {m for group in groups for m in group}
-        outside = [type(m).__name__ for m in tops if m not in names]
+        outside = [type(m).__name__ for group in groups for m in group if m not in names]
         if outside:
             raise ValueError(f"FSDP: a unit's {outside[0]} is not a submodule of the model")
-        for group in groups:
-            _refuse_nesting([names[m] for m in group])
-        # The root's parameters, then each unit's. The walk stops at each unit's modules,
-        # so a unit's parameters are never the root's.
-        found = {}
-        _collect_params(model, "", -1, tops, found)
-        for i, group in enumerate(groups):
-            for m in group:
-                _collect_params(m, f"{names[m]}." if names[m] else "", i, tops, found)
         params = {i: [] for i in range(-1, len(groups))}
-        for entry in found.values():
-            params[entry.unit].append((entry.fqn, entry.places, entry.param))
+        for fqn, places, p, unit in _find_params(model, groups).values():
+            params[unit].append((fqn, places, p))
         self.root = ShardedUnit(self, -1, "root", [model], params[-1], False)
         self.units = []
         for i, group in enumerate(groups):
