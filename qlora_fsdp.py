@@ -595,15 +595,20 @@ class LoRALinear(NF4Linear):
 #   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's columns into
 #   its (world, shard bytes) block of the unit's full storage -> the full tensors
 #
-# A unit's life, run by hooks on its modules (FSDP2's, written small):
+# A unit's life, run by hooks on its modules (FSDP2's, written small). Each pass of a forward
+# through a unit is a *use*; a module called again starts another (a shared head, a recompute).
 #   pre-forward    wait for its all-gather (issued early: prefetch), issue the next unit's;
-#                  the inputs pass through _PostBackward, whose backward ends the unit's.
-#   post-forward   free (the storage resized to 0), but the last unit, needed at once.
-#   pre-backward   (a hook on the output) all-gather again, prefetch the unit before.
-#   post-backward  one reduce-scatter of the adapters' gradients, in fp32; free.
-#   end of backward  (a callback on the autograd engine) the first block, whose input
-#                  needed no gradient, reduces now; each reduced piece is added to its
-#                  parameter's .grad, so that several backward() calls add up.
+#                  the inputs that need a gradient pass through _PostBackward, whose backward
+#                  says that the use's backward is over.
+#   post-forward   once each of its modules ran, free (the storage resized to 0), but the last
+#                  unit, needed at once by backward.
+#   pre-backward   (a hook on each output) all-gather again, prefetch the unit before.
+#   post-backward  when no use is left in backward: one reduce-scatter of the adapters'
+#                  gradients, in fp32; free.
+#   end of backward  (a callback on the autograd engine) a unit whose use made no node (the
+#                  embedding's input needs no gradient) reduces now; each reduced piece is
+#                  added to its parameter's .grad, so that several backward() calls add up.
+# The parameters in no unit form the root unit, gathered for the whole forward.
 # CPU offload keeps the shards, the masters, their gradients and the optimizer on the host:
 # plain tensors, not DTensors, whose dispatch every optimizer op would pay (section 6).
 
@@ -1235,15 +1240,12 @@ class FullyShard:
         p = float(norm_type)
         grads = [piece.grad for piece in self.parameters() if piece.grad is not None]
         local = torch.nn.utils.get_total_norm(grads, p).to(self.device)
-        if p == math.inf:
-            if dist.is_initialized():
-                dist.all_reduce(local, op=dist.ReduceOp.MAX, group=self.group)
-            norm = local
-        else:
-            powered = local**p
-            if dist.is_initialized():
-                dist.all_reduce(powered, group=self.group)
-            norm = powered ** (1.0 / p)
+        inf = p == math.inf
+        total = local if inf else local**p
+        if dist.is_initialized():
+            op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+            dist.all_reduce(total, op=op, group=self.group)
+        norm = total if inf else total ** (1.0 / p)
         torch.nn.utils.clip_grads_with_norm_(self.parameters(), max_norm, norm)
         return norm
 
@@ -4974,6 +4976,17 @@ def reset_peak_memory(device):
         pass
 
 
+def compile_counts():
+    """(graphs compiled, of those recompiles: a frame compiled again) in this process so far;
+    (0, 0) where the compiler was never imported. A silent fall back to eager shows here."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    if utils is None:
+        return 0, 0
+    # guard_failures: code -> the failed guard of each compile again.
+    recompiles = sum(len(failures) for failures in utils.guard_failures.values())
+    return utils.counters["frames"]["ok"], recompiles
+
+
 class StepTimes(NamedTuple):
     """Of a step's seconds, those spent waiting for collectives and in the optimizer."""
 
@@ -5231,6 +5244,7 @@ class Run:
             comm_wait_ms=round(wait_ms, 2),
             optimizer_ms=round(optim_ms, 2),
         )
+        summary["compiles"], summary["recompiles"] = compile_counts()
         if self.device.type == "cuda":
             summary["peak_reserved_gib"] = round(steady[1], 4)
             summary["step1_peak_reserved_gib"] = round(self.first_peaks[1], 4)
@@ -5380,6 +5394,16 @@ def tokenize_to(args):
     return dict(tokenize_to=args.tokenize_to, examples=len(data.starts), tokens=len(data.ids))
 
 
+def refuse_unfused_attention(args, device):
+    """--pack on CUDA runs flex_attention, fused only when compiled: eager it materializes the
+    (B, heads, T, T) scores that the block mask exists to avoid."""
+    require(
+        not (args.pack and device.type == "cuda" and not args.compile),
+        "--pack with --no-compile on CUDA: flex_attention runs unfused, materializing (batch, "
+        "heads, seq_len, seq_len) scores; drop --no-compile",
+    )
+
+
 def set_up(args):
     """The device and process group, then every input read and checked, in order."""
     cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
@@ -5417,6 +5441,7 @@ def set_up(args):
         f"{args.seq_len}; sliding-window attention is not followed by this file",
     )
     check_fits(args, config, world, device)
+    refuse_unfused_attention(args, device)
     return Setup(args, device, world, rank, name, config, data, val, prompts, checkpoint, tokenizer)
 
 
