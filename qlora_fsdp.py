@@ -2300,26 +2300,6 @@ def as_family(config):
     return FamilyConfig(**dataclasses.asdict(config))
 
 
-def count_family_params(config, lora_rank=8, nf4_head=False, dora=False):
-    """count_params, with the family's biases and Qwen3's q_norm and k_norm (and an NF4 head
-    counted with the NF4 projections, DoRA's magnitudes with the adapters)."""
-    c = as_family(config)
-    counts = count_params(c, lora_rank)
-    shapes = linear_shapes(c)
-    q_out = shapes["self_attn.q_proj"][0]
-    kv_out = shapes["self_attn.k_proj"][0]
-    per_block = c.qkv_bias * (q_out + 2 * kv_out) + c.attention_bias * c.hidden_size
-    per_block += c.mlp_bias * (2 * c.intermediate_size + c.hidden_size)
-    per_block += c.qk_norm * 2 * c.head_dim
-    counts = counts._replace(dense=counts.dense + c.num_hidden_layers * per_block)
-    if nf4_head:
-        counts = counts._replace(linear=counts.linear + counts.head, head=0)
-    if dora:  # a magnitude per output row of each projection
-        magnitudes = c.num_hidden_layers * sum(out for out, _ in shapes.values())
-        counts = counts._replace(lora=counts.lora + magnitudes)
-    return counts
-
-
 def shared_input(x, *layers):
     """[m(x) for m in layers] for LoRALinears that read the same x (q, k, v; gate, up), with
     one x [A_1; A_2]^T matmul for all: one pass over x, here and for the gradients. (With
@@ -2596,6 +2576,65 @@ class CausalLM(Llama):
         packed = document_mask(documents)
         mask = packed.dense if packed.block_mask is None else packed.block_mask
         return super().forward(tokens, targets, reduction, packed.positions, mask)
+
+
+# What sets a family apart is written once, in its modules above: its parameters, their
+# counts and a checkpoint's shapes are read off the model built on "meta" with one block.
+
+
+class Tensors(NamedTuple):
+    """A model's parameters, {name: (shape, kind)}; kind: "nf4" (frozen, 4-bit), "head" (the
+    dense lm_head), "dense" (other frozen ones) or "adapter" (trained)."""
+
+    block: dict  # block 0's, named within the block ("self_attn.q_proj.weight")
+    other: dict  # the embeddings', the final norm's and lm_head's
+
+
+_TENSORS = {}  # (repr(config), lora_rank, nf4_head, dora) -> Tensors
+
+
+def model_tensors(config, lora_rank=8, nf4_head=False, dora=False):
+    """Tensors of a CausalLM of this config (built once per config, on "meta")."""
+    key = (repr(config), lora_rank, nf4_head, dora)
+    if key in _TENSORS:
+        return _TENSORS[key]
+    one = dataclasses.replace(as_family(config), num_hidden_layers=1)
+    with torch.device("meta"):
+        model = CausalLM(one, lora_rank=lora_rank, nf4_head=nf4_head, dora=dora)
+    found = _TENSORS[key] = Tensors({}, {})
+    for name, p in model.named_parameters():
+        kind = "adapter" if p.requires_grad else "dense"
+        if isinstance(p, NF4Tensor):
+            kind = "nf4"
+        elif name == "lm_head.weight":
+            kind = "head"
+        in_block = name.startswith("model.layers.0.")
+        where = found.block if in_block else found.other
+        where[name.removeprefix("model.layers.0.")] = (tuple(p.shape), kind)
+    return found
+
+
+def count_family_params(config, lora_rank=8, nf4_head=False, dora=False):
+    """count_params for any family (its biases, Qwen3's q_norm and k_norm; an NF4 head counted
+    with the NF4 projections, DoRA's magnitudes with the adapters)."""
+    tensors = model_tensors(config, lora_rank, nf4_head, dora)
+    layers = config.num_hidden_layers
+    n = dict(nf4=0, head=0, dense=0, adapter=0)
+    for times, found in ((layers, tensors.block), (1, tensors.other)):
+        for shape, kind in found.values():
+            n[kind] += times * math.prod(shape)
+    return ParamCounts(n["nf4"], n["head"], n["dense"], n["adapter"])
+
+
+def hf_shapes(config, layer=None):
+    """{name: shape} of a Hugging Face checkpoint's tensors: block `layer`'s, or with none the
+    others (the embeddings, the final norm, lm_head)."""
+    tensors = model_tensors(config)
+    if layer is None:
+        return {name: shape for name, (shape, _) in tensors.other.items()}
+    block = tensors.block.items()
+    prefix = f"model.layers.{layer}."
+    return {prefix + name: shape for name, (shape, kind) in block if kind != "adapter"}
 
 
 # Generation. A new token needs only the last position's logits, and the keys and values of the
@@ -3564,38 +3603,6 @@ def config_to_hf(config, dtype):
     if config.model_type in ("qwen2", "qwen3"):
         d["use_sliding_window"] = False
     return {k: v for k, v in d.items() if v is not None}
-
-
-def _has_bias(config, projection):
-    if projection.startswith("mlp."):
-        return config.mlp_bias
-    if projection == "self_attn.o_proj":
-        return config.attention_bias
-    return config.qkv_bias
-
-
-def hf_shapes(config, layer=None):
-    """{name: shape} of a Hugging Face checkpoint's tensors: block `layer`'s, or with none the
-    others (the embeddings, the final norm, lm_head)."""
-    config = as_family(config)
-    d = config.hidden_size
-    if layer is None:
-        return {
-            "model.embed_tokens.weight": (config.vocab_size, d),
-            "model.norm.weight": (d,),
-            "lm_head.weight": (config.vocab_size, d),
-        }
-    shapes = {"input_layernorm": (d,), "post_attention_layernorm": (d,)}
-    if config.qk_norm:
-        shapes["self_attn.q_norm"] = (config.head_dim,)
-        shapes["self_attn.k_norm"] = (config.head_dim,)
-    shapes.update(linear_shapes(config))
-    prefix = f"model.layers.{layer}."
-    names = {f"{prefix}{name}.weight": shape for name, shape in shapes.items()}
-    for projection, (out, _) in linear_shapes(config).items():
-        if _has_bias(config, projection):
-            names[f"{prefix}{projection}.bias"] = (out,)
-    return names
 
 
 def _checkpoint_files(path):

@@ -1093,6 +1093,11 @@ def run_single(argv):
     return dict(losses=losses, adapters=fsdp.full_adapters(), local_bytes=fsdp.local_bytes())
 
 
+def batch_of(data, step, micro, args, world, rank, vocab_size):
+    """This rank's micro-batch `micro` of `step`, as the command line's loop takes it."""
+    return qf.step_batches(data, step, args, world, rank, vocab_size)[micro]
+
+
 def _lesson_worker(rank, world, port, argv, out_path):
     """A rank that trains with Part I alone: its text run as a module of its own."""
     _become_rank(rank, world, port)
@@ -3219,7 +3224,7 @@ def _packed_step_memory(folder, dtype, checkpointing):
         data = qf.load_tokens(path, MEM.vocab_size, 1 if pack else args.seq_len)
         if pack:
             data = qf.PackedDocuments(data, 8191, args.seq_len, 0)
-        b = qf.get_batch(data, 0, 0, args, 1, 0, MEM.vocab_size)
+        b = batch_of(data, 0, 0, args, 1, 0, MEM.vocab_size)
         model(b.inputs, b.targets, documents=b.documents).backward()  # first-time allocations
         step = functools.partial(model, b.inputs, b.targets, documents=b.documents)
         loss, forward_peak, forward_end = _allocated_peak(step)
@@ -6208,13 +6213,13 @@ def test_ranks_split_the_global_batch(tmp_path):
     2 micro-batches of 2 each -- random (dummy) tokens and a file's."""
     np.save(tmp_path / "ids.npy", random_ids())
     for data in (None, qf.load_tokens(str(tmp_path / "ids.npy"), 256, 32)):
-        one = qf.get_batch(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "8"]), 1, 0, 256)
+        one = batch_of(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "8"]), 1, 0, 256)
         two = [
-            qf.get_batch(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "4"]), 2, r, 256)
+            batch_of(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "4"]), 2, r, 256)
             for r in range(2)
         ]
         four = [
-            qf.get_batch(
+            batch_of(
                 data,
                 3,
                 m,
@@ -6260,7 +6265,7 @@ def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
     model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the untrained model
     bare = qf.TokenData(np.load(tmp_path / "bare.npy"), None)
     x, y = map(
-        torch.cat, zip(*[qf.get_batch(bare, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
+        torch.cat, zip(*[batch_of(bare, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
     )
     # (6, 32): rows 0-2 the first micro-batch, 3-5 the second; one row per rank
     counted = y % 3 == 0
@@ -6305,7 +6310,7 @@ def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(compile, tmp_pat
     model.load_state_dict({**base, **fsdp.full_adapters()})
     data = qf.load_tokens(str(tmp_path / "masked.npz"), 256, args.seq_len)
     x, y = map(
-        torch.cat, zip(*[qf.get_batch(data, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
+        torch.cat, zip(*[batch_of(data, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
     )
     counted = y != qf.IGNORE_INDEX  # (4, 32): rows 0-1 the first micro-batch, 2-3 the second
     assert counted[:2].sum() != counted[2:].sum()
@@ -6327,7 +6332,7 @@ def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
     np.savez(path, tokens=random_ids(), loss_mask=mask)
     args = qf.parse_args(BASE + ["--data", path, "--batch_size", "2", "--steps", "2"])
     data = qf.load_tokens(path, 256, 32)
-    assert all((qf.get_batch(data, step, 0, args, 1, 0, 256)[1] == -100).all() for step in range(2))
+    assert all((batch_of(data, step, 0, args, 1, 0, 256)[1] == -100).all() for step in range(2))
     _, losses, fsdp = qf.fine_tune(args)
     assert losses == [0.0, 0.0]
     initial = dict(qf.initial_weights(fsdp.adapter_shapes(), args.seed))
