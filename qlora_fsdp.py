@@ -5385,12 +5385,11 @@ def checkpoint_tokenizer(args):
 
 
 def tokenize_to(args):
-    """--tokenize_to: --data tokenized by --checkpoint's tokenizer into an .npz (tokens,
-    loss_mask, starts: what --data takes), as axolotl preprocess does; nothing is built."""
+    """--tokenize_to: --data tokenized by --checkpoint's tokenizer (tokenize_file's, so once)
+    into an .npz (tokens, loss_mask, starts: what --data takes), as axolotl preprocess does;
+    nothing is built."""
     require(args.checkpoint and args.data, "--tokenize_to needs --checkpoint and --data")
-    tokenizer = Tokenizer.load(args.checkpoint)
-    require(tokenizer is not None, f"--checkpoint {args.checkpoint}: no tokenizer.json")
-    data = tokenize(read_examples(args.data), tokenizer, say=print0)
+    data = tokenize_file(args.data, args.checkpoint, cache_dir(), say=print0)
     arrays = dict(tokens=data.ids, loss_mask=data.loss_mask, starts=data.starts)
     atomic_write(args.tokenize_to, lambda f: np.savez(f, **arrays))
     targets = int(data.loss_mask.sum())
