@@ -4124,6 +4124,17 @@ def _pieces(backend, text):
     return pieces
 
 
+def eos_ids(checkpoint_dir, *names):
+    """The eos_token_id (one id or a list) of the first of the checkpoint's files `names` that
+    has one: how every reader here finds a text's end token (the tokenizer's examples, --pack's
+    documents, the stops of a sample), each asking the files its reference reads."""
+    for name in names:
+        ids = _json_if_any(os.path.join(checkpoint_dir, name)).get("eos_token_id")
+        if ids is not None:
+            return [i for i in (ids if isinstance(ids, list) else [ids]) if type(i) is int]
+    return []
+
+
 class Tokenizer:
     """A checkpoint's tokenizer.json run as it is, with PreTrainedTokenizerFast's ids: its
     post-processor adds BOS where the model wants one, and tokenizer_config.json's add_bos_token
@@ -4170,12 +4181,10 @@ class Tokenizer:
             if isinstance(token, str):
                 special_tokens[name] = token
         # EOS: the tokenizer's, else config.json's (or generation_config.json's) first.
-        end_ids = []
-        for name in ("config.json", "generation_config.json"):
-            ids = _json_if_any(os.path.join(checkpoint_dir, name)).get("eos_token_id")
-            end_ids += ids if isinstance(ids, list) else [ids]
         eos_id = backend.token_to_id(special_tokens.get("eos_token", ""))
-        end_ids = [i for i in [eos_id] + end_ids if isinstance(i, int)]
+        end_ids = [eos_id] if isinstance(eos_id, int) else []
+        end_ids += eos_ids(checkpoint_dir, "config.json")
+        end_ids += eos_ids(checkpoint_dir, "generation_config.json")
         template, where = _read_chat_template(checkpoint_dir, config)
         if template is not None:
             try:
@@ -4486,10 +4495,8 @@ def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
 def eos_id(args):
     """--pack's end of a document: --eos_id, else --checkpoint's config.json's eos_token_id."""
     eos = args.eos_id
-    if eos is None and args.checkpoint:
-        eos = read_json(os.path.join(args.checkpoint, "config.json")).get("eos_token_id")
-    if isinstance(eos, list) and eos:  # several: the first ends a document
-        eos = eos[0]
+    if eos is None and args.checkpoint:  # several: the first ends a document
+        eos = (eos_ids(args.checkpoint, "config.json") or [None])[0]
     require(
         type(eos) is int,
         "--pack: documents end with an EOS token; give its id with --eos_id (config.json has "
@@ -4740,12 +4747,8 @@ def _read_prompts(args, config, tokenizer):
 def stop_ids(args):
     """The ids that end a sample, as transformers' generate reads them: generation_config.json's
     eos_token_id (one id or a list), else config.json's; and --eos_id."""
-    ids = []
-    for name in ("generation_config.json", "config.json") if args.checkpoint else ():
-        eos = _json_if_any(os.path.join(args.checkpoint, name)).get("eos_token_id")
-        if eos is not None:
-            ids = eos if isinstance(eos, list) else [eos]
-            break
+    files = ("generation_config.json", "config.json")
+    ids = eos_ids(args.checkpoint, *files) if args.checkpoint else []
     return ids + ([] if args.eos_id is None else [args.eos_id])
 
 
