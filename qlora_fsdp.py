@@ -2405,14 +2405,19 @@ class DoRALinear(LoRALinear):
         return layer
 
     def _add_magnitude(self):
-        norms = squared_row_norms(self.weight, self.compile_kernels)
-        self.register_buffer("weight_norm_sq", norms, persistent=False)
-        self.lora_magnitude_vector = nn.Parameter(norms.sqrt())
+        self.register_buffer("weight_norm_sq", None, persistent=False)
+        self.weight_loaded(self.weight)
+        self.lora_magnitude_vector = nn.Parameter(self.weight_norm_sq.sqrt())
+
+    def weight_loaded(self, weight):
+        """W (an NF4Tensor) was set: by this module, or by a sharded load, whose full W passes
+        only there. Its row norms follow."""
+        self.weight_norm_sq = squared_row_norms(weight, self.compile_kernels)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
-        if prefix + "weight" in state_dict:  # a new W: its norms follow
-            self.weight_norm_sq = squared_row_norms(self.weight, self.compile_kernels)
+        if prefix + "weight" in state_dict:  # a new W
+            self.weight_loaded(self.weight)
 
     def forward(self, x, xA=None):
         """x (..., in) -> (..., out). xA: dropout(x) A^T, if the caller made it already."""
@@ -3705,7 +3710,7 @@ def load_weights(fsdp, tensors, compile=None):
             t = to_nf4(t, compile=compile)
             for module, _ in p.places:
                 if isinstance(module, DoRALinear):
-                    module.weight_norm_sq = squared_row_norms(t, compile)
+                    module.weight_loaded(t)
         fsdp.load_full(name, t)
 
 
