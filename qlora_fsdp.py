@@ -151,9 +151,8 @@ NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 # Rounding to the nearest value is bucketize on the 15 midpoints: no (numel x 16) distances.
 NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 
-# torch.compile turns the plain-Python kernels below into fused loops (Triton on CUDA, C++
-# on the CPU). Every function and layer of sections 2-4 takes compile=None (COMPILE),
-# True or False; both give the same bits.
+# torch.compile turns the plain kernels below into fused loops (Triton on CUDA, C++ on the CPU).
+# Sections 2-4 take compile=None (COMPILE), True or False: both give the same bits.
 COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call: a huge matrix never has an fp32 copy
 DEQUANT_CHUNK = 1 << 22  # elements per pass of the eager dequantize
@@ -200,18 +199,20 @@ def _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size: int
     return scale_q.float() / scale_factor[group] + scale_mean
 
 
-def _dequantize_blocks(packed, absmax, block_size: int, dtype: torch.dtype):
+_NF4_ON = {}  # device -> NF4 there, copied once: a host copy per eager dequantize would wait
+
+
+def _dequantize_blocks(packed, absmax, block_size: int, dtype: torch.dtype, codebook=NF4):
     """packed (numel/2,) uint8, absmax (n_blocks,) -> w = NF4[code] * absmax, (numel,)."""
     codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).int()  # the nibbles
-    values = NF4.to(packed.device).index_select(0, codes)
+    values = codebook.to(packed.device).index_select(0, codes)
     return (values.view(-1, block_size) * absmax[:, None]).to(dtype).view(-1)
 
 
 def _dequantize(inner, block_size: int, scaler_block_size: int, dtype: torch.dtype):
     """inner: quantize_nf4's four tensors -> the weight, flat, of dtype."""
-    packed, scale_q, scale_factor, scale_mean = inner
-    absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
-    return _dequantize_blocks(packed, absmax, block_size, dtype)
+    absmax = _dequantize_scales(*inner[1:], scaler_block_size)  # from scale_q, factor, mean
+    return _dequantize_blocks(inner[0], absmax, block_size, dtype)
 
 
 def compile_dynamic(fn):
@@ -251,7 +252,6 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
     kernel = _quantize_blocks_compiled if use_compiled(compile, weight) else _quantize_blocks
     flat = weight.detach().reshape(-1)
-    # In chunks of whole blocks: a big matrix never has a whole fp32 copy.
     step = max(block_size, QUANT_CHUNK // block_size * block_size)
     with torch.no_grad():
         chunks = [kernel(flat[i : i + step], block_size) for i in range(0, n, step)]
@@ -285,11 +285,13 @@ def dequantize_nf4(
             kernel = _dequantize if outer else _dequantize_compiled
             return DEQUANTIZE_KERNELS.get(dtype, kernel)(inner, *blocks, dtype)
         absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
+        if packed.device not in _NF4_ON:  # eager only: compiled, NF4 is a constant of the graph
+            _NF4_ON[packed.device] = NF4.to(packed.device)
         out = torch.empty(packed.numel() * 2, dtype=dtype, device=packed.device)
         step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)  # blocks
         chunks = zip(packed.split(step * block_size // 2), absmax.split(step))
         for part, (codes, scales) in zip(out.split(step * block_size), chunks):
-            part.copy_(_dequantize_blocks(codes, scales, block_size, dtype))
+            part.copy_(_dequantize_blocks(codes, scales, block_size, dtype, _NF4_ON[packed.device]))
         return out
 
 

@@ -340,6 +340,20 @@ def test_compiled_equals_eager():
     assert torch.equal(d_eager, d_compiled)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_eager_dequantize_copies_nothing_to_its_device(dtype):
+    """Once a device has run an eager dequantize (the codebook copied there once), another copies
+    nothing from the host: counted by a dispatch mode on "meta", which stands in for a GPU (a
+    device other than the host's, where the eager path runs), beside one deliberate copy that
+    shows the mode sees them."""
+    parts = [t.to("meta") for t in qf.quantize_nf4(torch.randn(64, 128), compile=False)]
+    qf.dequantize_nf4(*parts, dtype=dtype, compile=False)
+    with _Crossings() as seen:
+        qf.dequantize_nf4(*parts, dtype=dtype, compile=False)
+        torch.ones(16).to("meta")  # the one copy the mode must see
+    assert len(seen.copies) == 1, seen.copies
+
+
 def test_one_compile_serves_every_shape():
     """The compiled quantize, dequantize (bf16's kernel and the plain one) and loss kernels,
     once they have run, serve every other weight shape and block count (a 64 x 64 weight with
