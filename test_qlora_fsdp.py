@@ -5966,12 +5966,9 @@ def test_one_error_line_under_torchrun(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("missing", ["pytest", None])
-def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
-    """run.sh makes sure torch, numpy and pytest all import before any mode runs (the GPU check
-    runs the tests): a Python without pytest gets the requirements installed, one with all three
-    does not; one start of Python checks them and counts the GPUs. The Python here is a
-    stand-in that logs how it is called (it has pytest once pip has installed it)."""
+def _run_sh_calls(tmp_path, mode, missing):
+    """(exit code, stderr, [each call of PYTHON]) of `bash run.sh MODE` with a stand-in Python
+    that logs how it is called, lacks the module `missing` until pip installs it, and has no GPU."""
     fake = tmp_path / "python"
     lines = ["#!/bin/sh", f'echo "$@" >> {tmp_path}/calls']
     lines.append(f'case "$*" in *"pip install"*) touch {tmp_path}/installed ;; esac')
@@ -5983,13 +5980,86 @@ def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
     fake.write_text("\n".join(lines) + "\n")
     fake.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake)}
-    run_sh = ["bash", os.path.join(HERE, "run.sh"), "gpu"]
-    subprocess.run(run_sh, check=True, capture_output=True, timeout=60, env=env)
-    calls = (tmp_path / "calls").read_text().splitlines()
+    run_sh = ["bash", os.path.join(HERE, "run.sh"), mode]
+    p = subprocess.run(run_sh, capture_output=True, text=True, timeout=60, env=env)
+    return p.returncode, p.stderr, (tmp_path / "calls").read_text().splitlines()
+
+
+@pytest.mark.parametrize("missing", ["pytest", None])
+def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
+    """run.sh's modes but gpu make sure torch, numpy and pytest all import before they run: a
+    Python without pytest gets the requirements installed, one with all three does not; one start
+    of Python checks them and counts the GPUs (here `bench`, whose scripts the stand-in runs)."""
+    rc, _, calls = _run_sh_calls(tmp_path, "bench", missing)
     check = "-c import torch, numpy, pytest; print(torch.cuda.device_count())"
     install = "-m pip install -q -r requirements.txt"
     want = [check, install, check] if missing else [check]
-    assert calls == want + ["benchmarks/gpu_check.py"]
+    scripts = ["bench_kernels", "bench_step", "bench_vs_torchao"]
+    assert rc == 0 and calls == want + [f"benchmarks/{s}.py" for s in scripts]
+
+
+@pytest.mark.parametrize("missing", ["pytest", "torch", None])
+def test_run_sh_gpu_installs_nothing(tmp_path, missing):
+    """`run.sh gpu` never installs (a lent GPU machine may be offline): with torch and numpy it
+    starts the check at once, pytest or not (the check skips the tests without it, in a row);
+    without torch it stops with one line saying that it installs nothing, exit code 2."""
+    rc, err, calls = _run_sh_calls(tmp_path, "gpu", missing)
+    check = "-c import torch, numpy"
+    assert not [c for c in calls if "pip" in c]
+    if missing == "torch":
+        assert rc == 2 and calls == [check] and len(err.strip().splitlines()) == 1
+        assert "installs nothing" in err
+    else:
+        assert rc == 0 and calls == [check, "benchmarks/gpu_check.py"]
+
+
+def _gpu_check(*flags, timeout=120):
+    """(exit code, stdout lines, wall seconds) of `bash run.sh gpu FLAGS` with this Python."""
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    run_sh = ["bash", os.path.join(HERE, "run.sh"), "gpu", *flags]
+    start = time.monotonic()
+    p = subprocess.run(run_sh, capture_output=True, text=True, timeout=timeout, env=env)
+    return p.returncode, p.stdout.splitlines(), time.monotonic() - start
+
+
+def test_gpu_check_dry_run_walks_the_plan_in_order():
+    """`run.sh gpu --dry-run` on a CPU: a first line naming torch, CUDA, Triton, the GPU, the C
+    compiler, Python.h and pytest; the plan's budgets inside --limit 480; then the 7B rows in the
+    plan's order (plain, then --offload_activations), each with the 2 x 3090 prediction, compile
+    counts and its run's JSON line under it (the stub trainer took the real trainer's flags), then
+    the CUDA tests collected; all inside the limit, by this test's clock too."""
+    rc, out, wall = _gpu_check("--dry-run")
+    assert rc == 0, "\n".join(out)
+    first = out[0]
+    for word in ("torch", "CUDA", "Triton", "H100", "C compiler", "Python.h", "pytest"):
+        assert word in first, (word, first)
+    plan = [line.split()[1:3] for line in out if re.match(r"  \d\. ", line)]
+    assert plan == [["llama2-7b", "177"], ["llama2-7b", "--offload_activations"], ["CUDA", "tests"]]
+    rows = [i for i, line in enumerate(out) if line.startswith(("llama2-7b", "CUDA tests"))]
+    labels = [out[i].split("  ")[0] for i in rows]
+    assert labels == ["llama2-7b", "llama2-7b --offload_activations", "CUDA tests (pytest -k cuda)"]
+    for i in rows[:2]:
+        cells = out[i].split()
+        assert "ok" in cells and out[i + 1].strip().startswith("json: {")
+        summary = json.loads(out[i + 1].split("json: ", 1)[1])
+        assert summary["compiles"] == 4 and summary["recompiles"] == 0
+    assert re.search(r"\d+ tests? collected", out[rows[2] + 1]), out[rows[2] + 1]
+    seconds = int(
+        re.fullmatch(r"dry run: (\d+) s of wall time, inside the 480 s limit", out[-1])[1]
+    )
+    assert seconds <= wall + 1 and wall < 480
+
+
+def test_gpu_check_limit_binds():
+    """--limit binds: stubbed parts that hang (--dry-run --stall 60) under --limit 45 end by
+    it, by this test's clock: the first 7B row killed at its budget (what was left), the parts
+    after it skipped in rows that say so."""
+    rc, out, wall = _gpu_check("--dry-run", "--stall", "60", "--limit", "45")
+    assert rc == 0 and wall <= 45, (wall, "\n".join(out))
+    rows = {line.split("  ")[0]: line for line in out if line.startswith(("llama2", "CUDA tests"))}
+    assert "killed" in rows["llama2-7b"], out
+    assert "skipped" in rows["llama2-7b --offload_activations"]
+    assert "skipped" in rows["CUDA tests (pytest -k cuda)"]
 
 
 def test_a_rank_that_never_joins_gets_a_hint():
