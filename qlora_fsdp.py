@@ -2798,15 +2798,23 @@ def next_token(logits, temperature, generator):
     return torch.multinomial(probs, 1, generator=generator).to(logits.device)
 
 
+def model_device(model):
+    """Where model computes: the device of a tensor it holds off the host, else the CPU. A
+    sharded model holds pieces of its weights, and its buffers, on the device; with --cpu_offload
+    what it holds between steps is on the host: pass generate a device then."""
+    held = [*model.parameters(), *model.buffers()]
+    return next((t.device for t in held if t.device.type != "cpu"), torch.device("cpu"))
+
+
 @torch.no_grad()
 def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache=True, device=None):
     """New token ids after `ids` (a list, or (1, T)), at most max_new_tokens, ending at the
     first id in `stop` (returned last): greedy at temperature 0, else drawn from softmax(logits
     / T), seeded by `seed`. With the KV cache the prompt is one forward and each new token one
     more; cache=False reruns the whole sequence for each (the reference). Under FSDP every rank
-    calls it and rank 0's tokens are every rank's. device: where a list goes (the CPU). The
-    model runs in eval mode (no dropout), and is then put back in the mode it was in."""
-    ids = torch.as_tensor(ids, device=device).view(1, -1)
+    calls it and rank 0's tokens are every rank's. device: where ids go (None: model_device's).
+    The model runs in eval mode (no dropout), and is then put back in the mode it was in."""
+    ids = torch.as_tensor(ids, device=device or model_device(model)).view(1, -1)
     window = getattr(model.config, "sliding_window", None)
     length = ids.shape[1] + max_new_tokens
     if window is not None and length > window:

@@ -6658,6 +6658,24 @@ def test_generate_on_the_compiled_path_runs_blocks_eagerly_and_kernels_compiled(
     assert len(calls) >= 7 * 4 * 12 and stances == []  # every projection, every token
 
 
+def test_generate_puts_a_list_of_ids_where_the_model_is():
+    """generate(model, ids) with ids a list and no device= runs the model on ids on the model's
+    device, not the host's: here "meta" stands in for a GPU, and the first forward's tokens are
+    seen there (where today's CUDA model would fail on a device mismatch)."""
+
+    class Seen(Exception):
+        pass
+
+    def stop(module, args, kwargs):
+        raise Seen(args[0].device)
+
+    model = generation_model("llama").to("meta")
+    model.register_forward_pre_hook(stop, with_kwargs=True)
+    with pytest.raises(Seen) as seen:
+        model.generate([3, 1, 4], 2)
+    assert seen.value.args[0] == torch.device("meta")
+
+
 def test_generate_refuses_more_than_a_sliding_window():
     """A prompt and new tokens beyond Mistral v0.1's sliding_window are refused, not attended
     past the window without a word."""
