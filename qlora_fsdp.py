@@ -3053,20 +3053,25 @@ def _block_unit_bytes(config, counts, elt):
     return _nf4_bytes(counts.linear / layers) + 2 * d * elt + (counts.lora / layers) * elt
 
 
-def _block_saved_per_token(config, elt, lora_rank, dora=False):
+def _block_saved_per_token(config, elt, lora_rank, dora=False, dropout=False):
     """Bytes per token that one block saves for backward, op by op: each RMSNorm its fp32
     input and its output; attention q, k, v, its output and an fp32 log-sum-exp per head;
     o_proj's LoRA its input; SwiGLU the gate, both factors and the product; each projection
     its LoRA intermediate, and with DoRA its output before the magnitude's scale (for m's
-    gradient). (NF4 linears save only their packed weight.)"""
+    gradient). (NF4 linears save only their packed weight.) With LoRA dropout, each projection
+    also keeps its dropped input (for A's gradient) and the dropout's mask (a byte each); DoRA
+    then keeps three outputs instead of one: x W^T and d(x) W^T (the halves of one matmul of
+    both) and its LoRA term, each scaled by m / n apart."""
     d = config.hidden_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
     norms = 2 * (4 * d + elt * d)
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * config.num_attention_heads
     mlp = elt * 4 * config.intermediate_size
-    unscaled = elt * sum(out for out, _ in linear_shapes(config).values()) if dora else 0
-    return norms + attention + mlp + 7 * elt * lora_rank + unscaled
+    shapes = linear_shapes(config).values()
+    unscaled = elt * sum(out for out, _ in shapes) * (3 if dropout else 1) if dora else 0
+    dropped = (elt + 1) * sum(inp for _, inp in shapes) if dropout else 0
+    return norms + attention + mlp + 7 * elt * lora_rank + unscaled + dropped
 
 
 def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, flags):
@@ -3076,13 +3081,16 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
     vocab = config.vocab_size
     layers = config.num_hidden_layers
     q_dim = config.num_attention_heads * config.head_dim
-    block_saved = _block_saved_per_token(config, elt, lora_rank, flags.dora)
+    dropout = flags.lora_dropout > 0
+    block_saved = _block_saved_per_token(config, elt, lora_rank, flags.dora, dropout)
     # Backward frees each saved tensor once its op's backward is done, so beside them there is
     # about one (tokens, ffn) gradient and one (tokens, d) at a time. Attention's backward
     # accumulates in fp32 (flash). Not per token: the dense weight inside the NF4 matmul that
     # runs (the largest projection's), the block's adapter gradients, and the unit before's
     # reduce-scatter input and output (fp32), alive until this unit's is issued (section 5).
     block_backward = elt * (ffn + d) + 4 * q_dim
+    if flags.dora and dropout:  # x and d(x) stacked into one NF4 matmul: the widest input's
+        block_backward += 2 * elt * max(inp for _, inp in linear_shapes(config).values())
     largest = max(out * inp for out, inp in linear_shapes(config).values())
     in_flight = elt * largest + counts.lora / layers * (elt + 4 + 4 / world)
     rows = {}
@@ -3168,6 +3176,7 @@ class StepFlags(NamedTuple):
     nf4_head: bool = False
     pack: bool = False
     dora: bool = False
+    lora_dropout: float = 0.0
     capability: Optional[tuple] = None  # the GPU's (major, minor), for cuBLAS's workspaces
 
 

@@ -3343,6 +3343,24 @@ def test_a_dora_step_saves_no_dense_weight_and_stays_inside_its_estimate(
     assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
 
 
+@pytest.mark.parametrize(
+    "dora,checkpointing",
+    [(True, True), (True, False), (False, True)],
+    ids=["dora", "dora-nock", "lora"],
+)
+def test_a_step_with_lora_dropout_stays_inside_its_estimate(dora, checkpointing, monkeypatch):
+    """With --lora_dropout, an eager step (MEM, mem_dtype's, one rank, with and without
+    checkpointing) peaks within 10% of the estimate, which counts each projection's dropped input
+    and mask, and with DoRA its x and d(x) stacked into one NF4 matmul and the three outputs its
+    scale keeps (uncounted, DoRA's peak was 1.9x the estimate)."""
+    monkeypatch.setitem(qf.CONFIGS, "mem", MEM)
+    monkeypatch.setattr(qf, "COMPILE", False)  # as train() sets it for --no-compile
+    argv = MEM_ARGV + ["--dtype", mem_dtype(), "--no-compile", "--lora_dropout", "0.1"]
+    argv.append("--checkpointing" if checkpointing else "--no-checkpointing")
+    measured, predicted = _step_memory(qf.parse_args(argv + (["--dora"] if dora else [])))
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
+
+
 def test_estimate_bounds_compiled_blocks_without_checkpointing(mem_runs):
     """Compiled without checkpointing, inductor recomputes cheap ops instead of saving them: the
     estimate, counting eager's saves, is an upper bound of the peak the allocator sees."""
