@@ -2967,6 +2967,10 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
         with _side(self.stream):
             parked.back.copy_(host, non_blocking=True)
             if self.stream is not None:
+                # Made on the compute stream, written on this one: recorded here, so that an
+                # error path that frees it before its use cannot let the allocator hand out its
+                # memory while the copy still writes it.
+                parked.back.record_stream(self.stream)
                 # What the compute stream waits for: this copy, not the next one's.
                 parked.done = torch.cuda.Event()
                 parked.done.record()

@@ -1858,6 +1858,22 @@ def test_offloaded_activations_change_nothing(compile, monkeypatch):
         assert torch.equal(offloaded["adapters"][k], v), k
 
 
+def test_an_offloaded_inputs_copy_back_is_recorded_on_its_stream(monkeypatch):
+    """The copy back of a parked block input, made in the compute stream's memory and written on
+    the side stream, is recorded on that stream (record_stream), so that an error path freeing it
+    early cannot let the allocator hand out its memory while the copy still writes it. A CPU has
+    no streams: a stand-in stream, with its context and event stubbed, and record_stream counted."""
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append((t, s)))
+    monkeypatch.setattr(qf, "_side", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None))
+    stream = object()
+    parked = qf._Parked(torch.device("cpu"), torch.randn(4, 8), None)
+    qf.OffloadedInputs(stream)._fetch(parked)
+    assert torch.equal(parked.back, parked.host)
+    assert [(t is parked.back, s is stream) for t, s in recorded] == [(True, True)]
+
+
 # ---- 5b. FSDP2's own test cases, mapped to FSDP(model, units) ---------------------------------
 # The models of torch.testing._internal.common_fsdp (MLP, MLPStack, DoubleLinear) and the
 # chunked head of test_fully_shard_training.py, written again here (that module needs
