@@ -153,9 +153,8 @@ NF4 = torch.tensor(NF4_VALUES, dtype=torch.float32)
 # Rounding to the nearest value is bucketize on the 15 midpoints: no (numel x 16) distances.
 NF4_MIDPOINTS = [(a + b) / 2 for a, b in zip(NF4_VALUES[:-1], NF4_VALUES[1:])]
 
-# torch.compile turns the plain-Python kernels below into fused loops (Triton on CUDA, C++
-# on the CPU). Every function and layer of sections 2-4 takes compile=None (COMPILE),
-# True or False; both give the same bits.
+# torch.compile turns the plain kernels below into fused loops (Triton on CUDA, C++ on the CPU).
+# Sections 2-4 take compile=None (COMPILE), True or False: both give the same bits.
 COMPILE = True
 QUANT_CHUNK = 1 << 24  # elements quantized per call: a huge matrix never has an fp32 copy
 DEQUANT_CHUNK = 1 << 22  # elements per pass of the eager dequantize
@@ -202,18 +201,20 @@ def _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size: int
     return scale_q.float() / scale_factor[group] + scale_mean
 
 
-def _dequantize_blocks(packed, absmax, block_size: int, dtype: torch.dtype):
+_NF4_ON = {}  # device -> NF4 there, copied once: a host copy per eager dequantize would wait
+
+
+def _dequantize_blocks(packed, absmax, block_size: int, dtype: torch.dtype, codebook=NF4):
     """packed (numel/2,) uint8, absmax (n_blocks,) -> w = NF4[code] * absmax, (numel,)."""
     codes = torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).int()  # the nibbles
-    values = NF4.to(packed.device).index_select(0, codes)
+    values = codebook.to(packed.device).index_select(0, codes)
     return (values.view(-1, block_size) * absmax[:, None]).to(dtype).view(-1)
 
 
 def _dequantize(inner, block_size: int, scaler_block_size: int, dtype: torch.dtype):
     """inner: quantize_nf4's four tensors -> the weight, flat, of dtype."""
-    packed, scale_q, scale_factor, scale_mean = inner
-    absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
-    return _dequantize_blocks(packed, absmax, block_size, dtype)
+    absmax = _dequantize_scales(*inner[1:], scaler_block_size)  # from scale_q, factor, mean
+    return _dequantize_blocks(inner[0], absmax, block_size, dtype)
 
 
 def compile_dynamic(fn):
@@ -253,7 +254,6 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
     kernel = _quantize_blocks_compiled if use_compiled(compile, weight) else _quantize_blocks
     flat = weight.detach().reshape(-1)
-    # In chunks of whole blocks: a big matrix never has a whole fp32 copy.
     step = max(block_size, QUANT_CHUNK // block_size * block_size)
     with torch.no_grad():
         chunks = [kernel(flat[i : i + step], block_size) for i in range(0, n, step)]
@@ -287,11 +287,13 @@ def dequantize_nf4(
             kernel = _dequantize if outer else _dequantize_compiled
             return DEQUANTIZE_KERNELS.get(dtype, kernel)(inner, *blocks, dtype)
         absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
+        if packed.device not in _NF4_ON:  # eager only: compiled, NF4 is a constant of the graph
+            _NF4_ON[packed.device] = NF4.to(packed.device)
         out = torch.empty(packed.numel() * 2, dtype=dtype, device=packed.device)
         step = max(1, min(DEQUANT_CHUNK, packed.numel()) // block_size)  # blocks
         chunks = zip(packed.split(step * block_size // 2), absmax.split(step))
         for part, (codes, scales) in zip(out.split(step * block_size), chunks):
-            part.copy_(_dequantize_blocks(codes, scales, block_size, dtype))
+            part.copy_(_dequantize_blocks(codes, scales, block_size, dtype, _NF4_ON[packed.device]))
         return out
 
 
@@ -2723,15 +2725,23 @@ def next_token(logits, temperature, generator):
     return torch.multinomial(probs, 1, generator=generator).to(logits.device)
 
 
+def model_device(model):
+    """Where model computes: the device of a tensor it holds off the host, else the CPU. A
+    sharded model holds pieces of its weights, and its buffers, on the device; with --cpu_offload
+    what it holds between steps is on the host: pass generate a device then."""
+    held = [*model.parameters(), *model.buffers()]
+    return next((t.device for t in held if t.device.type != "cpu"), torch.device("cpu"))
+
+
 @torch.no_grad()
 def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache=True, device=None):
     """New token ids after `ids` (a list, or (1, T)), at most max_new_tokens, ending at the
     first id in `stop` (returned last): greedy at temperature 0, else drawn from softmax(logits
     / T), seeded by `seed`. With the KV cache the prompt is one forward and each new token one
     more; cache=False reruns the whole sequence for each (the reference). Under FSDP every rank
-    calls it and rank 0's tokens are every rank's. device: where a list goes (the CPU). The
-    model runs in eval mode (no dropout), and is then put back in the mode it was in."""
-    ids = torch.as_tensor(ids, device=device).view(1, -1)
+    calls it and rank 0's tokens are every rank's. device: where ids go (None: model_device's).
+    The model runs in eval mode (no dropout), and is then put back in the mode it was in."""
+    ids = torch.as_tensor(ids, device=device or model_device(model)).view(1, -1)
     window = getattr(model.config, "sliding_window", None)
     length = ids.shape[1] + max_new_tokens
     if window is not None and length > window:
@@ -2884,6 +2894,10 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
         with _side(self.stream):
             parked.back.copy_(host, non_blocking=True)
             if self.stream is not None:
+                # Made on the compute stream, written on this one: recorded here, so that an
+                # error path that frees it before its use cannot let the allocator hand out its
+                # memory while the copy still writes it.
+                parked.back.record_stream(self.stream)
                 # What the compute stream waits for: this copy, not the next one's.
                 parked.done = torch.cuda.Event()
                 parked.done.record()
@@ -2970,20 +2984,25 @@ def _block_unit_bytes(config, counts, elt):
     return _nf4_bytes(counts.linear / layers) + 2 * d * elt + (counts.lora / layers) * elt
 
 
-def _block_saved_per_token(config, elt, lora_rank, dora=False):
+def _block_saved_per_token(config, elt, lora_rank, dora=False, dropout=False):
     """Bytes per token that one block saves for backward, op by op: each RMSNorm its fp32
     input and its output; attention q, k, v, its output and an fp32 log-sum-exp per head;
     o_proj's LoRA its input; SwiGLU the gate, both factors and the product; each projection
     its LoRA intermediate, and with DoRA its output before the magnitude's scale (for m's
-    gradient). (NF4 linears save only their packed weight.)"""
+    gradient). (NF4 linears save only their packed weight.) With LoRA dropout, each projection
+    also keeps its dropped input (for A's gradient) and the dropout's mask (a byte each); DoRA
+    then keeps three outputs instead of one: x W^T and d(x) W^T (the halves of one matmul of
+    both) and its LoRA term, each scaled by m / n apart."""
     d = config.hidden_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
     norms = 2 * (4 * d + elt * d)
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * config.num_attention_heads
     mlp = elt * 4 * config.intermediate_size
-    unscaled = elt * sum(out for out, _ in linear_shapes(config).values()) if dora else 0
-    return norms + attention + mlp + 7 * elt * lora_rank + unscaled
+    shapes = linear_shapes(config).values()
+    unscaled = elt * sum(out for out, _ in shapes) * (3 if dropout else 1) if dora else 0
+    dropped = (elt + 1) * sum(inp for _, inp in shapes) if dropout else 0
+    return norms + attention + mlp + 7 * elt * lora_rank + unscaled + dropped
 
 
 def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, flags):
@@ -2993,13 +3012,16 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
     vocab = config.vocab_size
     layers = config.num_hidden_layers
     q_dim = config.num_attention_heads * config.head_dim
-    block_saved = _block_saved_per_token(config, elt, lora_rank, flags.dora)
+    dropout = flags.lora_dropout > 0
+    block_saved = _block_saved_per_token(config, elt, lora_rank, flags.dora, dropout)
     # Backward frees each saved tensor once its op's backward is done, so beside them there is
     # about one (tokens, ffn) gradient and one (tokens, d) at a time. Attention's backward
     # accumulates in fp32 (flash). Not per token: the dense weight inside the NF4 matmul that
     # runs (the largest projection's), the block's adapter gradients, and the unit before's
     # reduce-scatter input and output (fp32), alive until this unit's is issued (section 5).
     block_backward = elt * (ffn + d) + 4 * q_dim
+    if flags.dora and dropout:  # x and d(x) stacked into one NF4 matmul: the widest input's
+        block_backward += 2 * elt * max(inp for _, inp in linear_shapes(config).values())
     largest = max(out * inp for out, inp in linear_shapes(config).values())
     in_flight = elt * largest + counts.lora / layers * (elt + 4 + 4 / world)
     rows = {}
@@ -3085,6 +3107,7 @@ class StepFlags(NamedTuple):
     nf4_head: bool = False
     pack: bool = False
     dora: bool = False
+    lora_dropout: float = 0.0
     capability: Optional[tuple] = None  # the GPU's (major, minor), for cuBLAS's workspaces
 
 

@@ -6,12 +6,26 @@
 #   e.g. MODEL=llama2-13b STEPS=5 EXTRA="--cpu_offload" bash run.sh
 # bash run.sh bench   the benchmarks in benchmarks/ (the pieces against their references,
 #                     a step against its floor of dense work, against fully_shard + torchao)
-# bash run.sh gpu     every GPU check, one table (benchmarks/gpu_check.py)
+# bash run.sh gpu     every GPU check, each row as it is measured (benchmarks/gpu_check.py;
+#                     --dry-run walks its plan on the CPU, --limit S binds its time)
 set -euo pipefail
 cd "$(dirname "$0")"
-# Every mode needs torch, numpy and pytest (the GPU check runs the tests). PYTHON: by default
-# python3 or python, the first that has all three, else python3 once they are installed. One
-# start of it (torch takes seconds to import) checks them and counts the GPUs.
+export PYTHONUNBUFFERED=1  # progress shows as it happens, also through a pipe
+# The GPU check installs nothing: a lent GPU machine may be offline, and a failed pip under
+# set -e would end the check before it measured anything. It needs torch and numpy; its first
+# line says what else it found (CUDA, Triton, a C compiler, Python.h, pytest: without pytest
+# the tests are skipped, in a row that says so).
+if [ "${1:-}" = gpu ]; then
+  for candidate in ${PYTHON:-python3 python}; do
+    "$candidate" -c "import torch, numpy" 2>/dev/null && exec "$candidate" benchmarks/gpu_check.py "${@:2}"
+  done
+  echo "gpu check: no ${PYTHON:-python3 or python} here imports torch and numpy; run.sh gpu" \
+    "installs nothing (pip install -r requirements.txt first)" >&2
+  exit 2
+fi
+# Every other mode needs torch, numpy and pytest. PYTHON: by default python3 or python, the
+# first that has all three, else python3 once they are installed. One start of it (torch takes
+# seconds to import) checks them and counts the GPUs.
 check="import torch, numpy, pytest; print(torch.cuda.device_count())"
 for candidate in ${PYTHON:-python3 python}; do
   gpus=$("$candidate" -c "$check" 2>/dev/null) && PYTHON=$candidate && break
@@ -21,7 +35,6 @@ if [ -z "${gpus:-}" ]; then
   "$PYTHON" -m pip install -q -r requirements.txt
   gpus=$("$PYTHON" -c "$check")
 fi
-export PYTHONUNBUFFERED=1  # progress shows as it happens, also through a pipe
 case "${1:-}" in
   bench)  # all of them run; the exit code says if any failed
     status=0
@@ -29,7 +42,6 @@ case "${1:-}" in
       "$PYTHON" "benchmarks/$script.py" || status=1
     done
     exit "$status" ;;
-  gpu) exec "$PYTHON" benchmarks/gpu_check.py "${@:2}" ;;
 esac
 if [ "$gpus" -ge 1 ]; then
   : "${MODEL:=llama2-7b}" "${BATCH:=8}" "${SEQ:=2048}" "${STEPS:=10}" "${DATA:=dummy}"

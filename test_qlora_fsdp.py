@@ -341,6 +341,20 @@ def test_compiled_equals_eager():
     assert torch.equal(d_eager, d_compiled)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_an_eager_dequantize_copies_nothing_to_its_device(dtype):
+    """Once a device has run an eager dequantize (the codebook copied there once), another copies
+    nothing from the host: counted by a dispatch mode on "meta", which stands in for a GPU (a
+    device other than the host's, where the eager path runs), beside one deliberate copy that
+    shows the mode sees them."""
+    parts = [t.to("meta") for t in qf.quantize_nf4(torch.randn(64, 128), compile=False)]
+    qf.dequantize_nf4(*parts, dtype=dtype, compile=False)
+    with _Crossings() as seen:
+        qf.dequantize_nf4(*parts, dtype=dtype, compile=False)
+        torch.ones(16).to("meta")  # the one copy the mode must see
+    assert len(seen.copies) == 1, seen.copies
+
+
 def test_one_compile_serves_every_shape():
     """The compiled quantize, dequantize (bf16's kernel and the plain one) and loss kernels,
     once they have run, serve every other weight shape and block count (a 64 x 64 weight with
@@ -1850,6 +1864,22 @@ def test_offloaded_activations_change_nothing(compile, monkeypatch):
         assert torch.equal(offloaded["adapters"][k], v), k
 
 
+def test_an_offloaded_inputs_copy_back_is_recorded_on_its_stream(monkeypatch):
+    """The copy back of a parked block input, made in the compute stream's memory and written on
+    the side stream, is recorded on that stream (record_stream), so that an error path freeing it
+    early cannot let the allocator hand out its memory while the copy still writes it. A CPU has
+    no streams: a stand-in stream, with its context and event stubbed, and record_stream counted."""
+    recorded = []
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda t, s: recorded.append((t, s)))
+    monkeypatch.setattr(qf, "_side", lambda stream: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Event", lambda: types.SimpleNamespace(record=lambda: None))
+    stream = object()
+    parked = qf._Parked(torch.device("cpu"), torch.randn(4, 8), None)
+    qf.OffloadedInputs(stream)._fetch(parked)
+    assert torch.equal(parked.back, parked.host)
+    assert [(t is parked.back, s is stream) for t, s in recorded] == [(True, True)]
+
+
 # ---- 5b. FSDP2's own test cases, mapped to FSDP(model, units) ---------------------------------
 # The models of torch.testing._internal.common_fsdp (MLP, MLPStack, DoubleLinear) and the
 # chunked head of test_fully_shard_training.py, written again here (that module needs
@@ -3332,6 +3362,24 @@ def test_a_dora_step_saves_no_dense_weight_and_stays_inside_its_estimate(
     found, seen, all_grads = mem_runs["saved --dora", compile, checkpointing]
     assert found == [] and all_grads
     measured, predicted = mem_runs["memory --dora", compile, checkpointing]
+    assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
+
+
+@pytest.mark.parametrize(
+    "dora,checkpointing",
+    [(True, True), (True, False), (False, True)],
+    ids=["dora", "dora-nock", "lora"],
+)
+def test_a_step_with_lora_dropout_stays_inside_its_estimate(dora, checkpointing, monkeypatch):
+    """With --lora_dropout, an eager step (MEM, mem_dtype's, one rank, with and without
+    checkpointing) peaks within 10% of the estimate, which counts each projection's dropped input
+    and mask, and with DoRA its x and d(x) stacked into one NF4 matmul and the three outputs its
+    scale keeps (uncounted, DoRA's peak was 1.9x the estimate)."""
+    monkeypatch.setitem(qf.CONFIGS, "mem", MEM)
+    monkeypatch.setattr(qf, "COMPILE", False)  # as train() sets it for --no-compile
+    argv = MEM_ARGV + ["--dtype", mem_dtype(), "--no-compile", "--lora_dropout", "0.1"]
+    argv.append("--checkpointing" if checkpointing else "--no-checkpointing")
+    measured, predicted = _step_memory(qf.parse_args(argv + (["--dora"] if dora else [])))
     assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
 
 
@@ -5958,12 +6006,9 @@ def test_one_error_line_under_torchrun(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("missing", ["pytest", None])
-def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
-    """run.sh makes sure torch, numpy and pytest all import before any mode runs (the GPU check
-    runs the tests): a Python without pytest gets the requirements installed, one with all three
-    does not; one start of Python checks them and counts the GPUs. The Python here is a
-    stand-in that logs how it is called (it has pytest once pip has installed it)."""
+def _run_sh_calls(tmp_path, mode, missing):
+    """(exit code, stderr, [each call of PYTHON]) of `bash run.sh MODE` with a stand-in Python
+    that logs how it is called, lacks the module `missing` until pip installs it, and has no GPU."""
     fake = tmp_path / "python"
     lines = ["#!/bin/sh", f'echo "$@" >> {tmp_path}/calls']
     lines.append(f'case "$*" in *"pip install"*) touch {tmp_path}/installed ;; esac')
@@ -5975,13 +6020,86 @@ def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
     fake.write_text("\n".join(lines) + "\n")
     fake.chmod(0o755)
     env = {**os.environ, "PYTHON": str(fake)}
-    run_sh = ["bash", os.path.join(HERE, "run.sh"), "gpu"]
-    subprocess.run(run_sh, check=True, capture_output=True, timeout=60, env=env)
-    calls = (tmp_path / "calls").read_text().splitlines()
+    run_sh = ["bash", os.path.join(HERE, "run.sh"), mode]
+    p = subprocess.run(run_sh, capture_output=True, text=True, timeout=60, env=env)
+    return p.returncode, p.stderr, (tmp_path / "calls").read_text().splitlines()
+
+
+@pytest.mark.parametrize("missing", ["pytest", None])
+def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
+    """run.sh's modes but gpu make sure torch, numpy and pytest all import before they run: a
+    Python without pytest gets the requirements installed, one with all three does not; one start
+    of Python checks them and counts the GPUs (here `bench`, whose scripts the stand-in runs)."""
+    rc, _, calls = _run_sh_calls(tmp_path, "bench", missing)
     check = "-c import torch, numpy, pytest; print(torch.cuda.device_count())"
     install = "-m pip install -q -r requirements.txt"
     want = [check, install, check] if missing else [check]
-    assert calls == want + ["benchmarks/gpu_check.py"]
+    scripts = ["bench_kernels", "bench_step", "bench_vs_torchao"]
+    assert rc == 0 and calls == want + [f"benchmarks/{s}.py" for s in scripts]
+
+
+@pytest.mark.parametrize("missing", ["pytest", "torch", None])
+def test_run_sh_gpu_installs_nothing(tmp_path, missing):
+    """`run.sh gpu` never installs (a lent GPU machine may be offline): with torch and numpy it
+    starts the check at once, pytest or not (the check skips the tests without it, in a row);
+    without torch it stops with one line saying that it installs nothing, exit code 2."""
+    rc, err, calls = _run_sh_calls(tmp_path, "gpu", missing)
+    check = "-c import torch, numpy"
+    assert not [c for c in calls if "pip" in c]
+    if missing == "torch":
+        assert rc == 2 and calls == [check] and len(err.strip().splitlines()) == 1
+        assert "installs nothing" in err
+    else:
+        assert rc == 0 and calls == [check, "benchmarks/gpu_check.py"]
+
+
+def _gpu_check(*flags, timeout=120):
+    """(exit code, stdout lines, wall seconds) of `bash run.sh gpu FLAGS` with this Python."""
+    env = {**os.environ, "PYTHON": sys.executable, "OMP_NUM_THREADS": "1"}
+    run_sh = ["bash", os.path.join(HERE, "run.sh"), "gpu", *flags]
+    start = time.monotonic()
+    p = subprocess.run(run_sh, capture_output=True, text=True, timeout=timeout, env=env)
+    return p.returncode, p.stdout.splitlines(), time.monotonic() - start
+
+
+def test_gpu_check_dry_run_walks_the_plan_in_order():
+    """`run.sh gpu --dry-run` on a CPU: a first line naming torch, CUDA, Triton, the GPU, the C
+    compiler, Python.h and pytest; the plan's budgets inside --limit 480; then the 7B rows in the
+    plan's order (plain, then --offload_activations), each with the 2 x 3090 prediction, compile
+    counts and its run's JSON line under it (the stub trainer took the real trainer's flags), then
+    the CUDA tests collected; all inside the limit, by this test's clock too."""
+    rc, out, wall = _gpu_check("--dry-run")
+    assert rc == 0, "\n".join(out)
+    first = out[0]
+    for word in ("torch", "CUDA", "Triton", "H100", "C compiler", "Python.h", "pytest"):
+        assert word in first, (word, first)
+    plan = [line.split()[1:3] for line in out if re.match(r"  \d\. ", line)]
+    assert plan == [["llama2-7b", "177"], ["llama2-7b", "--offload_activations"], ["CUDA", "tests"]]
+    rows = [i for i, line in enumerate(out) if line.startswith(("llama2-7b", "CUDA tests"))]
+    labels = [out[i].split("  ")[0] for i in rows]
+    assert labels == ["llama2-7b", "llama2-7b --offload_activations", "CUDA tests (pytest -k cuda)"]
+    for i in rows[:2]:
+        cells = out[i].split()
+        assert "ok" in cells and out[i + 1].strip().startswith("json: {")
+        summary = json.loads(out[i + 1].split("json: ", 1)[1])
+        assert summary["compiles"] == 4 and summary["recompiles"] == 0
+    assert re.search(r"\d+ tests? collected", out[rows[2] + 1]), out[rows[2] + 1]
+    seconds = int(
+        re.fullmatch(r"dry run: (\d+) s of wall time, inside the 480 s limit", out[-1])[1]
+    )
+    assert seconds <= wall + 1 and wall < 480
+
+
+def test_gpu_check_limit_binds():
+    """--limit binds: stubbed parts that hang (--dry-run --stall 60) under --limit 45 end by
+    it, by this test's clock: the first 7B row killed at its budget (what was left), the parts
+    after it skipped in rows that say so."""
+    rc, out, wall = _gpu_check("--dry-run", "--stall", "60", "--limit", "45")
+    assert rc == 0 and wall <= 45, (wall, "\n".join(out))
+    rows = {line.split("  ")[0]: line for line in out if line.startswith(("llama2", "CUDA tests"))}
+    assert "killed" in rows["llama2-7b"], out
+    assert "skipped" in rows["llama2-7b --offload_activations"]
+    assert "skipped" in rows["CUDA tests (pytest -k cuda)"]
 
 
 def test_a_rank_that_never_joins_gets_a_hint():
@@ -6578,6 +6696,24 @@ def test_generate_on_the_compiled_path_runs_blocks_eagerly_and_kernels_compiled(
     assert model.generate(prompt, 12) == want
     assert all(vars(layer)["forward"] is compiled_forward for layer in model.model.layers)
     assert len(calls) >= 7 * 4 * 12 and stances == []  # every projection, every token
+
+
+def test_generate_puts_a_list_of_ids_where_the_model_is():
+    """generate(model, ids) with ids a list and no device= runs the model on ids on the model's
+    device, not the host's: here "meta" stands in for a GPU, and the first forward's tokens are
+    seen there (where today's CUDA model would fail on a device mismatch)."""
+
+    class Seen(Exception):
+        pass
+
+    def stop(module, args, kwargs):
+        raise Seen(args[0].device)
+
+    model = generation_model("llama").to("meta")
+    model.register_forward_pre_hook(stop, with_kwargs=True)
+    with pytest.raises(Seen) as seen:
+        model.generate([3, 1, 4], 2)
+    assert seen.value.args[0] == torch.device("meta")
 
 
 def test_generate_refuses_more_than_a_sliding_window():

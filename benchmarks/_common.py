@@ -129,8 +129,20 @@ def _descendants(pid):
     return found
 
 
-def launch(cmd, env=None, timeout=None):
-    """Run cmd (a list) to the end, or to `timeout` s, then end it and everything it started."""
+def _kill(started):
+    """SIGKILL each of {pid: start time} that is still the same process (not a reused id)."""
+    for pid, start in started.items():
+        st = _stat(pid)
+        if st and st[1] == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def launch(cmd, env=None, timeout=None, grace=30):
+    """Run cmd (a list) to the end, or to `timeout` s, then end it and everything it started:
+    SIGTERM, and `grace` s later SIGKILL, so that it is over by timeout + grace."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}, start_new_session=True)
@@ -142,22 +154,18 @@ def launch(cmd, env=None, timeout=None):
         started = _descendants(proc.pid)
         os.killpg(proc.pid, signal.SIGTERM)  # torchrun passes it on to its workers and waits for them
         try:
-            out, err = proc.communicate(timeout=30)
+            out, err = proc.communicate(timeout=grace)
         except subprocess.TimeoutExpired:
+            # The workers first: they hold the pipes open, and reading them to the end would wait.
+            _kill(started)
             proc.kill()
             out, err = proc.communicate()
-        for pid, start in started.items():  # a worker left behind: the same process, not a reused id
-            st = _stat(pid)
-            if st and st[1] == start:
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+        _kill(started)  # a worker left behind
     return Run(cmd, proc.returncode, out, err, time.perf_counter() - t0, timed_out)
 
 
-def torchrun(script, args, nproc, env=None, timeout=None):
+def torchrun(script, args, nproc, env=None, timeout=None, grace=30):
     """script (a path) under torchrun with nproc local ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            str(script), *map(str, args)]
-    return launch(cmd, env, timeout)
+    return launch(cmd, env, timeout, grace)
