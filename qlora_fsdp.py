@@ -213,8 +213,9 @@ def _dequantize_blocks(packed, absmax, block_size: int, dtype: torch.dtype, code
 
 def _dequantize(inner, block_size: int, scaler_block_size: int, dtype: torch.dtype):
     """inner: quantize_nf4's four tensors -> the weight, flat, of dtype."""
-    absmax = _dequantize_scales(*inner[1:], scaler_block_size)  # from scale_q, factor, mean
-    return _dequantize_blocks(inner[0], absmax, block_size, dtype)
+    packed, scale_q, scale_factor, scale_mean = inner
+    absmax = _dequantize_scales(scale_q, scale_factor, scale_mean, scaler_block_size)
+    return _dequantize_blocks(packed, absmax, block_size, dtype)
 
 
 def compile_dynamic(fn):
@@ -254,6 +255,7 @@ def quantize_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
         raise ValueError(f"block_size must be even (two codes per byte), got {block_size}")
     kernel = _quantize_blocks_compiled if use_compiled(compile, weight) else _quantize_blocks
     flat = weight.detach().reshape(-1)
+    # In chunks of whole blocks: a big matrix never has a whole fp32 copy.
     step = max(block_size, QUANT_CHUNK // block_size * block_size)
     with torch.no_grad():
         chunks = [kernel(flat[i : i + step], block_size) for i in range(0, n, step)]
