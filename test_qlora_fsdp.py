@@ -53,7 +53,7 @@ def unpack_codes(packed):
     return torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).long()
 
 
-# ---- 0. the file: each section can be lifted out alone ----------------------------------------
+# ---- 0. the file: each section can be lifted out alone ------------------------------------------
 
 
 def sections():
@@ -129,6 +129,13 @@ def test_each_section_names_what_it_needs():
         assert not missing, (num, sorted(missing))
         defined_above |= own
         owned[int(num)] = own
+
+
+def test_the_tests_follow_the_file():
+    """This file has one banner per section of qlora_fsdp.py, in the file's order (after 0, the
+    file's own checks), so that each claim's test is found under the section it tests."""
+    numbers = re.findall(r"^# ---- (\d+)\. ", open(__file__).read(), re.M)
+    assert [int(n) for n in numbers] == list(range(17))
 
 
 PART_TWO = "\n# Part II"  # the banner's line, where Part II starts
@@ -221,7 +228,7 @@ def exec_module(name, source):
     return module
 
 
-# ---- 1. memory accounting ---------------------------------------------------------------------
+# ---- 1. memory accounting -----------------------------------------------------------------------
 
 
 def test_memory_budget_7b():
@@ -275,7 +282,7 @@ def test_count_params_equals_the_model(family, dora):
     assert lora == sum(p.numel() for _, p in named if p.requires_grad)
 
 
-# ---- 2. NF4 quantization ----------------------------------------------------------------------
+# ---- 2. NF4 quantization ------------------------------------------------------------------------
 
 
 def test_codebook():
@@ -420,33 +427,6 @@ def test_a_graph_cached_under_other_settings_brings_no_guards():
     assert len(compiled_graphs(_our_kernel.__code__)) == 1, why
 
 
-def test_vectorized_dequantize_equals_table_lookup():
-    """The select-tree + packed-pairs formulation (what torch.compile gets for bf16) gives the
-    table lookup's bf16 values bit for bit: every code, zero blocks, tiny and huge scales, and
-    the manual fp32 -> bf16 rounding on ties, subnormals and large values."""
-    codes = torch.arange(16)
-    assert torch.equal(qf._nf4_lookup(codes), qf.NF4[codes])
-    x = torch.cat(
-        [
-            torch.randn(10000) * 10.0 ** torch.randint(-40, 38, (10000,)).float(),
-            torch.tensor([0.0, -0.0, 1e-45, -3e-39, 3.4e38, 1.00390625, 1.01171875, -1.01171875]),
-        ]
-    )
-    assert torch.equal(qf._bf16_bits(x).to(torch.int16), x.to(torch.bfloat16).view(torch.int16))
-    w = torch.randn(64, 1024) * torch.logspace(-30, 30, 64)[:, None]
-    w[3] = 0.0  # an all-zero row: 16 blocks whose absmax is 0
-    w[5, :64] = torch.linspace(-1, 1, 64)  # a block that hits every code
-    parts = qf.quantize_nf4(w, compile=False)
-    ref = qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=False)
-    assert torch.equal(qf._dequantize_bf16_pairs(*parts, 64, 256).view(torch.bfloat16), ref)
-    assert torch.equal(qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=True), ref)
-    # traced into a bigger compiled graph it is one custom op, with the same values
-    outer = torch.compile(
-        lambda *p: qf.dequantize_nf4(*p, dtype=torch.bfloat16) * 1, fullgraph=True
-    )
-    assert torch.equal(outer(*parts), ref)
-
-
 def _allocations(fn):
     """(result, sizes in bytes of every allocation fn makes), from the profiler's allocations."""
     with torch.profiler.profile(profile_memory=True) as prof:
@@ -550,7 +530,7 @@ def test_empty_or_odd_blocks_refused():
         qf.quantize_nf4(torch.randn(2, 63), block_size=63)
 
 
-# ---- 3. NF4Tensor -----------------------------------------------------------------------------
+# ---- 3. NF4Tensor -------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -655,41 +635,6 @@ def test_linear_with_bias_and_copy_of_another_shape():
         qf.to_nf4(torch.randn(64, 128)).copy_(torch.randn(128, 64))
 
 
-@pytest.mark.parametrize(
-    "src_blocks,dst_blocks",
-    [((64, 5), (64, 4)), ((32, 256), (64, 256)), ((64, 256), (64, 256))],
-    ids=["scale groups 5 into 4", "blocks 32 into 64", "same layout"],
-)
-def test_copy_between_layouts_requantizes(src_blocks, dst_blocks):
-    """NF4 copy_ checks the layout first: from the same layout the codes are copied exactly;
-    from another (other scale groups with the same inner shapes, or other block sizes) the
-    source is re-quantized into the destination's layout, as torchao does; nothing is written
-    when the shapes differ."""
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(40, 64, generator=g)
-    src = qf.to_nf4(w, *src_blocks, compile=False)
-    dst = qf.to_nf4(torch.randn(40, 64, generator=g), *dst_blocks, compile=False)
-    dst.copy_(src)
-    want = src
-    if src_blocks != dst_blocks:
-        want = qf.to_nf4(src.dequantize(torch.float32), *dst_blocks, compile=False)
-    for name in qf.NF4Tensor.INNER:
-        assert torch.equal(getattr(dst, name), getattr(want, name)), name
-    assert (dst.block_size, dst.scaler_block_size) == dst_blocks
-    before = [t.clone() for t in dst.inner()]
-    with pytest.raises(ValueError, match="copy_ into"):
-        dst.copy_(qf.to_nf4(torch.randn(64, 40), 32, compile=False))
-    assert all(torch.equal(a, b) for a, b in zip(dst.inner(), before))
-
-
-def test_dense_copy_from_nf4_dequantizes():
-    """dense.copy_(nf4) writes the dequantized weight, in the dense tensor's dtype."""
-    nf4 = qf.to_nf4(torch.randn(32, 64), compile=False)
-    dense = torch.empty(32, 64, dtype=torch.bfloat16)
-    dense.copy_(nf4)
-    assert torch.equal(dense, nf4.dequantize(torch.bfloat16))
-
-
 def has_storage(t):
     """Whether the tensor owns real data (a wrapper subclass has none)."""
     try:
@@ -735,6 +680,8 @@ CONVERSIONS = {  # name: (the conversion, the dtype a bf16 weight reports after 
         torch.float64,
     ),
 }
+
+
 SWITCHES = {
     "default": lambda flag: None,
     "overwrite": torch.__future__.set_overwrite_module_params_on_conversion,
@@ -842,7 +789,7 @@ def test_compile_is_nn_modules():
     torch.testing.assert_close(layer(x), want, rtol=0, atol=0)
 
 
-# ---- 4. LoRA ----------------------------------------------------------------------------------
+# ---- 4. LoRA ------------------------------------------------------------------------------------
 
 
 def test_merged_weight_equals_forward():
@@ -1028,7 +975,7 @@ def test_initial_draws():
     assert len({tuple(torch.rand(4, generator=qf.seeded(*k)).tolist()) for k in keys}) == 4
 
 
-# ---- 5. sharding (spawned gloo processes) -----------------------------------------------------
+# ---- 5. sharding and offload: the unit life (spawned gloo processes) ----------------------------
 
 
 def free_port():
@@ -1175,6 +1122,7 @@ BASE = [
     "--adam_eps",
     "1",
 ]
+
 
 LESSON = BASE + ["--model", "micro", "--batch_size", "2", "--steps", "3"]
 
@@ -1880,7 +1828,590 @@ def test_an_offloaded_inputs_copy_back_is_recorded_on_its_stream(monkeypatch):
     assert [(t is parked.back, s is stream) for t, s in recorded] == [(True, True)]
 
 
-# ---- 5b. FSDP2's own test cases, mapped to FSDP(model, units) ---------------------------------
+# ---- 6. AdamW -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("chunk_bytes", [None, 50])
+def test_adamw_equals_torch(weight_decay, chunk_bytes, monkeypatch):
+    """Our foreach AdamW equals torch.optim.AdamW over 50 steps, with and without weight decay, on
+    fp32 and fp64 tensors mixed (each at its own precision), in one foreach chunk or in cache-sized
+    chunks (here 50 bytes; one chunk holds an empty tensor), with two tensors that have no gradient
+    at some steps (each keeps its own step count; chunks split where the counts differ)."""
+    monkeypatch.setattr(qf, "ADAM_CHUNK_BYTES", {"cpu": chunk_bytes} if chunk_bytes else {})
+    torch.manual_seed(0)
+    params = [
+        torch.randn(s, dtype=dtype, requires_grad=True)
+        for s, dtype in [
+            ((7, 3), torch.float32),
+            ((64,), torch.float64),
+            ((0,), torch.float32),
+            ((5, 5, 2), torch.float32),
+            ((9,), torch.float64),
+        ]
+    ]
+    ref = [p.detach().clone().requires_grad_() for p in params]
+    ours = qf.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    theirs = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
+    for step in range(50):
+        for i, (p, r) in enumerate(zip(params, ref)):
+            g = torch.randn_like(p) * (step + 1)
+            skip = (i == 1 and step % 3 == 0) or (i == 3 and step < 2)
+            p.grad, r.grad = (None, None) if skip else (g.clone(), g.clone())
+        ours.step()
+        theirs.step()
+    for p, r in zip(params, ref):  # fp64: only the order of operations differs (~1e-16 a step)
+        tol = 1e-12 if p.dtype == torch.float64 else 1e-7
+        torch.testing.assert_close(p, r, rtol=10 * tol, atol=tol)
+
+
+# ---- 7. Llama -----------------------------------------------------------------------------------
+
+
+def test_initial_model_equals_base_model():
+    """At initialization (B = 0) the model's logits equal the base model's, computed by a plain
+    dense reference without any adapter."""
+    model = make_model()
+    tokens = torch.randint(256, (2, 24))
+    with torch.no_grad():
+        logits = model(tokens)
+        for m in model.modules():  # the base model: no LoRA at all
+            if isinstance(m, qf.LoRALinear):
+                m.lora_A.zero_()
+        base = reference_logits(model, tokens)
+    torch.testing.assert_close(logits, base, rtol=1e-4, atol=1e-4)
+
+
+def randomize_dense(model, seed=0):
+    """Nonzero adapters, biases and norm weights (all ones or zeros at construction)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if isinstance(p, qf.NF4Tensor) or "embed" in name or "lm_head" in name:
+                continue
+            noise = torch.randn(p.shape, generator=g).to(p.dtype)
+            p.add_(noise * 0.1)
+
+
+@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_llama_equals_reference_with_adapters(family, dora):
+    """For each family, with non-zero adapters, biases and norms, the model equals the plain
+    fp32 reference (GQA, RoPE, SwiGLU, RMSNorm with an eps of 0.5, large enough to show; the
+    family's biases and q/k norms), logits and adapter gradients (q, k, v and gate, up share one
+    x A^T matmul; the reference not), with LoRA and with DoRA (magnitudes moved too)."""
+    torch.manual_seed(0)
+    config = family_config(family, rms_norm_eps=0.5)
+    model = qf.CausalLM(config, dtype=torch.float32, compile=False, dora=dora)
+    randomize_dense(model)
+    tokens = torch.randint(256, (2, 24))
+    adapters = [p for p in model.parameters() if p.requires_grad]
+    logits, ref = model(tokens), reference_logits(model, tokens)
+    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
+    for g, g_ref in zip(
+        torch.autograd.grad(logits.square().mean(), adapters),
+        torch.autograd.grad(ref.square().mean(), adapters),
+    ):
+        torch.testing.assert_close(g, g_ref, rtol=1e-3, atol=1e-6)
+
+
+def test_only_adapters_require_grad():
+    """Only lora_A / lora_B train; every projection and lm_head is NF4; embeddings and norms are
+    frozen in the compute dtype; state_dict keys are Hugging Face's plus the adapters."""
+    model = make_model(dtype=torch.bfloat16)
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
+    assert len(trainable) == 2 * 7 * model.config.num_hidden_layers
+    sd = model.state_dict()
+    for key in (
+        "model.embed_tokens.weight",
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.input_layernorm.weight",
+        "model.layers.0.post_attention_layernorm.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.3.self_attn.v_proj.lora_A",
+        "model.layers.3.mlp.up_proj.lora_B",
+    ):
+        assert key in sd, key
+    # The lm_head stays dense by default (nf4_head=True: NF4).
+    assert sd["lm_head.weight"].dtype == torch.bfloat16
+    assert not isinstance(sd["lm_head.weight"], qf.NF4Tensor)
+    assert isinstance(qf.CausalLM(model.config, nf4_head=True).lm_head.weight, qf.NF4Tensor)
+    assert isinstance(sd["model.layers.0.self_attn.q_proj.weight"], qf.NF4Tensor)
+    assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16
+    assert sd["model.layers.0.self_attn.q_proj.lora_A"].dtype == torch.float32
+
+
+def test_causal():
+    """Changing future tokens does not change the logits of earlier positions."""
+    model = make_model()
+    tokens = torch.randint(256, (1, 16))
+    other = tokens.clone()
+    other[0, 10:] = (other[0, 10:] + 1) % 256
+    with torch.no_grad():
+        a, b = model(tokens), model(other)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_chunked_loss_equals_plain(dtype, compile, monkeypatch):
+    """The chunked cross entropy (5 rows at a time; each chunk's kernel compiled or eager) and its
+    gradient equal F.cross_entropy on the full logits."""
+    monkeypatch.setattr(qf, "COMPILE", compile)
+    torch.manual_seed(0)
+    w = qf.to_nf4(torch.randn(256, 64, dtype=dtype) / 8)
+    h = torch.randn(23, 64, dtype=dtype, requires_grad=True)
+    t = torch.randint(256, (23,))
+    loss = qf.chunked_cross_entropy(h, w, t, chunk=5)
+    (2 * loss).backward()
+    h_ref = h.detach().clone().requires_grad_()
+    ref = F.cross_entropy((h_ref @ w.dequantize().T).float(), t)
+    (2 * ref).backward()
+    if dtype == torch.float32:
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-5)
+    # bf16 logits: the loss within bf16's rounding, the gradient (|g| ~ 1e-2) to a tenth of its size
+    else:
+        torch.testing.assert_close(loss, ref, rtol=1e-3, atol=0)
+        torch.testing.assert_close(h.grad, h_ref.grad, rtol=2e-2, atol=1e-3)
+
+
+@pytest.mark.parametrize("compile", [True, False])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_chunked_loss_ignores_targets(reduction, compile, monkeypatch):
+    """With some targets IGNORE_INDEX (-100), the chunked cross entropy and its gradient equal
+    F.cross_entropy(ignore_index=-100) for reduction mean and sum; ignored rows get no gradient, and
+    when every target is ignored the loss is 0 and the gradient zero (not 0/0); compiled and eager.
+    """
+    monkeypatch.setattr(qf, "COMPILE", compile)
+    torch.manual_seed(0)
+    w = qf.to_nf4(torch.randn(256, 64) / 8)
+    t = torch.randint(256, (23,))
+    # both ends, either side of a border of chunks of 5
+    t[torch.tensor([0, 4, 5, 6, 17, 22])] = -100
+    for targets in (t, torch.full((23,), -100)):
+        h = torch.randn(23, 64, requires_grad=True)
+        loss = qf.chunked_cross_entropy(h, w, targets, chunk=5, reduction=reduction)
+        (2 * loss).backward()
+        h_ref = h.detach().clone().requires_grad_()
+        ref = F.cross_entropy(
+            h_ref @ w.dequantize().T, targets, ignore_index=-100, reduction=reduction
+        )
+        if (targets == -100).all():
+            assert loss.item() == 0 and torch.equal(h.grad, torch.zeros_like(h))
+            continue
+        (2 * ref).backward()
+        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
+        assert torch.equal(h.grad[targets == -100], torch.zeros(6, 64))
+
+
+def test_loss_equals_logits_cross_entropy():
+    """forward(tokens, targets) equals cross entropy of forward(tokens), with checkpointing on."""
+    model = make_model()
+    x, y = torch.randint(256, (2, 12)), torch.randint(256, (2, 12))
+    loss = model(x, y)
+    with torch.no_grad():
+        ref = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
+    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("compile", [False, True])
+@pytest.mark.parametrize("bad", [-1, 50])
+def test_loss_refuses_targets_out_of_range(bad, compile, monkeypatch):
+    """A target outside [0, vocab) other than IGNORE_INDEX (-100) is an error, as in
+    F.cross_entropy, not silently class 0; checked before the compiled kernel, whose own bounds
+    check can abort the process."""
+    monkeypatch.setattr(qf, "COMPILE", compile)
+    h, W, y = torch.randn(6, 32), torch.randn(50, 32), torch.tensor([1, 2, bad, 4, -100, 6])
+    with pytest.raises(IndexError):
+        F.cross_entropy(h @ W.T, y)
+    with pytest.raises(
+        RuntimeError, match=r"a target is outside \[0, vocab\) and not IGNORE_INDEX"
+    ):
+        qf.chunked_cross_entropy(h, W, y)
+
+
+def test_compiled_block_is_one_graph_holding_no_dense_weight():
+    """What --compile compiles, a block's forward with its checkpoint, is one graph for dynamo (a
+    graph break would run the rest eagerly without a word) whose body is the checkpoint, and the
+    forward and backward graphs made of it (the recompute inside backward's) hold no tensor shaped
+    like a dense base weight, not even for a moment: each NF4 weight is dequantized inside the
+    matmul op that uses it."""
+    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
+    from torch._dynamo.backends.common import aot_autograd
+
+    model = make_model(dtype=torch.bfloat16)
+    layer = model.model.layers[0]
+    dynamo_graphs, graphs = [], []
+
+    def keep(gm, example_inputs):  # record a graph and run it as it is
+        graphs.append(gm)
+        return make_boxed_func(gm.forward)
+
+    aot = aot_autograd(
+        fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
+    )
+    backend = lambda gm, example_inputs: (dynamo_graphs.append(gm), aot(gm, example_inputs))[1]  # noqa: E731
+    x = torch.randn(2, 16, 128, dtype=torch.bfloat16, requires_grad=True)
+    cos, sin = qf.rope_cos_sin(model.config, torch.arange(16), torch.bfloat16)
+    torch.compile(layer.forward, backend=backend, fullgraph=True)(
+        x, cos, sin, True
+    ).float().sum().backward()
+    calls = [n.target for n in dynamo_graphs[0].graph.nodes if n.op == "call_function"]
+    assert len(dynamo_graphs) == 1 and calls[0] is torch.ops.higher_order.tag_activation_checkpoint
+    shapes = {tuple(m.weight.shape) for m in layer.modules() if isinstance(m, qf.LoRALinear)}
+    shapes |= {s[::-1] for s in shapes} | {(math.prod(s),) for s in shapes}  # transposed, flat
+    # as text: a graph's shapes may hold (unhashable) SymInts
+    shapes = {str(list(s)) for s in shapes}
+    assert len(graphs) == 2  # forward, backward
+    for gm in graphs:
+        values = [n.meta.get("val") for n in gm.graph.nodes]
+        dense = [
+            v.shape
+            for v in values
+            if isinstance(v, torch.Tensor)
+            and v.dtype.is_floating_point
+            and str(list(v.shape)) in shapes
+        ]
+        assert dense == [] and len(values) > 100
+
+
+def test_tiny_model_overfits_a_batch():
+    """QLoRA on the tiny model drives the loss on one fixed batch far down (5.5 -> < 1.5)."""
+    model = make_model(dtype=torch.float32, lora_rank=16)
+    opt = qf.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
+    x = torch.randint(256, (2, 32))
+    y = torch.roll(x, -1, 1)
+    first = None
+    for _ in range(80):
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        first = first or loss.item()
+    assert first > 5.0 and loss.item() < 1.5
+
+
+def test_rmsnorm_and_rope_tables_as_hugging_face():
+    """A bf16 RMSNorm with a random weight equals Hugging Face's weight * (normalized in fp32, cast
+    to bf16), bit for bit; RoPE's cos and sin tables are those of positions 0, 1, ... (the
+    frequencies twice)."""
+    norm = qf.RMSNorm(256, 1e-5, torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(256))
+    x = torch.randn(8, 256, dtype=torch.bfloat16)
+    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert torch.equal(norm(x), norm.weight * h.to(torch.bfloat16))
+    c = qf.CONFIGS["tiny"]
+    cos, sin = qf.rope_cos_sin(c, torch.arange(5), torch.float32)
+    inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
+    angles = torch.arange(5, dtype=torch.float64)[:, None] * inv
+    torch.testing.assert_close(cos, torch.cat([angles, angles], -1).cos().float())
+    torch.testing.assert_close(sin, torch.cat([angles, angles], -1).sin().float())
+
+
+def test_each_norm_in_its_place():
+    """With every norm weight random (not 1), the model equals the plain fp32 reference: each
+    block's two norms and the final one each scale what they should."""
+    torch.manual_seed(0)
+    model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+        tokens = torch.randint(256, (2, 16))
+        torch.testing.assert_close(
+            model(tokens), reference_logits(model, tokens), rtol=1e-4, atol=1e-4
+        )
+
+
+# ---- 8. training: the batch, the step, the loop -------------------------------------------------
+
+
+def test_learning_rate_warmup_then_cosine():
+    """The learning rate rises linearly over --warmup_steps to --lr, then falls along a cosine to
+    10% of --lr at --steps: 0.55 of --lr halfway."""
+    args = qf.parse_args(["--lr", "2.0", "--warmup_steps", "4", "--steps", "104"])
+    lrs = [qf.learning_rate(step, args) for step in range(105)]
+    assert lrs[:5] == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.0])
+    assert lrs[54] == pytest.approx(1.1) and lrs[104] == pytest.approx(0.2)
+    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
+
+
+def test_compiled_blocks_equal_eager():
+    """--compile (NF4 kernels and every block's forward compiled, sharding hooks eager) trains
+    like the eager run: same losses and adapters up to fp32 rounding."""
+    argv = [a for a in BASE if a != "--no-compile"] + ["--batch_size", "2", "--steps", "3"]
+    eager = run_single(argv + ["--no-compile"])
+    compiled = run_single(argv + ["--compile"])
+    torch.testing.assert_close(
+        torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-5
+    )
+    for k, v in eager["adapters"].items():
+        torch.testing.assert_close(compiled["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
+
+
+def random_ids(n=4000, seed=0):
+    return np.random.default_rng(seed).integers(0, 256, n)
+
+
+def test_ranks_split_the_global_batch(tmp_path):
+    """A step's global batch depends only on (seed, step) and batch_size x grad_accum x world, laid
+    out (micro, rank, row): 1 rank's batch of 8 is 2 ranks' batches of 4 side by side, and 2 ranks'
+    2 micro-batches of 2 each -- random (dummy) tokens and a file's."""
+    np.save(tmp_path / "ids.npy", random_ids())
+    for data in (None, qf.load_tokens(str(tmp_path / "ids.npy"), 256, 32)):
+        one = batch_of(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "8"]), 1, 0, 256)
+        two = [
+            batch_of(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "4"]), 2, r, 256)
+            for r in range(2)
+        ]
+        four = [
+            batch_of(
+                data,
+                3,
+                m,
+                qf.parse_args(BASE + ["--batch_size", "2", "--grad_accum", "2"]),
+                2,
+                r,
+                256,
+            )
+            for m in range(2)
+            for r in range(2)
+        ]
+        for i in range(2):  # inputs, targets
+            assert torch.equal(torch.cat([two[0][i], two[1][i]]), one[i])
+            assert torch.equal(torch.cat([b[i] for b in four]), one[i])
+
+
+def test_all_ones_mask_trains_as_bare_tokens(tmp_path):
+    """An .npz whose loss_mask is all ones trains bitwise like the same tokens as a bare .npy."""
+    ids = random_ids()
+    np.save(tmp_path / "bare.npy", ids.astype(np.uint16))
+    np.savez(tmp_path / "ones.npz", tokens=ids.astype(np.uint32), loss_mask=np.ones(len(ids), bool))
+    argv = BASE + ["--batch_size", "2", "--steps", "2", "--grad_accum", "2"]
+    bare = run_single(argv + ["--data", str(tmp_path / "bare.npy")])
+    ones = run_single(argv + ["--data", str(tmp_path / "ones.npz")])
+    assert ones["losses"] == bare["losses"]
+    for k, v in bare["adapters"].items():
+        assert torch.equal(ones["adapters"][k], v), k
+
+
+def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
+    """With a loss mask the loss is the mean cross entropy over the counted targets of the WHOLE
+    global batch (all ranks, all micro-batches): step 1's loss is F.cross_entropy over the counted
+    targets of the model's logits for that batch, and 1 process and 3 ranks, with 2 micro-batches
+    whose counts differ, train alike (the same losses and adapters)."""
+    ids = random_ids()
+    np.save(tmp_path / "bare.npy", ids)
+    # a target counts where its id is a multiple of 3: the mask of any batch follows from its
+    # targets
+    np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
+    argv = BASE + ["--data", str(tmp_path / "masked.npz"), "--grad_accum", "2", "--steps", "2"]
+    single = run_single(argv + ["--batch_size", "3"])
+    args = qf.parse_args(BASE + ["--batch_size", "3", "--grad_accum", "2"])
+    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the untrained model
+    bare = qf.TokenData(np.load(tmp_path / "bare.npy"), None)
+    x, y = map(
+        torch.cat, zip(*[batch_of(bare, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
+    )
+    # (6, 32): rows 0-2 the first micro-batch, 3-5 the second; one row per rank
+    counted = y % 3 == 0
+    assert len(set(counted.sum(1).tolist())) > 1  # ranks and micro-batches count differently
+    with torch.no_grad():
+        logits = model(x)
+    ref = F.cross_entropy(logits[counted], y[counted])
+    torch.testing.assert_close(torch.tensor(single["losses"][0]), ref, rtol=1e-5, atol=1e-5)
+    for r in run_sharded(3, argv + ["--batch_size", "1"], tmp_path):
+        assert_same_run(r, single)
+
+
+@pytest.mark.parametrize("compile", ["--no-compile", "--compile"])
+def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(compile, tmp_path):
+    """One training step over 2 micro-batches that count different numbers of targets moves the
+    adapters as torch.optim.AdamW does with the gradient of F.cross_entropy over the counted
+    targets of both, taken in one plain autograd pass through an unsharded copy of the model;
+    eager and compiled (at the shapes of the compiled tests above: their graphs)."""
+    ids = random_ids()
+    np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
+    argv = [a for a in BASE if a != "--no-compile"] + [
+        compile,
+        "--data",
+        str(tmp_path / "masked.npz"),
+        "--grad_accum",
+        "2",
+        "--steps",
+        "1",
+        "--batch_size",
+        "2",
+        "--grad_clip",
+        "0",
+    ]
+    args = qf.parse_args(argv)
+    trained = run_single(argv)["adapters"]
+    _, fsdp = qf.build(
+        qf.parse_args(argv + ["--no-compile"]), qf.CONFIGS["tiny"], torch.device("cpu")
+    )
+    model = make_model()  # the run's starting weights, in full, unsharded:
+    # each valid until the next unit is gathered
+    base = {name: t.clone() for name, t in fsdp.full_base()}
+    model.load_state_dict({**base, **fsdp.full_adapters()})
+    data = qf.load_tokens(str(tmp_path / "masked.npz"), 256, args.seq_len)
+    x, y = map(
+        torch.cat, zip(*[batch_of(data, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
+    )
+    counted = y != qf.IGNORE_INDEX  # (4, 32): rows 0-1 the first micro-batch, 2-3 the second
+    assert counted[:2].sum() != counted[2:].sum()
+    F.cross_entropy(model(x)[counted], y[counted]).backward()
+    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    torch.optim.AdamW(
+        adapters.values(), lr=qf.learning_rate(0, args), eps=args.adam_eps, weight_decay=0.0
+    ).step()
+    for name, p in adapters.items():
+        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
+    """Steps whose global batch counts no target log loss 0 and leave the adapters exactly at
+    their initial values: zero gradients, no 0/0."""
+    mask = np.zeros(4000, np.uint8)
+    mask[1] = 1  # the only counted target: in a window only if it starts at token 0
+    path = str(tmp_path / "rare.npz")
+    np.savez(path, tokens=random_ids(), loss_mask=mask)
+    args = qf.parse_args(BASE + ["--data", path, "--batch_size", "2", "--steps", "2"])
+    data = qf.load_tokens(path, 256, 32)
+    assert all((batch_of(data, step, 0, args, 1, 0, 256)[1] == -100).all() for step in range(2))
+    _, losses, fsdp = qf.fine_tune(args)
+    assert losses == [0.0, 0.0]
+    initial = dict(qf.initial_weights(fsdp.adapter_shapes(), args.seed))
+    for k, v in fsdp.full_adapters().items():
+        assert torch.equal(v, initial[k].float()), k
+
+
+class GradRecorder:
+    """In place of the optimizer: keeps the gradients train_step hands it."""
+
+    def __init__(self, params):
+        self.params, self.grads = params, None
+
+    def step(self):
+        self.grads = [p.grad.clone() for p in self.params]
+
+    def zero_grad(self, set_to_none=True):
+        for p in self.params:
+            p.grad = None
+
+
+def test_step_gradient_is_the_summed_loss_gradient_over_the_count_in_fp32():
+    """In bf16, train_step hands the optimizer exactly the gradient of the summed loss divided in
+    fp32 by the number of counted targets (63: its inverse is no bf16 number), the reference taken
+    by a plain backward of the summed loss through the same sharded model."""
+    args = qf.parse_args(["bf16" if a == "fp32" else a for a in BASE] + ["--batch_size", "2"])
+    model, fsdp = qf.build(args, qf.CONFIGS[args.model], torch.device("cpu"))
+    x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, qf.CONFIGS[args.model].vocab_size)
+    y = y.clone()  # a view of the tokens x holds too
+    y[0, 0] = qf.IGNORE_INDEX
+    model(x, y, reduction="sum").backward()
+    reference = [p.grad / 63 for p in fsdp.parameters()]
+    recorder = GradRecorder(fsdp.parameters())
+    recorder.zero_grad()
+    qf.train_step(model, fsdp, recorder, [(x, y)], 0.0, torch.device("cpu"))
+    assert len(reference) >= 2 and any(g.abs().sum() > 0 for g in reference)
+    for got, want in zip(recorder.grads, reference):
+        assert torch.equal(got, want)
+
+
+def test_skipped_step_updates_nothing_and_leaves_no_gradient():
+    """A step whose loss is not finite leaves the adapters as they were and no gradient behind,
+    which the next step would otherwise add its own to."""
+    args = qf.parse_args(BASE + ["--batch_size", "2"])
+    config = qf.CONFIGS[args.model]
+    model, fsdp = qf.build(args, config, torch.device("cpu"))
+    before = fsdp.full_adapters()
+    fsdp.load_full("model.norm.weight", torch.full((config.hidden_size,), float("nan")))
+    batch = qf.get_batch(None, 0, 0, args, 1, 0, config.vocab_size)
+    loss = qf.train_step(
+        model, fsdp, qf.AdamW(fsdp.parameters()), [batch], 1.0, torch.device("cpu")
+    )
+    assert math.isnan(loss)
+    assert all(p.grad is None for p in fsdp.parameters())
+    for name, t in fsdp.full_adapters().items():
+        assert torch.equal(t, before[name]), name
+
+
+# ---- 9. faster NF4: the bf16 kernel, copy_ ------------------------------------------------------
+
+
+def test_vectorized_dequantize_equals_table_lookup():
+    """The select-tree + packed-pairs formulation (what torch.compile gets for bf16) gives the
+    table lookup's bf16 values bit for bit: every code, zero blocks, tiny and huge scales, and
+    the manual fp32 -> bf16 rounding on ties, subnormals and large values."""
+    codes = torch.arange(16)
+    assert torch.equal(qf._nf4_lookup(codes), qf.NF4[codes])
+    x = torch.cat(
+        [
+            torch.randn(10000) * 10.0 ** torch.randint(-40, 38, (10000,)).float(),
+            torch.tensor([0.0, -0.0, 1e-45, -3e-39, 3.4e38, 1.00390625, 1.01171875, -1.01171875]),
+        ]
+    )
+    assert torch.equal(qf._bf16_bits(x).to(torch.int16), x.to(torch.bfloat16).view(torch.int16))
+    w = torch.randn(64, 1024) * torch.logspace(-30, 30, 64)[:, None]
+    w[3] = 0.0  # an all-zero row: 16 blocks whose absmax is 0
+    w[5, :64] = torch.linspace(-1, 1, 64)  # a block that hits every code
+    parts = qf.quantize_nf4(w, compile=False)
+    ref = qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=False)
+    assert torch.equal(qf._dequantize_bf16_pairs(*parts, 64, 256).view(torch.bfloat16), ref)
+    assert torch.equal(qf.dequantize_nf4(*parts, dtype=torch.bfloat16, compile=True), ref)
+    # traced into a bigger compiled graph it is one custom op, with the same values
+    outer = torch.compile(
+        lambda *p: qf.dequantize_nf4(*p, dtype=torch.bfloat16) * 1, fullgraph=True
+    )
+    assert torch.equal(outer(*parts), ref)
+
+
+@pytest.mark.parametrize(
+    "src_blocks,dst_blocks",
+    [((64, 5), (64, 4)), ((32, 256), (64, 256)), ((64, 256), (64, 256))],
+    ids=["scale groups 5 into 4", "blocks 32 into 64", "same layout"],
+)
+def test_copy_between_layouts_requantizes(src_blocks, dst_blocks):
+    """NF4 copy_ checks the layout first: from the same layout the codes are copied exactly;
+    from another (other scale groups with the same inner shapes, or other block sizes) the
+    source is re-quantized into the destination's layout, as torchao does; nothing is written
+    when the shapes differ."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=g)
+    src = qf.to_nf4(w, *src_blocks, compile=False)
+    dst = qf.to_nf4(torch.randn(40, 64, generator=g), *dst_blocks, compile=False)
+    dst.copy_(src)
+    want = src
+    if src_blocks != dst_blocks:
+        want = qf.to_nf4(src.dequantize(torch.float32), *dst_blocks, compile=False)
+    for name in qf.NF4Tensor.INNER:
+        assert torch.equal(getattr(dst, name), getattr(want, name)), name
+    assert (dst.block_size, dst.scaler_block_size) == dst_blocks
+    before = [t.clone() for t in dst.inner()]
+    with pytest.raises(ValueError, match="copy_ into"):
+        dst.copy_(qf.to_nf4(torch.randn(64, 40), 32, compile=False))
+    assert all(torch.equal(a, b) for a, b in zip(dst.inner(), before))
+
+
+def test_dense_copy_from_nf4_dequantizes():
+    """dense.copy_(nf4) writes the dequantized weight, in the dense tensor's dtype."""
+    nf4 = qf.to_nf4(torch.randn(32, 64), compile=False)
+    dense = torch.empty(32, 64, dtype=torch.bfloat16)
+    dense.copy_(nf4)
+    assert torch.equal(dense, nf4.dequantize(torch.bfloat16))
+
+
+# ---- 10. any model: FSDP2's own test cases, drawn cases, AdamW as torch's drop-in ---------------
+
+
 # The models of torch.testing._internal.common_fsdp (MLP, MLPStack, DoubleLinear) and the
 # chunked head of test_fully_shard_training.py, written again here (that module needs
 # expecttest). Each case runs sharded at worlds 1-3 on gloo, each rank on its rows of one
@@ -2340,7 +2871,6 @@ def test_drawn_models_units_and_calls_equal_the_unsharded_model(world, fsdp2_run
     assert outcomes["refused: in two units"] > 0 and outcomes["refused: which holds it"] > 0
 
 
-# ---- drawn cases: small models, units and call patterns, each against the unsharded model ------
 # Each case is drawn from its seed alone, so every rank draws the same one. A model: an
 # embedding (maybe frozen, so that the blocks' input needs no gradient), 1-3 blocks (a layer, or
 # two layers inside one module called in a chain, one skipped, one twice, summed or as a pair
@@ -2351,8 +2881,14 @@ def test_drawn_models_units_and_calls_equal_the_unsharded_model(world, fsdp2_run
 # gradients and weights over 2 steps, or refuse the units with its clear error.
 
 DRAWN_DIM = 8
+
+
 DRAWN_VOCAB = 16
+
+
 DRAWN_ROWS = 4  # per rank
+
+
 DRAWN_PATTERNS = [
     "plain",
     "two passes, one backward",
@@ -2658,43 +3194,6 @@ def test_floating_inputs_are_cast_to_the_compute_dtype():
         plain(x)
 
 
-# ---- 6. AdamW ---------------------------------------------------------------------------------
-
-
-@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
-@pytest.mark.parametrize("chunk_bytes", [None, 50])
-def test_adamw_equals_torch(weight_decay, chunk_bytes, monkeypatch):
-    """Our foreach AdamW equals torch.optim.AdamW over 50 steps, with and without weight decay, on
-    fp32 and fp64 tensors mixed (each at its own precision), in one foreach chunk or in cache-sized
-    chunks (here 50 bytes; one chunk holds an empty tensor), with two tensors that have no gradient
-    at some steps (each keeps its own step count; chunks split where the counts differ)."""
-    monkeypatch.setattr(qf, "ADAM_CHUNK_BYTES", {"cpu": chunk_bytes} if chunk_bytes else {})
-    torch.manual_seed(0)
-    params = [
-        torch.randn(s, dtype=dtype, requires_grad=True)
-        for s, dtype in [
-            ((7, 3), torch.float32),
-            ((64,), torch.float64),
-            ((0,), torch.float32),
-            ((5, 5, 2), torch.float32),
-            ((9,), torch.float64),
-        ]
-    ]
-    ref = [p.detach().clone().requires_grad_() for p in params]
-    ours = qf.AdamW(params, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-    theirs = torch.optim.AdamW(ref, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=weight_decay)
-    for step in range(50):
-        for i, (p, r) in enumerate(zip(params, ref)):
-            g = torch.randn_like(p) * (step + 1)
-            skip = (i == 1 and step % 3 == 0) or (i == 3 and step < 2)
-            p.grad, r.grad = (None, None) if skip else (g.clone(), g.clone())
-        ours.step()
-        theirs.step()
-    for p, r in zip(params, ref):  # fp64: only the order of operations differs (~1e-16 a step)
-        tol = 1e-12 if p.dtype == torch.float64 else 1e-7
-        torch.testing.assert_close(p, r, rtol=10 * tol, atol=tol)
-
-
 def test_adamw_is_a_drop_in_for_torch():
     """Our AdamW takes torch.optim.AdamW's keywords at their defaults (and foreach=True), refuses
     any other value naming the keyword, and an unknown keyword as torch does; with a tensor lr it
@@ -2760,272 +3259,7 @@ def test_adamw_is_a_drop_in_for_torch():
             qf.AdamW([p]).step()
 
 
-# ---- 7. Llama ---------------------------------------------------------------------------------
-
-
-def test_initial_model_equals_base_model():
-    """At initialization (B = 0) the model's logits equal the base model's, computed by a plain
-    dense reference without any adapter."""
-    model = make_model()
-    tokens = torch.randint(256, (2, 24))
-    with torch.no_grad():
-        logits = model(tokens)
-        for m in model.modules():  # the base model: no LoRA at all
-            if isinstance(m, qf.LoRALinear):
-                m.lora_A.zero_()
-        base = reference_logits(model, tokens)
-    torch.testing.assert_close(logits, base, rtol=1e-4, atol=1e-4)
-
-
-def randomize_dense(model, seed=0):
-    """Nonzero adapters, biases and norm weights (all ones or zeros at construction)."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if isinstance(p, qf.NF4Tensor) or "embed" in name or "lm_head" in name:
-                continue
-            noise = torch.randn(p.shape, generator=g).to(p.dtype)
-            p.add_(noise * 0.1)
-
-
-@pytest.mark.parametrize("dora", [False, True], ids=["lora", "dora"])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_llama_equals_reference_with_adapters(family, dora):
-    """For each family, with non-zero adapters, biases and norms, the model equals the plain
-    fp32 reference (GQA, RoPE, SwiGLU, RMSNorm with an eps of 0.5, large enough to show; the
-    family's biases and q/k norms), logits and adapter gradients (q, k, v and gate, up share one
-    x A^T matmul; the reference not), with LoRA and with DoRA (magnitudes moved too)."""
-    torch.manual_seed(0)
-    config = family_config(family, rms_norm_eps=0.5)
-    model = qf.CausalLM(config, dtype=torch.float32, compile=False, dora=dora)
-    randomize_dense(model)
-    tokens = torch.randint(256, (2, 24))
-    adapters = [p for p in model.parameters() if p.requires_grad]
-    logits, ref = model(tokens), reference_logits(model, tokens)
-    torch.testing.assert_close(logits, ref, rtol=1e-4, atol=1e-4)
-    for g, g_ref in zip(
-        torch.autograd.grad(logits.square().mean(), adapters),
-        torch.autograd.grad(ref.square().mean(), adapters),
-    ):
-        torch.testing.assert_close(g, g_ref, rtol=1e-3, atol=1e-6)
-
-
-def test_only_adapters_require_grad():
-    """Only lora_A / lora_B train; every projection and lm_head is NF4; embeddings and norms are
-    frozen in the compute dtype; state_dict keys are Hugging Face's plus the adapters."""
-    model = make_model(dtype=torch.bfloat16)
-    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
-    assert trainable and all(n.endswith(("lora_A", "lora_B")) for n in trainable)
-    assert len(trainable) == 2 * 7 * model.config.num_hidden_layers
-    sd = model.state_dict()
-    for key in (
-        "model.embed_tokens.weight",
-        "model.layers.0.self_attn.q_proj.weight",
-        "model.layers.0.mlp.down_proj.weight",
-        "model.layers.0.input_layernorm.weight",
-        "model.layers.0.post_attention_layernorm.weight",
-        "model.norm.weight",
-        "lm_head.weight",
-        "model.layers.3.self_attn.v_proj.lora_A",
-        "model.layers.3.mlp.up_proj.lora_B",
-    ):
-        assert key in sd, key
-    # The lm_head stays dense by default (nf4_head=True: NF4).
-    assert sd["lm_head.weight"].dtype == torch.bfloat16
-    assert not isinstance(sd["lm_head.weight"], qf.NF4Tensor)
-    assert isinstance(qf.CausalLM(model.config, nf4_head=True).lm_head.weight, qf.NF4Tensor)
-    assert isinstance(sd["model.layers.0.self_attn.q_proj.weight"], qf.NF4Tensor)
-    assert sd["model.embed_tokens.weight"].dtype == torch.bfloat16
-    assert sd["model.layers.0.self_attn.q_proj.lora_A"].dtype == torch.float32
-
-
-def test_causal():
-    """Changing future tokens does not change the logits of earlier positions."""
-    model = make_model()
-    tokens = torch.randint(256, (1, 16))
-    other = tokens.clone()
-    other[0, 10:] = (other[0, 10:] + 1) % 256
-    with torch.no_grad():
-        a, b = model(tokens), model(other)
-    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
-    assert not torch.allclose(a[:, 10:], b[:, 10:])
-
-
-@pytest.mark.parametrize("compile", [True, False])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_chunked_loss_equals_plain(dtype, compile, monkeypatch):
-    """The chunked cross entropy (5 rows at a time; each chunk's kernel compiled or eager) and its
-    gradient equal F.cross_entropy on the full logits."""
-    monkeypatch.setattr(qf, "COMPILE", compile)
-    torch.manual_seed(0)
-    w = qf.to_nf4(torch.randn(256, 64, dtype=dtype) / 8)
-    h = torch.randn(23, 64, dtype=dtype, requires_grad=True)
-    t = torch.randint(256, (23,))
-    loss = qf.chunked_cross_entropy(h, w, t, chunk=5)
-    (2 * loss).backward()
-    h_ref = h.detach().clone().requires_grad_()
-    ref = F.cross_entropy((h_ref @ w.dequantize().T).float(), t)
-    (2 * ref).backward()
-    if dtype == torch.float32:
-        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-5)
-    # bf16 logits: the loss within bf16's rounding, the gradient (|g| ~ 1e-2) to a tenth of its size
-    else:
-        torch.testing.assert_close(loss, ref, rtol=1e-3, atol=0)
-        torch.testing.assert_close(h.grad, h_ref.grad, rtol=2e-2, atol=1e-3)
-
-
-@pytest.mark.parametrize("compile", [True, False])
-@pytest.mark.parametrize("reduction", ["mean", "sum"])
-def test_chunked_loss_ignores_targets(reduction, compile, monkeypatch):
-    """With some targets IGNORE_INDEX (-100), the chunked cross entropy and its gradient equal
-    F.cross_entropy(ignore_index=-100) for reduction mean and sum; ignored rows get no gradient, and
-    when every target is ignored the loss is 0 and the gradient zero (not 0/0); compiled and eager.
-    """
-    monkeypatch.setattr(qf, "COMPILE", compile)
-    torch.manual_seed(0)
-    w = qf.to_nf4(torch.randn(256, 64) / 8)
-    t = torch.randint(256, (23,))
-    # both ends, either side of a border of chunks of 5
-    t[torch.tensor([0, 4, 5, 6, 17, 22])] = -100
-    for targets in (t, torch.full((23,), -100)):
-        h = torch.randn(23, 64, requires_grad=True)
-        loss = qf.chunked_cross_entropy(h, w, targets, chunk=5, reduction=reduction)
-        (2 * loss).backward()
-        h_ref = h.detach().clone().requires_grad_()
-        ref = F.cross_entropy(
-            h_ref @ w.dequantize().T, targets, ignore_index=-100, reduction=reduction
-        )
-        if (targets == -100).all():
-            assert loss.item() == 0 and torch.equal(h.grad, torch.zeros_like(h))
-            continue
-        (2 * ref).backward()
-        torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(h.grad, h_ref.grad, rtol=1e-5, atol=1e-6)
-        assert torch.equal(h.grad[targets == -100], torch.zeros(6, 64))
-
-
-def test_loss_equals_logits_cross_entropy():
-    """forward(tokens, targets) equals cross entropy of forward(tokens), with checkpointing on."""
-    model = make_model()
-    x, y = torch.randint(256, (2, 12)), torch.randint(256, (2, 12))
-    loss = model(x, y)
-    with torch.no_grad():
-        ref = F.cross_entropy(model(x).view(-1, 256), y.view(-1))
-    torch.testing.assert_close(loss, ref, rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("compile", [False, True])
-@pytest.mark.parametrize("bad", [-1, 50])
-def test_loss_refuses_targets_out_of_range(bad, compile, monkeypatch):
-    """A target outside [0, vocab) other than IGNORE_INDEX (-100) is an error, as in
-    F.cross_entropy, not silently class 0; checked before the compiled kernel, whose own bounds
-    check can abort the process."""
-    monkeypatch.setattr(qf, "COMPILE", compile)
-    h, W, y = torch.randn(6, 32), torch.randn(50, 32), torch.tensor([1, 2, bad, 4, -100, 6])
-    with pytest.raises(IndexError):
-        F.cross_entropy(h @ W.T, y)
-    with pytest.raises(
-        RuntimeError, match=r"a target is outside \[0, vocab\) and not IGNORE_INDEX"
-    ):
-        qf.chunked_cross_entropy(h, W, y)
-
-
-def test_compiled_block_is_one_graph_holding_no_dense_weight():
-    """What --compile compiles, a block's forward with its checkpoint, is one graph for dynamo (a
-    graph break would run the rest eagerly without a word) whose body is the checkpoint, and the
-    forward and backward graphs made of it (the recompute inside backward's) hold no tensor shaped
-    like a dense base weight, not even for a moment: each NF4 weight is dequantized inside the
-    matmul op that uses it."""
-    from functorch.compile import make_boxed_func, min_cut_rematerialization_partition
-    from torch._dynamo.backends.common import aot_autograd
-
-    model = make_model(dtype=torch.bfloat16)
-    layer = model.model.layers[0]
-    dynamo_graphs, graphs = [], []
-
-    def keep(gm, example_inputs):  # record a graph and run it as it is
-        graphs.append(gm)
-        return make_boxed_func(gm.forward)
-
-    aot = aot_autograd(
-        fw_compiler=keep, bw_compiler=keep, partition_fn=min_cut_rematerialization_partition
-    )
-    backend = lambda gm, example_inputs: (dynamo_graphs.append(gm), aot(gm, example_inputs))[1]  # noqa: E731
-    x = torch.randn(2, 16, 128, dtype=torch.bfloat16, requires_grad=True)
-    cos, sin = qf.rope_cos_sin(model.config, torch.arange(16), torch.bfloat16)
-    torch.compile(layer.forward, backend=backend, fullgraph=True)(
-        x, cos, sin, True
-    ).float().sum().backward()
-    calls = [n.target for n in dynamo_graphs[0].graph.nodes if n.op == "call_function"]
-    assert len(dynamo_graphs) == 1 and calls[0] is torch.ops.higher_order.tag_activation_checkpoint
-    shapes = {tuple(m.weight.shape) for m in layer.modules() if isinstance(m, qf.LoRALinear)}
-    shapes |= {s[::-1] for s in shapes} | {(math.prod(s),) for s in shapes}  # transposed, flat
-    # as text: a graph's shapes may hold (unhashable) SymInts
-    shapes = {str(list(s)) for s in shapes}
-    assert len(graphs) == 2  # forward, backward
-    for gm in graphs:
-        values = [n.meta.get("val") for n in gm.graph.nodes]
-        dense = [
-            v.shape
-            for v in values
-            if isinstance(v, torch.Tensor)
-            and v.dtype.is_floating_point
-            and str(list(v.shape)) in shapes
-        ]
-        assert dense == [] and len(values) > 100
-
-
-def test_tiny_model_overfits_a_batch():
-    """QLoRA on the tiny model drives the loss on one fixed batch far down (5.5 -> < 1.5)."""
-    model = make_model(dtype=torch.float32, lora_rank=16)
-    opt = qf.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
-    x = torch.randint(256, (2, 32))
-    y = torch.roll(x, -1, 1)
-    first = None
-    for _ in range(80):
-        loss = model(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        first = first or loss.item()
-    assert first > 5.0 and loss.item() < 1.5
-
-
-def test_rmsnorm_and_rope_tables_as_hugging_face():
-    """A bf16 RMSNorm with a random weight equals Hugging Face's weight * (normalized in fp32, cast
-    to bf16), bit for bit; RoPE's cos and sin tables are those of positions 0, 1, ... (the
-    frequencies twice)."""
-    norm = qf.RMSNorm(256, 1e-5, torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.copy_(torch.randn(256))
-    x = torch.randn(8, 256, dtype=torch.bfloat16)
-    h = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-5)
-    assert torch.equal(norm(x), norm.weight * h.to(torch.bfloat16))
-    c = qf.CONFIGS["tiny"]
-    cos, sin = qf.rope_cos_sin(c, torch.arange(5), torch.float32)
-    inv = 1.0 / c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim)
-    angles = torch.arange(5, dtype=torch.float64)[:, None] * inv
-    torch.testing.assert_close(cos, torch.cat([angles, angles], -1).cos().float())
-    torch.testing.assert_close(sin, torch.cat([angles, angles], -1).sin().float())
-
-
-def test_each_norm_in_its_place():
-    """With every norm weight random (not 1), the model equals the plain fp32 reference: each
-    block's two norms and the final one each scale what they should."""
-    torch.manual_seed(0)
-    model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.copy_(1 + 0.5 * torch.randn_like(p))
-        tokens = torch.randint(256, (2, 16))
-        torch.testing.assert_close(
-            model(tokens), reference_logits(model, tokens), rtol=1e-4, atol=1e-4
-        )
-
-
-# ---- 11. DoRA (DoRALinear, --dora) ------------------------------------------------------------
+# ---- 11. the Llama family, DoRA, generation -----------------------------------------------------
 
 
 def dora_layer(bias=False, dropout=0.0, dtype=torch.float32, compile=False, seed=0):
@@ -3133,7 +3367,193 @@ def test_dora_linear_compiles_fullgraph_and_saves_no_dense_weight():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5, msg=name)
 
 
-# ---- 8. predicting the peak, and what a step keeps for backward ----------------------------
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_sample_equals_stepwise_reference(temperature, monkeypatch):
+    """--sample N continues --prompt (comma-separated ids for a model that is not byte-level) one
+    token at a time, past --seq_len: the argmax of the whole sequence's last logits at temperature
+    0, else a draw from softmax(logits / T) by the --seed generator -- as computed here from the
+    trained adapters, without a KV cache."""
+    monkeypatch.setitem(
+        qf.CONFIGS, "micro-ids", dataclasses.replace(qf.CONFIGS["micro"], vocab_size=320)
+    )
+    argv = BASE + [
+        "--model",
+        "micro-ids",
+        "--data",
+        "dummy",
+        "--batch_size",
+        "2",
+        "--steps",
+        "2",
+        "--seq_len",
+        "8",
+    ]
+    sample = ["--sample", "8", "--prompt", "5, 17,300", "--temperature", str(temperature)]
+    summary, _, fsdp = qf.fine_tune(qf.parse_args(argv + sample))
+    model, ref = qf.build(qf.parse_args(argv), qf.CONFIGS["micro-ids"], torch.device("cpu"))
+    for name, t in fsdp.full_adapters().items():
+        ref.load_full(name, t)
+    ids, g = [5, 17, 300], qf.seeded(qf.parse_args(argv).seed, "sample")
+    with torch.no_grad():
+        for _ in range(8):  # 3 + 8 tokens, more than --seq_len
+            logits = model(torch.tensor([ids]))[0, -1].float()
+            probs = torch.softmax(logits / temperature, -1) if temperature else None
+            ids.append(
+                int(torch.multinomial(probs, 1, generator=g))
+                if temperature
+                else int(logits.argmax())
+            )
+    assert summary["sample"] == ids[3:]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_sample_same_on_two_ranks(world, tmp_path):
+    """Sharded over 2 or 3 ranks, --sample (with the KV cache, here drawn at temperature 0.8 from
+    the --seed generator) gives the single process's text on every rank."""
+    argv = BASE + ["--steps", "1", "--sample", "16", "--prompt", "def ", "--temperature", "0.8"]
+    single, _, _ = qf.fine_tune(qf.parse_args(argv + ["--batch_size", "6"]))
+    assert isinstance(single["sample"], str) and single["sample"]
+    for r in run_sharded(world, argv + ["--batch_size", str(6 // world)], tmp_path):
+        assert r["summary"]["sample"] == single["sample"]
+
+
+def test_sampling_at_a_tiny_temperature_is_greedy():
+    """Drawing at temperature 1e-40 picks the most likely token every time, as greedy decoding
+    does (the logits / T overflow float32; the softmax runs in float64)."""
+    model = make_model()
+    greedy = model.generate([10, 20, 30], 8)
+    assert model.generate([10, 20, 30], 8, temperature=1e-40) == greedy
+
+
+def generation_model(family, dora=False, seed=0):
+    """A tiny CausalLM of the family (fp32), its adapters, biases and norms made nonzero."""
+    torch.manual_seed(seed)
+    model = qf.CausalLM(family_config(family), dtype=torch.float32, compile=False, dora=dora)
+    randomize_dense(model, seed)
+    return model
+
+
+@pytest.mark.parametrize("family", list(FAMILIES) + ["part one's llama", "llama, dora"])
+def test_cached_logits_equal_the_whole_sequences(family):
+    """With the KV cache, the prompt's forward and each one-token forward after it give the logits
+    of a forward over the whole sequence so far, at every position (fp32, 1e-5 of their scale):
+    for each family (GQA, biases, Qwen3's q/k norms), Part I's plain Llama and DoRA."""
+    if family == "part one's llama":
+        torch.manual_seed(0)
+        model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
+        randomize_dense(model)
+    else:
+        model = generation_model(family.removesuffix(", dora"), dora=family.endswith("dora"))
+    model.eval()
+    ids = torch.randint(256, (1, 12), generator=torch.Generator().manual_seed(1))
+    cache = qf.KVCache(12)
+    with torch.no_grad(), cache.on(model):
+        got = [cache.forward(model, ids[:, :7])]
+        for i in range(7, 12):
+            got.append(cache.forward(model, ids[:, i : i + 1]))
+    with torch.no_grad():
+        want = model(ids)
+    got = torch.cat(got, dim=1)
+    scale = want.abs().max().item()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
+    assert not any("attend" in vars(m) for m in model.modules())  # the class's own again
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.9])
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_generate_with_the_cache_equals_without(family, temperature):
+    """Llama.generate with its KV cache gives, token for token, what the cache-free path (the
+    whole sequence again for each token) gives: greedy, and drawn at the same seed."""
+    model = generation_model(family)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    cached = model.generate(prompt, 16, temperature=temperature, seed=7)
+    plain = model.generate(prompt, 16, temperature=temperature, seed=7, cache=False)
+    assert cached == plain and len(cached) == 16
+
+
+def test_generate_stops_at_a_stop_id_and_keeps_the_models_mode():
+    """generate stops at the first new id in `stop` and returns it last; it runs in eval mode (a
+    LoRA dropout would change the tokens), then puts the model back in the mode it was in, and
+    the model then computes what one that never generated computes (the cache is gone)."""
+    model = generation_model("llama")
+    for m in model.modules():
+        if isinstance(m, qf.LoRALinear):
+            m.dropout = torch.nn.Dropout(0.5)
+    model.train()
+    greedy = model.generate([3, 1, 4], 10)
+    assert model.training and len(greedy) == 10
+    model.eval()
+    assert model.generate([3, 1, 4], 10) == greedy
+    stop = greedy[4]
+    first = greedy.index(stop)
+    assert model.generate([3, 1, 4], 10, stop=[stop, 10**6]) == greedy[: first + 1]
+    tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
+    fresh = generation_model("llama").eval()
+    torch.testing.assert_close(model(tokens, tokens), fresh(tokens, tokens), rtol=0, atol=0)
+
+
+def test_generate_on_the_compiled_path_runs_blocks_eagerly_and_kernels_compiled(monkeypatch):
+    """On --compile's path (compiled NF4 kernels, each block's forward compiled on the instance),
+    generate gives the eager model's tokens; it runs each block's class forward (a compiled one
+    would compile for every new length) and puts the compiled ones back after; and the NF4
+    kernels run compiled, also in a model that never trained (a compile stance must not turn
+    them eager)."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = generation_model("llama").generate(prompt, 12)
+    torch.manual_seed(0)
+    model = qf.CausalLM(family_config("llama"), dtype=torch.float32, compile=True)
+    randomize_dense(model)
+
+    def compiled_forward(*args, **kwargs):
+        raise AssertionError("a block's compiled forward ran while generating")
+
+    for layer in model.model.layers:
+        layer.forward = compiled_forward
+    calls = []
+    real = qf._dequantize_compiled
+    monkeypatch.setattr(qf, "_dequantize_compiled", lambda *a: calls.append(1) or real(*a))
+    stances = []  # eager_on_recompile would run a kernel never compiled before eagerly
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(a))
+    assert model.generate(prompt, 12) == want
+    assert all(vars(layer)["forward"] is compiled_forward for layer in model.model.layers)
+    assert len(calls) >= 7 * 4 * 12 and stances == []  # every projection, every token
+
+
+def test_generate_refuses_more_than_a_sliding_window():
+    """A prompt and new tokens beyond Mistral v0.1's sliding_window are refused, not attended
+    past the window without a word."""
+    torch.manual_seed(0)
+    config = family_config("mistral", sliding_window=16)
+    model = qf.CausalLM(config, dtype=torch.float32, compile=False)
+    with pytest.raises(ValueError, match="20 tokens exceed the model's sliding_window of 16"):
+        model.generate(list(range(10)), 10)
+    assert len(model.generate(list(range(10)), 6)) == 6
+
+
+def test_flex_attention_mask_equals_the_dense_one():
+    """The CUDA path's flex_attention block mask (documents on one side of a row, a GQA block)
+    gives the CPU path's dense-mask attention (forward: flex has no CPU backward)."""
+    torch.manual_seed(0)
+    attention = qf.CausalLM(qf.CONFIGS["tiny"], dtype=torch.float32, compile=False).model.layers[0]
+    attention = attention.self_attn
+    documents = torch.tensor([[0] * 50 + [1] * 60 + [-1] * 18, [0] * 128])
+    mask = qf.document_mask(documents)
+
+    def same_document_causal(b, h, q, kv):
+        return (documents[b, q] == documents[b, kv]) & (q >= kv)
+
+    block_mask = qf.create_block_mask(same_document_causal, 2, None, 128, 128, device="cpu")
+    cos, sin = qf.rope_cos_sin(qf.CONFIGS["tiny"], mask.positions, torch.float32)
+    cos, sin = cos[:, None], sin[:, None]
+    x = torch.randn(2, 128, 128)
+    with torch.no_grad():
+        flex = attention(x, cos, sin, block_mask)
+        torch.testing.assert_close(flex, attention(x, cos, sin, mask.dense))
+    assert mask.positions[0, 50].item() == 0 and mask.positions[0, 109].item() == 59
+
+
+# ---- 12. predicting the peak, and what a step keeps for backward --------------------------------
+
 
 # A 512-wide model whose activations (4 x 512 tokens: 2048 rows) outweigh its weights, and
 # whose activation shapes cannot be mistaken for a weight's (512, 256, 1536, 8192).
@@ -3145,6 +3565,8 @@ MEM = qf.LlamaConfig(
     num_attention_heads=8,
     num_key_value_heads=4,
 )
+
+
 MEM_ARGV = [
     "--model",
     "mem",
@@ -3232,6 +3654,8 @@ def _step_memory(args):
 
 # (compiled blocks, checkpointing)
 PATHS = [(True, True), (True, False), (False, True), (False, False)]
+
+
 DORA_PATHS = [(True, True), (False, True), (False, False)]
 
 
@@ -3558,7 +3982,31 @@ def test_fit_needs_a_number_on_a_cpu(capsys):
     )
 
 
-# ---- 9. Hugging Face checkpoints ----------------------------------------------------------------
+@pytest.mark.parametrize("dora", [[], ["--dora"]], ids=["lora", "dora"])
+def test_fit_runs_the_plan_it_prints(capsys, dora):
+    """A --fit run on the tiny model trains with the plan it chose, and its losses are those of the
+    same run with the plan's flags given by hand (bitwise), and of the run it replaces (the same
+    rows: any split of the batch); with LoRA and with DoRA."""
+    argv = BASE + dora + ["--batch_size", "4", "--steps", "2"]
+    args = qf.parse_args(argv)
+    plans = qf.fit_plans(args)
+    peaks = [qf.predicted_memory(p, 1, qf.CONFIGS[p.model]).gpu_peak for p in plans]
+    assert peaks[1] < peaks[0]  # micro-batch 2 x 2 without checkpointing: the second plan
+    budget = peaks[1] / qf.GiB * (1 + 1e-9)
+    fitted = train_run(argv + ["--fit", repr(budget)])
+    assert "--fit chose micro-batch 2 x 2:" in capsys.readouterr().out
+    assert all(fitted["summary"][k] == getattr(plans[1], k) for k in qf.FIT_FLAGS)
+    by_hand = train_run(
+        argv[:-4] + ["--steps", "2", "--batch_size", "2", "--grad_accum", "2", "--no-checkpointing"]
+    )
+    assert fitted["losses"] == by_hand["losses"]
+    plain = train_run(argv)["losses"]
+    torch.testing.assert_close(
+        torch.tensor(fitted["losses"]), torch.tensor(plain), rtol=1e-5, atol=0
+    )
+
+
+# ---- 13. Hugging Face files ---------------------------------------------------------------------
 
 
 def write_st(path, tensors, header_patch=None):
@@ -4648,7 +5096,8 @@ def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
         )
 
 
-# ---- 14. your data: text, JSONL and chats, tokenized as transformers does -------------------
+# ---- 14. your data: text, JSONL and chats, tokenized as transformers does -----------------------
+
 
 # Tokenizers are trained here, in under a second, shaped like Llama 3.1's, Qwen2.5's and SmolLM2's
 # tokenizer.json, with their real chat templates; nothing is downloaded. The reference is
@@ -4859,15 +5308,19 @@ CHAT_TEMPLATES = {
     ),
 }
 
+
 # The pre-tokenizer regexes of the real tokenizer.json files.
 LLAMA3_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
+
 QWEN2_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
+
 
 WORDS = (
     "the model learns from the text it sees and the loss counts only the targets we choose "
@@ -5037,6 +5490,7 @@ TEXTS = [
     "<|im_end|> looks like a special token and is one",
     "x",
 ]
+
 
 CHATS = [
     [
@@ -5658,137 +6112,7 @@ def test_tokenized_once_per_machine(tmp_path):
     assert (calls0, calls1) == (1, 0) and ids0 == ids1
 
 
-# ---- 10. data, training loop, command line, sampling, several nodes ---------------------------
-
-
-def last_json(out):
-    return json.loads(out.strip().splitlines()[-1])
-
-
-BAD_CLI_CASES = [
-    "short data",
-    "token id",
-    "negative token id",
-    "bin for a big vocabulary",
-    "other extension, as bytes",
-    "float tokens",
-    "not an array",
-    "mask counts nothing",
-    "mask values",
-    "mask length",
-    "prompt not ids",
-    "profile too short",
-    "non-finite loss",
-    "val_data missing",
-    "val_data too short",
-    "val_data past the vocabulary",
-]
-
-
-@pytest.mark.parametrize("case", BAD_CLI_CASES)
-def test_bad_data_or_flag_one_line_error(case, tmp_path, hf_dir, capsys):
-    """Each bad data file or flag value exits non-zero with one line `error: ...` naming the file
-    or flag and what is wrong, and no traceback."""
-    assert_one_line_error(case, tmp_path, hf_dir, capsys)
-
-
-@pytest.mark.parametrize(
-    "argv,words",
-    [
-        (["--lr", "nan"], "--lr must be a finite number, got nan"),
-        (["--temperature", "inf"], "--temperature must be a finite number"),
-        (["--lora_dropout", "1.5"], "--lora_dropout must be in [0, 1), got 1.5"),
-        (["--batch_size", "0"], "--batch_size must be >= 1, got 0"),
-        (["--max_shard_size", "0"], "--max_shard_size must be a positive number"),
-        (["--fit", "-1"], "--fit must be a positive number (GB), got -1.0"),
-        (["--chat", "--prompt", "hi"], "--chat and --prompt_file need --checkpoint"),
-        (["--chat", "--checkpoint", "d"], "--chat needs --prompt TEXT"),
-        (["--prompt_file", "p.jsonl", "--prompt", "hi"], "--prompt and --prompt_file: give one"),
-    ],
-)
-def test_bad_flag_refused_by_the_parser(argv, words, capsys):
-    """A flag out of its range stops the run before anything is read or built: exit status 2 and
-    argparse's error line naming the flag."""
-    with pytest.raises(SystemExit) as exc:
-        qf.parse_args(argv)
-    assert exc.value.code == 2 and words in capsys.readouterr().err
-
-
-def test_help_lists_every_flag(capsys):
-    """--help prints (every help string formats) and names --fit's budget without a number."""
-    with pytest.raises(SystemExit) as exc:
-        qf.parse_args(["--help"])
-    out = capsys.readouterr().out
-    assert (
-        exc.value.code == 0
-        and "--fit [GIB]" in out
-        and "10% of the GPU's" in out
-        and "--val_data PATH" in out
-    )
-
-
-def test_bad_input_no_traceback_in_a_real_process(tmp_path):
-    """From the shell: exit status 2, one line on stderr, no Python traceback."""
-    p = subprocess.run(
-        [
-            sys.executable,
-            os.path.join(HERE, "qlora_fsdp.py"),
-            "--checkpoint",
-            str(tmp_path / "nope"),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert p.returncode == 2 and "Traceback" not in p.stderr
-    assert p.stderr.strip() == f"error: --checkpoint {tmp_path / 'nope'}: no such directory"
-
-
-def test_learning_rate_warmup_then_cosine():
-    """The learning rate rises linearly over --warmup_steps to --lr, then falls along a cosine to
-    10% of --lr at --steps: 0.55 of --lr halfway."""
-    args = qf.parse_args(["--lr", "2.0", "--warmup_steps", "4", "--steps", "104"])
-    lrs = [qf.learning_rate(step, args) for step in range(105)]
-    assert lrs[:5] == pytest.approx([0.5, 1.0, 1.5, 2.0, 2.0])
-    assert lrs[54] == pytest.approx(1.1) and lrs[104] == pytest.approx(0.2)
-    assert all(a >= b for a, b in zip(lrs[3:], lrs[4:]))
-
-
-def test_compiled_blocks_equal_eager():
-    """--compile (NF4 kernels and every block's forward compiled, sharding hooks eager) trains
-    like the eager run: same losses and adapters up to fp32 rounding."""
-    argv = [a for a in BASE if a != "--no-compile"] + ["--batch_size", "2", "--steps", "3"]
-    eager = run_single(argv + ["--no-compile"])
-    compiled = run_single(argv + ["--compile"])
-    torch.testing.assert_close(
-        torch.tensor(compiled["losses"]), torch.tensor(eager["losses"]), rtol=1e-5, atol=1e-5
-    )
-    for k, v in eager["adapters"].items():
-        torch.testing.assert_close(compiled["adapters"][k], v, rtol=1e-4, atol=1e-5, msg=k)
-
-
-@pytest.mark.parametrize("dora", [[], ["--dora"]], ids=["lora", "dora"])
-def test_fit_runs_the_plan_it_prints(capsys, dora):
-    """A --fit run on the tiny model trains with the plan it chose, and its losses are those of the
-    same run with the plan's flags given by hand (bitwise), and of the run it replaces (the same
-    rows: any split of the batch); with LoRA and with DoRA."""
-    argv = BASE + dora + ["--batch_size", "4", "--steps", "2"]
-    args = qf.parse_args(argv)
-    plans = qf.fit_plans(args)
-    peaks = [qf.predicted_memory(p, 1, qf.CONFIGS[p.model]).gpu_peak for p in plans]
-    assert peaks[1] < peaks[0]  # micro-batch 2 x 2 without checkpointing: the second plan
-    budget = peaks[1] / qf.GiB * (1 + 1e-9)
-    fitted = train_run(argv + ["--fit", repr(budget)])
-    assert "--fit chose micro-batch 2 x 2:" in capsys.readouterr().out
-    assert all(fitted["summary"][k] == getattr(plans[1], k) for k in qf.FIT_FLAGS)
-    by_hand = train_run(
-        argv[:-4] + ["--steps", "2", "--batch_size", "2", "--grad_accum", "2", "--no-checkpointing"]
-    )
-    assert fitted["losses"] == by_hand["losses"]
-    plain = train_run(argv)["losses"]
-    torch.testing.assert_close(
-        torch.tensor(fitted["losses"]), torch.tensor(plain), rtol=1e-5, atol=0
-    )
+# ---- 15. a run: data files, evaluation, metrics, signals, packing -------------------------------
 
 
 def test_out_of_memory_is_one_line_and_keeps_the_checkpoint(tmp_path, monkeypatch, capsys):
@@ -5992,20 +6316,6 @@ def test_a_refused_run_leaves_no_directory_behind(tmp_path, capsys):
     assert not (tmp_path / "new").exists() and not merged.exists()
 
 
-def test_one_error_line_under_torchrun(tmp_path):
-    """Under torchrun a user error that every rank meets is printed once, on a line of its own,
-    and run.sh's launcher adds one line of its own (torchrun's block of a failed child cut)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "2"}
-    env["EXTRA"] = f"--val_data {tmp_path}/missing.npy --out {tmp_path}/out --no-compile"
-    run_sh = ["bash", os.path.join(HERE, "run.sh")]
-    p = subprocess.run(run_sh, capture_output=True, text=True, timeout=120, env=env)
-    lines = [line for line in p.stderr.splitlines() if line.strip()]
-    assert p.returncode == 2 and len(lines) == 2, p.stderr
-    assert lines[0] == f"error: --val_data {tmp_path}/missing.npy: no such file"
-    assert re.fullmatch(r"torchrun: rank \d exited with code 2", lines[1])
-    assert not (tmp_path / "out").exists()
-
-
 def _run_sh_calls(tmp_path, mode, missing):
     """(exit code, stderr, [each call of PYTHON]) of `bash run.sh MODE` with a stand-in Python
     that logs how it is called, lacks the module `missing` until pip installs it, and has no GPU."""
@@ -6023,34 +6333,6 @@ def _run_sh_calls(tmp_path, mode, missing):
     run_sh = ["bash", os.path.join(HERE, "run.sh"), mode]
     p = subprocess.run(run_sh, capture_output=True, text=True, timeout=60, env=env)
     return p.returncode, p.stderr, (tmp_path / "calls").read_text().splitlines()
-
-
-@pytest.mark.parametrize("missing", ["pytest", None])
-def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
-    """run.sh's modes but gpu make sure torch, numpy and pytest all import before they run: a
-    Python without pytest gets the requirements installed, one with all three does not; one start
-    of Python checks them and counts the GPUs (here `bench`, whose scripts the stand-in runs)."""
-    rc, _, calls = _run_sh_calls(tmp_path, "bench", missing)
-    check = "-c import torch, numpy, pytest; print(torch.cuda.device_count())"
-    install = "-m pip install -q -r requirements.txt"
-    want = [check, install, check] if missing else [check]
-    scripts = ["bench_kernels", "bench_step", "bench_vs_torchao"]
-    assert rc == 0 and calls == want + [f"benchmarks/{s}.py" for s in scripts]
-
-
-@pytest.mark.parametrize("missing", ["pytest", "torch", None])
-def test_run_sh_gpu_installs_nothing(tmp_path, missing):
-    """`run.sh gpu` never installs (a lent GPU machine may be offline): with torch and numpy it
-    starts the check at once, pytest or not (the check skips the tests without it, in a row);
-    without torch it stops with one line saying that it installs nothing, exit code 2."""
-    rc, err, calls = _run_sh_calls(tmp_path, "gpu", missing)
-    check = "-c import torch, numpy"
-    assert not [c for c in calls if "pip" in c]
-    if missing == "torch":
-        assert rc == 2 and calls == [check] and len(err.strip().splitlines()) == 1
-        assert "installs nothing" in err
-    else:
-        assert rc == 0 and calls == [check, "benchmarks/gpu_check.py"]
 
 
 def _gpu_check(*flags, timeout=120):
@@ -6100,25 +6382,6 @@ def test_gpu_check_limit_binds():
     assert "killed" in rows["llama2-7b"], out
     assert "skipped" in rows["llama2-7b --offload_activations"]
     assert "skipped" in rows["CUDA tests (pytest -k cuda)"]
-
-
-def test_a_rank_that_never_joins_gets_a_hint():
-    """Rank 0 of two, whose peer never starts, says within WAIT_HINT_S (here 1 s) that it is
-    still waiting, in one line naming the likely causes and the switches (NCCL_P2P_DISABLE=1,
-    NCCL_SHM_DISABLE=1, Docker's --shm-size); it goes on waiting."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0"}
-    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    code = "import qlora_fsdp as qf; qf.WAIT_HINT_S = 1.0; qf.main(['--steps', '1'])"
-    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=HERE)
-    p = subprocess.Popen([sys.executable, "-c", code], **pipes)
-    try:
-        line = next(line for line in p.stdout if "still waiting" in line)
-    finally:
-        p.kill()
-        p.communicate()
-    assert line.startswith("still waiting for the other ranks after 1 s: did every rank start?")
-    for switch in ("NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "--shm-size"):
-        assert switch in line
 
 
 def test_sigint_stops_at_a_step_saves_and_resumes_exactly(tmp_path):
@@ -6255,49 +6518,6 @@ def test_peak_memory_restarts_after_step_1():
     assert s["peak_mem_gib"] > 0 and s["step1_peak_mem_gib"] > 0 and "peak_reserved_gib" not in s
 
 
-def test_cli_loss_falls_on_default_data(capsys):
-    """`python qlora_fsdp.py` trains the tiny model on its own bytes and the loss falls; the last
-    line is the JSON summary. (fp32 at the shapes of the compiled tests above: their graphs.)"""
-    qf.main(
-        [
-            "--device",
-            "cpu",
-            "--dtype",
-            "fp32",
-            "--batch_size",
-            "2",
-            "--seq_len",
-            "32",
-            "--steps",
-            "80",
-            # its data: this file's bytes, which every edit moves
-            "--log_every",
-            "10",
-            "--warmup_steps",
-            "5",
-        ]
-    )
-    out = capsys.readouterr().out
-    assert "step 80/80 | loss" in out and " tok/s | rss " in out
-    s = last_json(out)
-    for key in (
-        "model",
-        "world_size",
-        "steps",
-        "final_loss",
-        "step_ms",
-        "tokens_per_s",
-        "peak_mem_gib",
-    ):
-        assert key in s
-    assert s["world_size"] == 1 and s["steps"] == 80
-    assert s["final_loss"] < s["first_loss"] - 1.0
-
-
-def random_ids(n=4000, seed=0):
-    return np.random.default_rng(seed).integers(0, 256, n)
-
-
 def test_data_formats_read_the_same_ids(tmp_path):
     """The same ids come back from .npy (any integer dtype), .npz, .bin (uint16), and .txt or any
     other extension (raw bytes: a README.md too); a uint32 .npy of Llama 3 ids up to 128,255
@@ -6323,190 +6543,6 @@ def test_data_formats_read_the_same_ids(tmp_path):
     np.save(tmp_path / "llama3.npy", llama3)
     tokens, _, _ = qf.load_tokens(str(tmp_path / "llama3.npy"), 128256, 32)
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, llama3)
-
-
-def test_ranks_split_the_global_batch(tmp_path):
-    """A step's global batch depends only on (seed, step) and batch_size x grad_accum x world, laid
-    out (micro, rank, row): 1 rank's batch of 8 is 2 ranks' batches of 4 side by side, and 2 ranks'
-    2 micro-batches of 2 each -- random (dummy) tokens and a file's."""
-    np.save(tmp_path / "ids.npy", random_ids())
-    for data in (None, qf.load_tokens(str(tmp_path / "ids.npy"), 256, 32)):
-        one = batch_of(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "8"]), 1, 0, 256)
-        two = [
-            batch_of(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "4"]), 2, r, 256)
-            for r in range(2)
-        ]
-        four = [
-            batch_of(
-                data,
-                3,
-                m,
-                qf.parse_args(BASE + ["--batch_size", "2", "--grad_accum", "2"]),
-                2,
-                r,
-                256,
-            )
-            for m in range(2)
-            for r in range(2)
-        ]
-        for i in range(2):  # inputs, targets
-            assert torch.equal(torch.cat([two[0][i], two[1][i]]), one[i])
-            assert torch.equal(torch.cat([b[i] for b in four]), one[i])
-
-
-def test_all_ones_mask_trains_as_bare_tokens(tmp_path):
-    """An .npz whose loss_mask is all ones trains bitwise like the same tokens as a bare .npy."""
-    ids = random_ids()
-    np.save(tmp_path / "bare.npy", ids.astype(np.uint16))
-    np.savez(tmp_path / "ones.npz", tokens=ids.astype(np.uint32), loss_mask=np.ones(len(ids), bool))
-    argv = BASE + ["--batch_size", "2", "--steps", "2", "--grad_accum", "2"]
-    bare = run_single(argv + ["--data", str(tmp_path / "bare.npy")])
-    ones = run_single(argv + ["--data", str(tmp_path / "ones.npz")])
-    assert ones["losses"] == bare["losses"]
-    for k, v in bare["adapters"].items():
-        assert torch.equal(ones["adapters"][k], v), k
-
-
-def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
-    """With a loss mask the loss is the mean cross entropy over the counted targets of the WHOLE
-    global batch (all ranks, all micro-batches): step 1's loss is F.cross_entropy over the counted
-    targets of the model's logits for that batch, and 1 process and 3 ranks, with 2 micro-batches
-    whose counts differ, train alike (the same losses and adapters)."""
-    ids = random_ids()
-    np.save(tmp_path / "bare.npy", ids)
-    # a target counts where its id is a multiple of 3: the mask of any batch follows from its
-    # targets
-    np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
-    argv = BASE + ["--data", str(tmp_path / "masked.npz"), "--grad_accum", "2", "--steps", "2"]
-    single = run_single(argv + ["--batch_size", "3"])
-    args = qf.parse_args(BASE + ["--batch_size", "3", "--grad_accum", "2"])
-    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the untrained model
-    bare = qf.TokenData(np.load(tmp_path / "bare.npy"), None)
-    x, y = map(
-        torch.cat, zip(*[batch_of(bare, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
-    )
-    # (6, 32): rows 0-2 the first micro-batch, 3-5 the second; one row per rank
-    counted = y % 3 == 0
-    assert len(set(counted.sum(1).tolist())) > 1  # ranks and micro-batches count differently
-    with torch.no_grad():
-        logits = model(x)
-    ref = F.cross_entropy(logits[counted], y[counted])
-    torch.testing.assert_close(torch.tensor(single["losses"][0]), ref, rtol=1e-5, atol=1e-5)
-    for r in run_sharded(3, argv + ["--batch_size", "1"], tmp_path):
-        assert_same_run(r, single)
-
-
-@pytest.mark.parametrize("compile", ["--no-compile", "--compile"])
-def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(compile, tmp_path):
-    """One training step over 2 micro-batches that count different numbers of targets moves the
-    adapters as torch.optim.AdamW does with the gradient of F.cross_entropy over the counted
-    targets of both, taken in one plain autograd pass through an unsharded copy of the model;
-    eager and compiled (at the shapes of the compiled tests above: their graphs)."""
-    ids = random_ids()
-    np.savez(tmp_path / "masked.npz", tokens=ids, loss_mask=(ids % 3 == 0).astype(np.uint8))
-    argv = [a for a in BASE if a != "--no-compile"] + [
-        compile,
-        "--data",
-        str(tmp_path / "masked.npz"),
-        "--grad_accum",
-        "2",
-        "--steps",
-        "1",
-        "--batch_size",
-        "2",
-        "--grad_clip",
-        "0",
-    ]
-    args = qf.parse_args(argv)
-    trained = run_single(argv)["adapters"]
-    _, fsdp = qf.build(
-        qf.parse_args(argv + ["--no-compile"]), qf.CONFIGS["tiny"], torch.device("cpu")
-    )
-    model = make_model()  # the run's starting weights, in full, unsharded:
-    # each valid until the next unit is gathered
-    base = {name: t.clone() for name, t in fsdp.full_base()}
-    model.load_state_dict({**base, **fsdp.full_adapters()})
-    data = qf.load_tokens(str(tmp_path / "masked.npz"), 256, args.seq_len)
-    x, y = map(
-        torch.cat, zip(*[batch_of(data, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
-    )
-    counted = y != qf.IGNORE_INDEX  # (4, 32): rows 0-1 the first micro-batch, 2-3 the second
-    assert counted[:2].sum() != counted[2:].sum()
-    F.cross_entropy(model(x)[counted], y[counted]).backward()
-    adapters = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    torch.optim.AdamW(
-        adapters.values(), lr=qf.learning_rate(0, args), eps=args.adam_eps, weight_decay=0.0
-    ).step()
-    for name, p in adapters.items():
-        torch.testing.assert_close(trained[name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)
-
-
-def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
-    """Steps whose global batch counts no target log loss 0 and leave the adapters exactly at
-    their initial values: zero gradients, no 0/0."""
-    mask = np.zeros(4000, np.uint8)
-    mask[1] = 1  # the only counted target: in a window only if it starts at token 0
-    path = str(tmp_path / "rare.npz")
-    np.savez(path, tokens=random_ids(), loss_mask=mask)
-    args = qf.parse_args(BASE + ["--data", path, "--batch_size", "2", "--steps", "2"])
-    data = qf.load_tokens(path, 256, 32)
-    assert all((batch_of(data, step, 0, args, 1, 0, 256)[1] == -100).all() for step in range(2))
-    _, losses, fsdp = qf.fine_tune(args)
-    assert losses == [0.0, 0.0]
-    initial = dict(qf.initial_weights(fsdp.adapter_shapes(), args.seed))
-    for k, v in fsdp.full_adapters().items():
-        assert torch.equal(v, initial[k].float()), k
-
-
-class GradRecorder:
-    """In place of the optimizer: keeps the gradients train_step hands it."""
-
-    def __init__(self, params):
-        self.params, self.grads = params, None
-
-    def step(self):
-        self.grads = [p.grad.clone() for p in self.params]
-
-    def zero_grad(self, set_to_none=True):
-        for p in self.params:
-            p.grad = None
-
-
-def test_step_gradient_is_the_summed_loss_gradient_over_the_count_in_fp32():
-    """In bf16, train_step hands the optimizer exactly the gradient of the summed loss divided in
-    fp32 by the number of counted targets (63: its inverse is no bf16 number), the reference taken
-    by a plain backward of the summed loss through the same sharded model."""
-    args = qf.parse_args(["bf16" if a == "fp32" else a for a in BASE] + ["--batch_size", "2"])
-    model, fsdp = qf.build(args, qf.CONFIGS[args.model], torch.device("cpu"))
-    x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, qf.CONFIGS[args.model].vocab_size)
-    y = y.clone()  # a view of the tokens x holds too
-    y[0, 0] = qf.IGNORE_INDEX
-    model(x, y, reduction="sum").backward()
-    reference = [p.grad / 63 for p in fsdp.parameters()]
-    recorder = GradRecorder(fsdp.parameters())
-    recorder.zero_grad()
-    qf.train_step(model, fsdp, recorder, [(x, y)], 0.0, torch.device("cpu"))
-    assert len(reference) >= 2 and any(g.abs().sum() > 0 for g in reference)
-    for got, want in zip(recorder.grads, reference):
-        assert torch.equal(got, want)
-
-
-def test_skipped_step_updates_nothing_and_leaves_no_gradient():
-    """A step whose loss is not finite leaves the adapters as they were and no gradient behind,
-    which the next step would otherwise add its own to."""
-    args = qf.parse_args(BASE + ["--batch_size", "2"])
-    config = qf.CONFIGS[args.model]
-    model, fsdp = qf.build(args, config, torch.device("cpu"))
-    before = fsdp.full_adapters()
-    fsdp.load_full("model.norm.weight", torch.full((config.hidden_size,), float("nan")))
-    batch = qf.get_batch(None, 0, 0, args, 1, 0, config.vocab_size)
-    loss = qf.train_step(
-        model, fsdp, qf.AdamW(fsdp.parameters()), [batch], 1.0, torch.device("cpu")
-    )
-    assert math.isnan(loss)
-    assert all(p.grad is None for p in fsdp.parameters())
-    for name, t in fsdp.full_adapters().items():
-        assert torch.equal(t, before[name]), name
 
 
 @pytest.mark.parametrize("flag", ["--out", "--merge_to", "--profile"])
@@ -6546,158 +6582,6 @@ def test_output_paths_checked_without_creating_them(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == []
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.7])
-def test_sample_equals_stepwise_reference(temperature, monkeypatch):
-    """--sample N continues --prompt (comma-separated ids for a model that is not byte-level) one
-    token at a time, past --seq_len: the argmax of the whole sequence's last logits at temperature
-    0, else a draw from softmax(logits / T) by the --seed generator -- as computed here from the
-    trained adapters, without a KV cache."""
-    monkeypatch.setitem(
-        qf.CONFIGS, "micro-ids", dataclasses.replace(qf.CONFIGS["micro"], vocab_size=320)
-    )
-    argv = BASE + [
-        "--model",
-        "micro-ids",
-        "--data",
-        "dummy",
-        "--batch_size",
-        "2",
-        "--steps",
-        "2",
-        "--seq_len",
-        "8",
-    ]
-    sample = ["--sample", "8", "--prompt", "5, 17,300", "--temperature", str(temperature)]
-    summary, _, fsdp = qf.fine_tune(qf.parse_args(argv + sample))
-    model, ref = qf.build(qf.parse_args(argv), qf.CONFIGS["micro-ids"], torch.device("cpu"))
-    for name, t in fsdp.full_adapters().items():
-        ref.load_full(name, t)
-    ids, g = [5, 17, 300], qf.seeded(qf.parse_args(argv).seed, "sample")
-    with torch.no_grad():
-        for _ in range(8):  # 3 + 8 tokens, more than --seq_len
-            logits = model(torch.tensor([ids]))[0, -1].float()
-            probs = torch.softmax(logits / temperature, -1) if temperature else None
-            ids.append(
-                int(torch.multinomial(probs, 1, generator=g))
-                if temperature
-                else int(logits.argmax())
-            )
-    assert summary["sample"] == ids[3:]
-
-
-@pytest.mark.parametrize("world", [2, 3])
-def test_sample_same_on_two_ranks(world, tmp_path):
-    """Sharded over 2 or 3 ranks, --sample (with the KV cache, here drawn at temperature 0.8 from
-    the --seed generator) gives the single process's text on every rank."""
-    argv = BASE + ["--steps", "1", "--sample", "16", "--prompt", "def ", "--temperature", "0.8"]
-    single, _, _ = qf.fine_tune(qf.parse_args(argv + ["--batch_size", "6"]))
-    assert isinstance(single["sample"], str) and single["sample"]
-    for r in run_sharded(world, argv + ["--batch_size", str(6 // world)], tmp_path):
-        assert r["summary"]["sample"] == single["sample"]
-
-
-def test_sampling_at_a_tiny_temperature_is_greedy():
-    """Drawing at temperature 1e-40 picks the most likely token every time, as greedy decoding
-    does (the logits / T overflow float32; the softmax runs in float64)."""
-    model = make_model()
-    greedy = model.generate([10, 20, 30], 8)
-    assert model.generate([10, 20, 30], 8, temperature=1e-40) == greedy
-
-
-def generation_model(family, dora=False, seed=0):
-    """A tiny CausalLM of the family (fp32), its adapters, biases and norms made nonzero."""
-    torch.manual_seed(seed)
-    model = qf.CausalLM(family_config(family), dtype=torch.float32, compile=False, dora=dora)
-    randomize_dense(model, seed)
-    return model
-
-
-@pytest.mark.parametrize("family", list(FAMILIES) + ["part one's llama", "llama, dora"])
-def test_cached_logits_equal_the_whole_sequences(family):
-    """With the KV cache, the prompt's forward and each one-token forward after it give the logits
-    of a forward over the whole sequence so far, at every position (fp32, 1e-5 of their scale):
-    for each family (GQA, biases, Qwen3's q/k norms), Part I's plain Llama and DoRA."""
-    if family == "part one's llama":
-        torch.manual_seed(0)
-        model = qf.Llama(qf.CONFIGS["tiny"], dtype=torch.float32)
-        randomize_dense(model)
-    else:
-        model = generation_model(family.removesuffix(", dora"), dora=family.endswith("dora"))
-    model.eval()
-    ids = torch.randint(256, (1, 12), generator=torch.Generator().manual_seed(1))
-    cache = qf.KVCache(12)
-    with torch.no_grad(), cache.on(model):
-        got = [cache.forward(model, ids[:, :7])]
-        for i in range(7, 12):
-            got.append(cache.forward(model, ids[:, i : i + 1]))
-    with torch.no_grad():
-        want = model(ids)
-    got = torch.cat(got, dim=1)
-    scale = want.abs().max().item()
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
-    assert not any("attend" in vars(m) for m in model.modules())  # the class's own again
-
-
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_generate_with_the_cache_equals_without(family, temperature):
-    """Llama.generate with its KV cache gives, token for token, what the cache-free path (the
-    whole sequence again for each token) gives: greedy, and drawn at the same seed."""
-    model = generation_model(family)
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    cached = model.generate(prompt, 16, temperature=temperature, seed=7)
-    plain = model.generate(prompt, 16, temperature=temperature, seed=7, cache=False)
-    assert cached == plain and len(cached) == 16
-
-
-def test_generate_stops_at_a_stop_id_and_keeps_the_models_mode():
-    """generate stops at the first new id in `stop` and returns it last; it runs in eval mode (a
-    LoRA dropout would change the tokens), then puts the model back in the mode it was in, and
-    the model then computes what one that never generated computes (the cache is gone)."""
-    model = generation_model("llama")
-    for m in model.modules():
-        if isinstance(m, qf.LoRALinear):
-            m.dropout = torch.nn.Dropout(0.5)
-    model.train()
-    greedy = model.generate([3, 1, 4], 10)
-    assert model.training and len(greedy) == 10
-    model.eval()
-    assert model.generate([3, 1, 4], 10) == greedy
-    stop = greedy[4]
-    first = greedy.index(stop)
-    assert model.generate([3, 1, 4], 10, stop=[stop, 10**6]) == greedy[: first + 1]
-    tokens = torch.randint(256, (2, 16), generator=torch.Generator().manual_seed(0))
-    fresh = generation_model("llama").eval()
-    torch.testing.assert_close(model(tokens, tokens), fresh(tokens, tokens), rtol=0, atol=0)
-
-
-def test_generate_on_the_compiled_path_runs_blocks_eagerly_and_kernels_compiled(monkeypatch):
-    """On --compile's path (compiled NF4 kernels, each block's forward compiled on the instance),
-    generate gives the eager model's tokens; it runs each block's class forward (a compiled one
-    would compile for every new length) and puts the compiled ones back after; and the NF4
-    kernels run compiled, also in a model that never trained (a compile stance must not turn
-    them eager)."""
-    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
-    want = generation_model("llama").generate(prompt, 12)
-    torch.manual_seed(0)
-    model = qf.CausalLM(family_config("llama"), dtype=torch.float32, compile=True)
-    randomize_dense(model)
-
-    def compiled_forward(*args, **kwargs):
-        raise AssertionError("a block's compiled forward ran while generating")
-
-    for layer in model.model.layers:
-        layer.forward = compiled_forward
-    calls = []
-    real = qf._dequantize_compiled
-    monkeypatch.setattr(qf, "_dequantize_compiled", lambda *a: calls.append(1) or real(*a))
-    stances = []  # eager_on_recompile would run a kernel never compiled before eagerly
-    monkeypatch.setattr(torch.compiler, "set_stance", lambda *a, **k: stances.append(a))
-    assert model.generate(prompt, 12) == want
-    assert all(vars(layer)["forward"] is compiled_forward for layer in model.model.layers)
-    assert len(calls) >= 7 * 4 * 12 and stances == []  # every projection, every token
-
-
 def test_generate_puts_a_list_of_ids_where_the_model_is():
     """generate(model, ids) with ids a list and no device= runs the model on ids on the model's
     device, not the host's: here "meta" stands in for a GPU, and the first forward's tokens are
@@ -6714,17 +6598,6 @@ def test_generate_puts_a_list_of_ids_where_the_model_is():
     with pytest.raises(Seen) as seen:
         model.generate([3, 1, 4], 2)
     assert seen.value.args[0] == torch.device("meta")
-
-
-def test_generate_refuses_more_than_a_sliding_window():
-    """A prompt and new tokens beyond Mistral v0.1's sliding_window are refused, not attended
-    past the window without a word."""
-    torch.manual_seed(0)
-    config = family_config("mistral", sliding_window=16)
-    model = qf.CausalLM(config, dtype=torch.float32, compile=False)
-    with pytest.raises(ValueError, match="20 tokens exceed the model's sliding_window of 16"):
-        model.generate(list(range(10)), 10)
-    assert len(model.generate(list(range(10)), 6)) == 6
 
 
 def test_compile_notice_before_the_first_step(monkeypatch, capsys):
@@ -6757,77 +6630,6 @@ def test_the_summary_counts_compiles_and_recompiles():
     summary = qf.main(BASE + ["--batch_size", "1", "--steps", "1"])
     assert {"compiles", "recompiles"} <= summary.keys()
 
-
-def test_torchrun_cli_two_processes():
-    """`torchrun --nproc_per_node 2 qlora_fsdp.py` runs on CPU over gloo and reports world 2."""
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
-        "--master_port",
-        str(free_port()),
-        os.path.join(HERE, "qlora_fsdp.py"),
-        "--device",
-        "cpu",
-        "--steps",
-        "3",
-        "--no-compile",
-        "--seq_len",
-        "32",
-        "--batch_size",
-        "2",
-    ]
-    p = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert p.returncode == 0, p.stderr[-2000:]
-    s = last_json(p.stdout)
-    assert s["world_size"] == 2 and s["steps"] == 3 and math.isfinite(s["final_loss"])
-
-
-def test_two_nodes_equal_one_process(single_run_tiny):
-    """Two torchrun "nodes" of one process each (--nnodes 2, --node_rank 0 and 1, meeting at
-    --master_addr 127.0.0.1) end with the single process's final loss on the same global batch."""
-    launch = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nnodes",
-        "2",
-        "--nproc_per_node",
-        "1",
-        "--master_addr",
-        "127.0.0.1",
-        "--master_port",
-        str(free_port()),
-    ]
-    script = [os.path.join(HERE, "qlora_fsdp.py")] + BASE + ["--batch_size", "3"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    nodes = [
-        subprocess.Popen(
-            launch + ["--node_rank", str(r)] + script,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        for r in (0, 1)
-    ]
-    try:
-        outs = [p.communicate(timeout=240) for p in nodes]
-    finally:
-        for p in nodes:
-            if p.poll() is None:
-                p.kill()
-    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in outs]
-    s = last_json(outs[0][0])
-    assert s["world_size"] == 2 and s["steps"] == len(single_run_tiny["losses"])
-    assert s["final_loss"] == pytest.approx(single_run_tiny["losses"][-1], abs=1e-5)
-
-
-# ---- packing: rows of whole documents (--pack) -------------------------------------------------
 
 EOS = 255
 
@@ -7028,28 +6830,6 @@ def test_packed_step_stays_inside_its_estimate(checkpointing, mem_runs):
     assert got == pytest.approx(predicted - plain_predicted, rel=0.25), (peak, plain_peak)
 
 
-def test_flex_attention_mask_equals_the_dense_one():
-    """The CUDA path's flex_attention block mask (documents on one side of a row, a GQA block)
-    gives the CPU path's dense-mask attention (forward: flex has no CPU backward)."""
-    torch.manual_seed(0)
-    attention = qf.CausalLM(qf.CONFIGS["tiny"], dtype=torch.float32, compile=False).model.layers[0]
-    attention = attention.self_attn
-    documents = torch.tensor([[0] * 50 + [1] * 60 + [-1] * 18, [0] * 128])
-    mask = qf.document_mask(documents)
-
-    def same_document_causal(b, h, q, kv):
-        return (documents[b, q] == documents[b, kv]) & (q >= kv)
-
-    block_mask = qf.create_block_mask(same_document_causal, 2, None, 128, 128, device="cpu")
-    cos, sin = qf.rope_cos_sin(qf.CONFIGS["tiny"], mask.positions, torch.float32)
-    cos, sin = cos[:, None], sin[:, None]
-    x = torch.randn(2, 128, 128)
-    with torch.no_grad():
-        flex = attention(x, cos, sin, block_mask)
-        torch.testing.assert_close(flex, attention(x, cos, sin, mask.dense))
-    assert mask.positions[0, 50].item() == 0 and mask.positions[0, 109].item() == 59
-
-
 @pytest.mark.parametrize(
     "argv,words",
     [
@@ -7077,7 +6857,263 @@ def test_pack_without_compile_on_cuda_is_refused():
     qf.refuse_unfused_attention(qf.parse_args(["--pack"]), torch.device("cuda"))
 
 
+# ---- 16. the command line -----------------------------------------------------------------------
+
+
+def last_json(out):
+    return json.loads(out.strip().splitlines()[-1])
+
+
+BAD_CLI_CASES = [
+    "short data",
+    "token id",
+    "negative token id",
+    "bin for a big vocabulary",
+    "other extension, as bytes",
+    "float tokens",
+    "not an array",
+    "mask counts nothing",
+    "mask values",
+    "mask length",
+    "prompt not ids",
+    "profile too short",
+    "non-finite loss",
+    "val_data missing",
+    "val_data too short",
+    "val_data past the vocabulary",
+]
+
+
+@pytest.mark.parametrize("case", BAD_CLI_CASES)
+def test_bad_data_or_flag_one_line_error(case, tmp_path, hf_dir, capsys):
+    """Each bad data file or flag value exits non-zero with one line `error: ...` naming the file
+    or flag and what is wrong, and no traceback."""
+    assert_one_line_error(case, tmp_path, hf_dir, capsys)
+
+
+@pytest.mark.parametrize(
+    "argv,words",
+    [
+        (["--lr", "nan"], "--lr must be a finite number, got nan"),
+        (["--temperature", "inf"], "--temperature must be a finite number"),
+        (["--lora_dropout", "1.5"], "--lora_dropout must be in [0, 1), got 1.5"),
+        (["--batch_size", "0"], "--batch_size must be >= 1, got 0"),
+        (["--max_shard_size", "0"], "--max_shard_size must be a positive number"),
+        (["--fit", "-1"], "--fit must be a positive number (GB), got -1.0"),
+        (["--chat", "--prompt", "hi"], "--chat and --prompt_file need --checkpoint"),
+        (["--chat", "--checkpoint", "d"], "--chat needs --prompt TEXT"),
+        (["--prompt_file", "p.jsonl", "--prompt", "hi"], "--prompt and --prompt_file: give one"),
+    ],
+)
+def test_bad_flag_refused_by_the_parser(argv, words, capsys):
+    """A flag out of its range stops the run before anything is read or built: exit status 2 and
+    argparse's error line naming the flag."""
+    with pytest.raises(SystemExit) as exc:
+        qf.parse_args(argv)
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_help_lists_every_flag(capsys):
+    """--help prints (every help string formats) and names --fit's budget without a number."""
+    with pytest.raises(SystemExit) as exc:
+        qf.parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert (
+        exc.value.code == 0
+        and "--fit [GIB]" in out
+        and "10% of the GPU's" in out
+        and "--val_data PATH" in out
+    )
+
+
+def test_bad_input_no_traceback_in_a_real_process(tmp_path):
+    """From the shell: exit status 2, one line on stderr, no Python traceback."""
+    p = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "qlora_fsdp.py"),
+            "--checkpoint",
+            str(tmp_path / "nope"),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert p.returncode == 2 and "Traceback" not in p.stderr
+    assert p.stderr.strip() == f"error: --checkpoint {tmp_path / 'nope'}: no such directory"
+
+
+def test_one_error_line_under_torchrun(tmp_path):
+    """Under torchrun a user error that every rank meets is printed once, on a line of its own,
+    and run.sh's launcher adds one line of its own (torchrun's block of a failed child cut)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "STEPS": "2"}
+    env["EXTRA"] = f"--val_data {tmp_path}/missing.npy --out {tmp_path}/out --no-compile"
+    run_sh = ["bash", os.path.join(HERE, "run.sh")]
+    p = subprocess.run(run_sh, capture_output=True, text=True, timeout=120, env=env)
+    lines = [line for line in p.stderr.splitlines() if line.strip()]
+    assert p.returncode == 2 and len(lines) == 2, p.stderr
+    assert lines[0] == f"error: --val_data {tmp_path}/missing.npy: no such file"
+    assert re.fullmatch(r"torchrun: rank \d exited with code 2", lines[1])
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("missing", ["pytest", None])
+def test_run_sh_installs_what_any_mode_needs(tmp_path, missing):
+    """run.sh's modes but gpu make sure torch, numpy and pytest all import before they run: a
+    Python without pytest gets the requirements installed, one with all three does not; one start
+    of Python checks them and counts the GPUs (here `bench`, whose scripts the stand-in runs)."""
+    rc, _, calls = _run_sh_calls(tmp_path, "bench", missing)
+    check = "-c import torch, numpy, pytest; print(torch.cuda.device_count())"
+    install = "-m pip install -q -r requirements.txt"
+    want = [check, install, check] if missing else [check]
+    scripts = ["bench_kernels", "bench_step", "bench_vs_torchao"]
+    assert rc == 0 and calls == want + [f"benchmarks/{s}.py" for s in scripts]
+
+
+@pytest.mark.parametrize("missing", ["pytest", "torch", None])
+def test_run_sh_gpu_installs_nothing(tmp_path, missing):
+    """`run.sh gpu` never installs (a lent GPU machine may be offline): with torch and numpy it
+    starts the check at once, pytest or not (the check skips the tests without it, in a row);
+    without torch it stops with one line saying that it installs nothing, exit code 2."""
+    rc, err, calls = _run_sh_calls(tmp_path, "gpu", missing)
+    check = "-c import torch, numpy"
+    assert not [c for c in calls if "pip" in c]
+    if missing == "torch":
+        assert rc == 2 and calls == [check] and len(err.strip().splitlines()) == 1
+        assert "installs nothing" in err
+    else:
+        assert rc == 0 and calls == [check, "benchmarks/gpu_check.py"]
+
+
+def test_a_rank_that_never_joins_gets_a_hint():
+    """Rank 0 of two, whose peer never starts, says within WAIT_HINT_S (here 1 s) that it is
+    still waiting, in one line naming the likely causes and the switches (NCCL_P2P_DISABLE=1,
+    NCCL_SHM_DISABLE=1, Docker's --shm-size); it goes on waiting."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": "0", "LOCAL_RANK": "0"}
+    env.update(WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    code = "import qlora_fsdp as qf; qf.WAIT_HINT_S = 1.0; qf.main(['--steps', '1'])"
+    pipes = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=HERE)
+    p = subprocess.Popen([sys.executable, "-c", code], **pipes)
+    try:
+        line = next(line for line in p.stdout if "still waiting" in line)
+    finally:
+        p.kill()
+        p.communicate()
+    assert line.startswith("still waiting for the other ranks after 1 s: did every rank start?")
+    for switch in ("NCCL_P2P_DISABLE=1", "NCCL_SHM_DISABLE=1", "--shm-size"):
+        assert switch in line
+
+
+def test_cli_loss_falls_on_default_data(capsys):
+    """`python qlora_fsdp.py` trains the tiny model on its own bytes and the loss falls; the last
+    line is the JSON summary. (fp32 at the shapes of the compiled tests above: their graphs.)"""
+    qf.main(
+        [
+            "--device",
+            "cpu",
+            "--dtype",
+            "fp32",
+            "--batch_size",
+            "2",
+            "--seq_len",
+            "32",
+            "--steps",
+            "80",
+            # its data: this file's bytes, which every edit moves
+            "--log_every",
+            "10",
+            "--warmup_steps",
+            "5",
+        ]
+    )
+    out = capsys.readouterr().out
+    assert "step 80/80 | loss" in out and " tok/s | rss " in out
+    s = last_json(out)
+    for key in (
+        "model",
+        "world_size",
+        "steps",
+        "final_loss",
+        "step_ms",
+        "tokens_per_s",
+        "peak_mem_gib",
+    ):
+        assert key in s
+    assert s["world_size"] == 1 and s["steps"] == 80
+    assert s["final_loss"] < s["first_loss"] - 1.0
+
+
+def test_torchrun_cli_two_processes():
+    """`torchrun --nproc_per_node 2 qlora_fsdp.py` runs on CPU over gloo and reports world 2."""
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        os.path.join(HERE, "qlora_fsdp.py"),
+        "--device",
+        "cpu",
+        "--steps",
+        "3",
+        "--no-compile",
+        "--seq_len",
+        "32",
+        "--batch_size",
+        "2",
+    ]
+    p = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=240, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
+    assert p.returncode == 0, p.stderr[-2000:]
+    s = last_json(p.stdout)
+    assert s["world_size"] == 2 and s["steps"] == 3 and math.isfinite(s["final_loss"])
+
+
+def test_two_nodes_equal_one_process(single_run_tiny):
+    """Two torchrun "nodes" of one process each (--nnodes 2, --node_rank 0 and 1, meeting at
+    --master_addr 127.0.0.1) end with the single process's final loss on the same global batch."""
+    launch = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--master_addr",
+        "127.0.0.1",
+        "--master_port",
+        str(free_port()),
+    ]
+    script = [os.path.join(HERE, "qlora_fsdp.py")] + BASE + ["--batch_size", "3"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    nodes = [
+        subprocess.Popen(
+            launch + ["--node_rank", str(r)] + script,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        outs = [p.communicate(timeout=240) for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    assert [p.returncode for p in nodes] == [0, 0], [err[-2000:] for _, err in outs]
+    s = last_json(outs[0][0])
+    assert s["world_size"] == 2 and s["steps"] == len(single_run_tiny["losses"])
+    assert s["final_loss"] == pytest.approx(single_run_tiny["losses"][-1], abs=1e-5)
+
+
 # ---- CUDA: the same code with only the device changed (skipped without a GPU) -------------------
+
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
@@ -7301,7 +7337,7 @@ def test_cuda_offload_casts_the_masters_on_the_gpu():
     assert all(p.grad is not None for p in fsdp.parameters())
 
 
-# ---- Peers: Hugging Face transformers and PEFT, only where installed (never a dependency) --------
+# ---- Peers: Hugging Face transformers and PEFT, only where installed (never a dependency) -------
 
 
 def test_equals_transformers_and_peft_loads_our_adapters(tmp_path):
