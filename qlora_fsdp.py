@@ -1812,12 +1812,12 @@ def run_step(model, fsdp, optimizer, batches, args, device, step):
 def train(model, fsdp, optimizer, data, args, device):
     """The training loop: args.steps steps, a line every log_every."""
     world, rank = world_and_rank()
+    vocab_size = model.config.vocab_size
     records = []
     for step in range(args.steps):
         # This rank's micro-batches of the step's global batch; forward and backward over
         # each, the gradients reduced, one AdamW update.
         micros = range(args.grad_accum)
-        vocab_size = model.config.vocab_size
         batches = [get_batch(data, step, m, args, world, rank, vocab_size) for m in micros]
         record = run_step(model, fsdp, optimizer, batches, args, device, step)
         records.append(record)
