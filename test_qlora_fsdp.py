@@ -1632,6 +1632,29 @@ def test_dora_lifts_out_with_sections_2_to_4():
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=name)
 
 
+def test_sections_5_and_6_alone_shard_a_model_of_your_own():
+    """Sections 5 and 6 alone, pasted with their imports, shard a model that is not Llama (blocks
+    taking keywords and returning tuples, a block called alone, no-grad forwards, two backward()
+    calls a step) with FullyShard, its unit life the same as FSDP's, and ForeachAdamW trains it
+    as torch.optim.AdamW trains it unsharded: the same losses and adapters."""
+    sharding = exec_module("lifted_sharding_alone", lifted([5, 6]))
+    assert not hasattr(sharding, "FSDP") and not hasattr(sharding, "LoRALinear")
+    ref = qlora_net()
+    trainable = [p for p in ref.parameters() if p.requires_grad]
+    torch_adamw = torch.optim.AdamW(trainable, lr=0.05, eps=1e-4, weight_decay=0.1)
+    want = run_net(ref, torch_adamw)
+    net = qlora_net()
+    fsdp = sharding.FullyShard(net, [net.embed, *net.blocks, net.head], "cpu")
+    optimizer = sharding.ForeachAdamW(fsdp.parameters(), lr=0.05, eps=1e-4, weight_decay=0.1)
+    losses = run_net(net, optimizer)
+    torch.testing.assert_close(torch.tensor(losses), torch.tensor(want), rtol=1e-5, atol=1e-6)
+    pieces = dict(fsdp.named_parameters())
+    for name, p in ref.named_parameters():
+        if p.requires_grad:  # at world 1 a piece is its whole tensor, flat
+            piece = pieces[name][: p.numel()].view(p.shape)
+            torch.testing.assert_close(piece, p.detach(), rtol=1e-5, atol=1e-6)
+
+
 def test_sections_5_6_and_10_lift_into_a_model_of_your_own():
     """Sections 5 and 6 with section 10 (FSDP for any model, AdamW as a drop-in), pasted alone
     with their imports, shard a model that is not Llama and train it as qlora_fsdp's FSDP does:
