@@ -1707,7 +1707,7 @@ class Batch(NamedTuple):
 
     inputs: torch.Tensor
     targets: torch.Tensor  # IGNORE_INDEX where a prediction does not count
-    documents: Optional[torch.Tensor] = None  # packed rows: a document id per token
+    positions: Optional[torch.Tensor] = None  # Llama.forward's (None: 0, 1, ... in each row)
 
 
 def get_batch(data, step, micro, args, world, rank, vocab_size):
@@ -1750,9 +1750,8 @@ def train_step(model, fsdp, optimizer, batches, grad_clip, device):
     loss_sum = torch.zeros((), device=device)
     for b in batches:
         b = Batch(*(None if t is None else t.to(device) for t in b))
-        packed = {} if b.documents is None else dict(documents=b.documents)
         with torch.profiler.record_function("forward"):
-            loss = model(b.inputs, b.targets, "sum", **packed)
+            loss = model(b.inputs, b.targets, "sum", b.positions)
         with torch.profiler.record_function("backward"):
             # Each unit's gradients are reduce-scattered as its backward ends. The
             # reductions average over ranks, so x world gives the masters d(global sum);
@@ -2253,8 +2252,11 @@ class AdamW(ForeachAdamW):
 # write them (modular_qwen2.py is essentially Qwen2Attention(LlamaAttention) with biases):
 # Mistral sets head_dim and may set sliding_window; Qwen2 gives q, k and v a bias; Qwen3
 # sets head_dim and RMS-normalizes each head of q and k before RoPE; Llama 3.1 scales RoPE's
-# long wavelengths. Packed rows (several documents in one) pass a document mask and
-# positions through Part I's Llama.
+# long wavelengths.
+#
+# Attention reads its `mask` argument by kind: None is causal, a (B, 1, T, T) bool is SDPA's
+# mask, a BlockMask (packed rows on CUDA) runs flex_attention, and a KVCache (generation)
+# attends over the keys and values it holds. Packed rows reach it from their positions alone.
 
 
 @dataclass
@@ -2468,8 +2470,8 @@ def _add_bias(linear, dtype):
 
 
 class FamilyAttention(LlamaAttention):
-    """LlamaAttention with the family's biases, Qwen3's q_norm and k_norm, and packed rows'
-    document masks (flex_attention's block mask on CUDA); q, k and v share x A^T."""
+    """LlamaAttention with the family's biases, Qwen3's q_norm and k_norm, and the masks above
+    (a BlockMask, a KVCache); q, k and v share x A^T."""
 
     def __init__(self, c, lora):
         super().__init__(c, lora)
@@ -2496,6 +2498,8 @@ class FamilyAttention(LlamaAttention):
         return q, k, v
 
     def attend(self, q, k, v, mask):
+        if isinstance(mask, KVCache):
+            return mask.attend(self, q, k, v)
         if isinstance(mask, BlockMask):
             gqa = self.n_kv != self.n_heads
             return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
@@ -2521,39 +2525,29 @@ class FamilyDecoderLayer(LlamaDecoderLayer):
     MLP = FamilyMLP
 
 
-class DocumentMask(NamedTuple):
-    """Rows packed with whole documents: each token attends only to earlier tokens of its own."""
-
-    positions: torch.Tensor  # (B, T): each token's position in its document, for RoPE
-    dense: Optional[torch.Tensor]  # (B, 1, T, T) bool for SDPA, on the CPU
-    block_mask: object  # on CUDA, flex_attention's BlockMask: O((T / 128)^2), never T x T
-
-
-def document_mask(documents):
-    """documents (B, T): an id per token, equal within a document, documents contiguous."""
-    B, T = documents.shape
-    index = torch.arange(T, device=documents.device)
-    # A document starts where the id changes; a token's position counts from there.
-    starts = torch.ones_like(documents, dtype=torch.bool)
-    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
-    positions = index - torch.where(starts, index, 0).cummax(dim=1).values
-    if documents.is_cuda:  # a fused kernel that skips the blocks no document reaches
+def document_mask(positions):
+    """Rows packed with whole documents, from their positions (B, T): a document starts at each
+    0, as transformers reads packed position_ids. -> where each token may attend, only to the
+    earlier tokens of its own document: a (B, 1, T, T) bool on the CPU; on CUDA flex_attention's
+    BlockMask, O((T / 128)^2) per row, never T x T."""
+    B, T = positions.shape
+    documents = (positions == 0).cumsum(dim=1)  # (B, T): a document id per token
+    if positions.is_cuda:  # a fused kernel that skips the blocks no document reaches
 
         def same_document_causal(b, h, q, kv):
             return (documents[b, q] == documents[b, kv]) & (q >= kv)
 
-        block_mask = create_block_mask(same_document_causal, B, None, T, T, device=index.device)
-        return DocumentMask(positions, None, block_mask)
+        return create_block_mask(same_document_causal, B, None, T, T, device=positions.device)
+    index = torch.arange(T, device=positions.device)
     same = documents[:, :, None] == documents[:, None, :]  # (B, T, T)
     causal = index[:, None] >= index[None, :]
-    return DocumentMask(positions, (same & causal)[:, None], None)
+    return (same & causal)[:, None]
 
 
 class CausalLM(Llama):
     """Llama and its family (Mistral, Qwen2, Qwen3) as transformers' <Family>ForCausalLM.
-    nf4_head: the lm_head in NF4. dora: DoRALinear on every projection. documents (B, T): packed
-    rows, a document id per token, each document as if alone. offload_activations: section 12's
-    OffloadedInputs, or None."""
+    nf4_head: the lm_head in NF4. dora: DoRALinear on every projection. offload_activations:
+    section 12's OffloadedInputs, or None."""
 
     Block = FamilyDecoderLayer
 
@@ -2568,9 +2562,9 @@ class CausalLM(Llama):
             weight = to_nf4(self.lm_head.weight.detach(), compile=self.lm_head.compile_kernels)
             self.lm_head.weight = nn.Parameter(weight, requires_grad=False)
 
-    def forward(self, tokens, targets=None, reduction="mean", documents=None, positions=None):
-        """Llama's, with documents (above); positions (T,) or (B, T): Llama's (generation's, after
-        the cached ones)."""
+    def forward(self, tokens, targets=None, reduction="mean", positions=None, cache=None):
+        """Llama's. positions (B, T) that start again at 0: packed rows, each document as if
+        alone (document_mask). cache: a KVCache, whose positions these tokens follow."""
         T = tokens.shape[1]
         window = self.config.sliding_window
         if window is not None and T > window:  # Mistral v0.1: each token sees 4096 back at most
@@ -2580,11 +2574,16 @@ class CausalLM(Llama):
             )
         if self.offload_activations is not None:
             self.offload_activations.start(None)  # a new forward: a new chain of inputs
-        if documents is None:
-            return super().forward(tokens, targets, reduction, positions)
-        packed = document_mask(documents)
-        mask = packed.dense if packed.block_mask is None else packed.block_mask
-        return super().forward(tokens, targets, reduction, packed.positions, mask)
+        mask = None
+        if cache is not None:
+            positions = cache.positions(T, tokens.device)
+            mask = cache
+        elif positions is not None and positions.dim() == 2:
+            mask = document_mask(positions)
+        logits = super().forward(tokens, targets, reduction, positions, mask)
+        if cache is not None:
+            cache.filled += T
+        return logits
 
 
 # What sets a family apart is written once, in its modules above: its parameters, their
@@ -2649,39 +2648,23 @@ def hf_shapes(config, layer=None):
 # Generation. A new token needs only the last position's logits, and the keys and values of the
 # positions before it never change: each attention keeps them, (B, n_kv, length, head_dim), so
 # that the prompt is one forward and each new token one more, over that token alone (not the
-# whole sequence again). The cache takes each attention's attend while installed (an attribute
-# of the module over its class's method), so Part I's attention serves as it is, every family's.
+# whole sequence again). CausalLM(ids, cache=cache) passes the cache down as the attentions'
+# mask; FamilyAttention.attend hands it its q, k and v.
 
 
 class KVCache:
-    """The keys and values of a model's attentions, up to `length` positions. Inside `with
-    cache.on(model):`, cache.forward(model, ids) runs ids (B, T), the tokens after the cached
-    ones, and caches theirs."""
+    """The keys and values of a model's attentions, up to `length` positions: model(ids,
+    cache=cache) runs ids (B, T), the tokens after the cached ones, and caches theirs."""
 
     def __init__(self, length):
         self.length = length
-        self.filled = 0  # positions cached so far
+        self.filled = 0  # positions cached so far (CausalLM.forward counts them)
         self.keys = {}  # attention -> (B, n_kv, length, head_dim)
         self.values = {}
 
-    @contextlib.contextmanager
-    def on(self, model):
-        attentions = [m for m in model.modules() if isinstance(m, LlamaAttention)]
-        for attention in attentions:
-            attention.attend = functools.partial(self.attend, attention)
-        try:
-            yield self
-        finally:
-            for attention in attentions:
-                del attention.attend  # the class's method again
-
-    def forward(self, model, ids):
-        """model's logits (B, T, vocab) for ids (B, T) at the positions after the cached ones."""
-        T = ids.shape[1]
-        positions = torch.arange(self.filled, self.filled + T, device=ids.device)
-        logits = model(ids, positions=positions)
-        self.filled += T
-        return logits
+    def positions(self, T, device):
+        """The positions (T,) of T tokens after the cached ones."""
+        return torch.arange(self.filled, self.filled + T, device=device)
 
     def attend(self, attention, q, k, v, mask=None):
         """q (B, nh, T, hd), k and v (B, nkv, T, hd) of the T new positions -> attention over
@@ -2701,6 +2684,19 @@ class KVCache:
         visible = torch.arange(end, device=q.device) <= position  # (T, end)
         gqa = attention.n_kv != attention.n_heads
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=gqa)
+
+
+def causal_lm_of(model):
+    """model as a CausalLM, whose attention takes a KVCache: itself, or for Part I's Llama a
+    CausalLM built on "meta" over the same tensors (shared, not copied)."""
+    if isinstance(model, CausalLM):
+        return model
+    q = model.model.layers[0].self_attn.q_proj
+    lora = (q.rank, q.scaling * q.rank)
+    with torch.device("meta"):
+        lm = CausalLM(model.config, model.dtype, *lora, compile=q.compile_kernels)
+    lm.load_state_dict(model.state_dict(keep_vars=True), assign=True)
+    return lm.train(model.training)
 
 
 @contextlib.contextmanager
@@ -2749,15 +2745,16 @@ def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache
     if window is not None and length > window:
         raise ValueError(f"{length} tokens exceed the model's sliding_window of {window}")
     generator = seeded(seed, "sample")
-    kv = KVCache(length) if cache else None
     training = model.training
     model.eval()
+    kv = KVCache(length) if cache else None
+    lm = causal_lm_of(model) if cache else model
     new = []
     try:
-        with eager_forwards(model), kv.on(model) if kv else contextlib.nullcontext():
+        with eager_forwards(model):
             step = ids  # what the next forward reads: with the cache, the new token alone
             for _ in range(max_new_tokens):
-                logits = kv.forward(model, step) if kv else model(ids)
+                logits = lm(step, cache=kv) if kv else model(ids)
                 token = next_token(logits[0, -1].float(), temperature, generator)
                 if dist.is_initialized():
                     dist.broadcast(token, src=0)
@@ -4361,6 +4358,25 @@ class TokenData(NamedTuple):
         _, counted, _ = get_batch(self.loss_mask, step, micro, args, world, rank, None)
         return Batch(inputs, targets.masked_fill(~counted.bool(), IGNORE_INDEX))
 
+    def rows(self, indices, seq_len):
+        """The Batch of windows `indices`: window i is tokens [i T, i T + T + 1) (None: window 0,
+        counting nothing): --val_data's rows."""
+        T = seq_len
+        windows = [self.ids[(i or 0) * T : (i or 0) * T + T + 1] for i in indices]
+        tokens = torch.from_numpy(np.stack(windows).astype(np.int64))  # (n, T + 1)
+        targets = tokens[:, 1:].clone()
+        for r, i in enumerate(indices):
+            if i is None:
+                targets[r] = IGNORE_INDEX
+            elif self.loss_mask is not None:
+                counted = torch.from_numpy(self.loss_mask[i * T + 1 : i * T + T + 1])
+                targets[r].masked_fill_(~counted, IGNORE_INDEX)
+        return Batch(tokens[:, :-1], targets)
+
+    def row_count(self, seq_len):
+        """The windows of T + 1 tokens, each starting where the one before ends."""
+        return (len(self.ids) - 1) // seq_len
+
 
 def _reply_mask(tokenizer, example, chat, offsets):
     """(n,) bool: the chat's tokens that hold characters of a reply or the end of its turn:
@@ -4535,21 +4551,6 @@ def eos_id(args):
     return eos
 
 
-def sequences(data, starts, T):
-    """(inputs, targets), each (len(starts), T) int64: the T + 1 tokens from each start; a
-    target that does not count is IGNORE_INDEX."""
-    starts = list(starts)
-    rows = [data.ids[s : s + T + 1].astype(np.int64) for s in starts]
-    tokens = torch.from_numpy(np.stack(rows))  # (n, T + 1)
-    inputs = tokens[:, :-1]
-    targets = tokens[:, 1:]
-    if data.loss_mask is not None:
-        masks = [data.loss_mask[s + 1 : s + T + 1] for s in starts]
-        counted = torch.from_numpy(np.stack(masks))
-        targets = targets.masked_fill(~counted, IGNORE_INDEX)
-    return inputs, targets
-
-
 def model_config(args):
     """(name, FamilyConfig): --checkpoint's (named after its directory), else --model's."""
     if not args.checkpoint:
@@ -4680,15 +4681,16 @@ class PackedDocuments:
         return self.epochs[epoch][index - self.first_row[epoch]]
 
     def tensors(self, rows):
-        """The Batch of these rows: inputs, targets and a document id per token (padding: -1)."""
+        """The Batch of these rows: inputs, targets and positions, from 0 in each document (the
+        padding after the last: a document counting nothing)."""
         shape = (len(rows), self.seq_len)
         inputs = np.zeros(shape, dtype=np.int64)
         targets = np.full(shape, IGNORE_INDEX, dtype=np.int64)
-        documents = np.full(shape, -1, dtype=np.int64)
+        positions = np.zeros(shape, dtype=np.int64)
         mask = self.data.loss_mask
         for r, row in enumerate(rows):
             at = 0
-            for j, i in enumerate(row):
+            for i in row:
                 start = self.starts[i]
                 n = self.lengths[i]
                 inputs[r, at : at + n] = self.data.ids[start : start + n]
@@ -4696,9 +4698,20 @@ class PackedDocuments:
                 if mask is not None:
                     following = np.where(mask[start + 1 : start + n], following, IGNORE_INDEX)
                 targets[r, at : at + n - 1] = following
-                documents[r, at : at + n] = j
+                positions[r, at : at + n] = np.arange(n)
                 at += n
-        return Batch(*(torch.from_numpy(a) for a in (inputs, targets, documents)))
+            positions[r, at:] = np.arange(self.seq_len - at)
+        return Batch(*(torch.from_numpy(a) for a in (inputs, targets, positions)))
+
+    def rows(self, indices, seq_len):
+        """The Batch of rows `indices` of the first epoch, in the file's order (None: a row
+        counting nothing), each of its own seq_len: --val_data's rows."""
+        return self.tensors([[] if i is None else self.row(i) for i in indices])
+
+    def row_count(self, seq_len):
+        """The rows of the first epoch: each document once."""
+        self.row(0)  # packs the first epoch
+        return self.first_row[1]
 
     def batch(self, step, micro, args, world, rank):
         """This rank's Batch of micro-batch `micro` of `step`, in get_batch's order."""
@@ -4836,28 +4849,19 @@ def evaluate(model, val, args, world, rank, device):
     """(the mean loss over the counted targets, rows) of --val_data's first --eval_seqs rows:
     tokens [i T, i T + T + 1), or the i-th packed row in the file's order (each document once at
     most), in micro-batches of --batch_size per rank, every rank running each one."""
-    T = args.seq_len
     B = args.batch_size
-    packed = isinstance(val, PackedDocuments)
-    if packed:
-        val.row(0)  # packs the first epoch: the file's order
-        n = min(args.eval_seqs, val.first_row[1])
-    else:
-        n = min(args.eval_seqs, (len(val.ids) - 1) // T)
+    n = min(args.eval_seqs, val.row_count(args.seq_len))
     # The loss's sum, and the count of its targets.
     total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
     for g in range(-(-n // (world * B))):  # global micro-batches: this rank's B rows of each
         first = (g * world + rank) * B
-        rows = range(first, min(first + B, n))
-        empty = B - len(rows)  # rows past the last: padding, or row 0 counting nothing
-        if packed:
-            batch = val.tensors([val.row(i) for i in rows] + [[]] * empty)
-        else:
-            batch = Batch(*sequences(val, [i * T for i in rows] + [0] * empty, T))
-            batch.targets[len(rows) :] = IGNORE_INDEX
-        x, y, docs = (None if t is None else t.to(device) for t in batch)
-        loss_sum = model(x, y, reduction="sum", documents=docs).double()
+        rows = [*range(first, min(first + B, n))]
+        rows += [None] * (B - len(rows))  # rows past the last: counting nothing
+        x, y, positions = (
+            None if t is None else t.to(device) for t in val.rows(rows, args.seq_len)
+        )
+        loss_sum = model(x, y, "sum", positions).double()
         counted = (y != IGNORE_INDEX).sum().double()
         total += torch.stack([loss_sum, counted])
     model.train()

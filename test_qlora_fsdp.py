@@ -3470,16 +3470,17 @@ def test_cached_logits_equal_the_whole_sequences(family):
     model.eval()
     ids = torch.randint(256, (1, 12), generator=torch.Generator().manual_seed(1))
     cache = qf.KVCache(12)
-    with torch.no_grad(), cache.on(model):
-        got = [cache.forward(model, ids[:, :7])]
-        for i in range(7, 12):
-            got.append(cache.forward(model, ids[:, i : i + 1]))
+    lm = qf.causal_lm_of(model)  # Part I's Llama: a CausalLM over its own tensors
     with torch.no_grad():
+        got = [lm(ids[:, :7], cache=cache)]
+        for i in range(7, 12):
+            got.append(lm(ids[:, i : i + 1], cache=cache))
         want = model(ids)
     got = torch.cat(got, dim=1)
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
-    assert not any("attend" in vars(m) for m in model.modules())  # the class's own again
+    shared = dict(lm.named_parameters())
+    assert all(p is shared[n] for n, p in model.named_parameters())
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -3559,20 +3560,22 @@ def test_flex_attention_mask_equals_the_dense_one():
     torch.manual_seed(0)
     attention = qf.CausalLM(qf.CONFIGS["tiny"], dtype=torch.float32, compile=False).model.layers[0]
     attention = attention.self_attn
-    documents = torch.tensor([[0] * 50 + [1] * 60 + [-1] * 18, [0] * 128])
-    mask = qf.document_mask(documents)
+    positions = [[*range(50), *range(60), *range(18)], [*range(128)]]
+    positions = torch.tensor(positions)
+    documents = torch.tensor([[0] * 50 + [1] * 60 + [2] * 18, [0] * 128])
+    dense = qf.document_mask(positions)
 
     def same_document_causal(b, h, q, kv):
         return (documents[b, q] == documents[b, kv]) & (q >= kv)
 
     block_mask = qf.create_block_mask(same_document_causal, 2, None, 128, 128, device="cpu")
-    cos, sin = qf.rope_cos_sin(qf.CONFIGS["tiny"], mask.positions, torch.float32)
+    cos, sin = qf.rope_cos_sin(qf.CONFIGS["tiny"], positions, torch.float32)
     cos, sin = cos[:, None], sin[:, None]
     x = torch.randn(2, 128, 128)
     with torch.no_grad():
         flex = attention(x, cos, sin, block_mask)
-        torch.testing.assert_close(flex, attention(x, cos, sin, mask.dense))
-    assert mask.positions[0, 50].item() == 0 and mask.positions[0, 109].item() == 59
+        torch.testing.assert_close(flex, attention(x, cos, sin, dense))
+    assert dense[0, 0, 49, :50].all() and not dense[0, 0, 50, :50].any()
 
 
 # ---- 12. predicting the peak, and what a step keeps for backward --------------------------------
@@ -3702,8 +3705,8 @@ def _packed_step_memory(folder, dtype, checkpointing):
         if pack:
             data = qf.PackedDocuments(data, 8191, args.seq_len, 0)
         b = batch_of(data, 0, 0, args, 1, 0, MEM.vocab_size)
-        model(b.inputs, b.targets, documents=b.documents).backward()  # first-time allocations
-        step = functools.partial(model, b.inputs, b.targets, documents=b.documents)
+        model(b.inputs, b.targets, positions=b.positions).backward()  # first-time allocations
+        step = functools.partial(model, b.inputs, b.targets, positions=b.positions)
         loss, forward_peak, forward_end = _allocated_peak(step)
         _, backward_peak, _ = _allocated_peak(loss.backward)
         est = qf.predicted_memory(args, 1, MEM)
@@ -6686,7 +6689,7 @@ PACK = ["--pack", "--eos_id", str(EOS)]
 
 def packed_loss_and_grads(model, fsdp, batch):
     """(summed loss, {name: gradient}) of one packed Batch, then the gradients cleared."""
-    loss = model(batch.inputs, batch.targets, reduction="sum", documents=batch.documents)
+    loss = model(batch.inputs, batch.targets, reduction="sum", positions=batch.positions)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in fsdp.named_parameters()}
     for p in fsdp.parameters():
@@ -6735,7 +6738,8 @@ def test_packed_batch_equals_its_documents_run_alone(flags, tmp_path, monkeypatc
     data = qf.PackedDocuments(qf.load_tokens(path, 256, 1), EOS, 32, args.seed)
     batch = data.batch(0, 0, args, 1, 0)
     rows = [data.row(i) for i in range(2)]
-    assert sum(len(r) for r in rows) >= 3 and (batch.documents == -1).any()  # padding
+    padding = any(sum(data.lengths[i] for i in row) < 32 for row in rows)
+    assert sum(len(r) for r in rows) >= 3 and padding
     loss, grads = packed_loss_and_grads(model, fsdp, batch)
     if args.compile:  # the reference: the same weights, eager blocks
         eager_args = qf.parse_args([a for a in argv if a != "--compile"] + ["--no-compile"])
@@ -6789,7 +6793,7 @@ def test_packing_keeps_documents_whole_and_draws_them_per_epoch(tmp_path):
     args = qf.parse_args(base + ["--batch_size", "1", "--grad_accum", "2"])
     four = [packed.batch(5, m, args, 2, r) for m in range(2) for r in range(2)]
     for split in (two, four):
-        for field in ("inputs", "targets", "documents"):
+        for field in ("inputs", "targets", "positions"):
             assert torch.equal(getattr(one, field), torch.cat([getattr(b, field) for b in split]))
 
 
@@ -6802,16 +6806,16 @@ def test_packed_loss_mask_counts_only_responses(tmp_path):
     batch = packed.tensors([packed.row(i) for i in range(3)])
     for r in range(3):
         at = 0
-        for j, i in enumerate(packed.row(r)):
+        for i in packed.row(r):
             start, n = int(packed.starts[i]), int(packed.lengths[i])
             want = torch.from_numpy(np.asarray(data.ids[start + 1 : start + n]).astype(np.int64))
             want[~torch.from_numpy(data.loss_mask[start + 1 : start + n])] = qf.IGNORE_INDEX
             assert torch.equal(batch.targets[r, at : at + n - 1], want)
             assert batch.targets[r, at + n - 1] == qf.IGNORE_INDEX  # no target across a border
-            assert (batch.documents[r, at : at + n] == j).all()
+            assert torch.equal(batch.positions[r, at : at + n], torch.arange(n))
             at += n
         assert (batch.targets[r, at:] == qf.IGNORE_INDEX).all()
-        assert (batch.documents[r, at:] == -1).all()
+        assert torch.equal(batch.positions[r, at:], torch.arange(32 - at))
 
 
 def test_packed_val_loss_counts_every_document_once(tmp_path):
