@@ -1804,7 +1804,7 @@ def run_step(model, fsdp, optimizer, batches, args, device, step):
     seconds = time.perf_counter() - t0
     if not math.isfinite(loss):
         raise FloatingPointError(f"loss is {loss} at step {step + 1}; stopped before updating")
-    tokens = args.batch_size * args.grad_accum * world * args.seq_len
+    tokens = world * sum(b[0].numel() for b in batches)  # the global batch's, every rank alike
     return StepRecord(step + 1, loss, lr, seconds, tokens)
 
 
@@ -2498,7 +2498,7 @@ class FamilyAttention(LlamaAttention):
         return q, k, v
 
     def attend(self, q, k, v, mask):
-        if isinstance(mask, KVCache):
+        if isinstance(mask, (KVCache, ContextParallel)):
             return mask.attend(self, q, k, v)
         if isinstance(mask, BlockMask):
             gqa = self.n_kv != self.n_heads
@@ -2547,7 +2547,7 @@ def document_mask(positions):
 class CausalLM(Llama):
     """Llama and its family (Mistral, Qwen2, Qwen3) as transformers' <Family>ForCausalLM.
     nf4_head: the lm_head in NF4. dora: DoRALinear on every projection. offload_activations:
-    section 12's OffloadedInputs, or None."""
+    section 13's OffloadedInputs, or None. context_parallel: section 12's group, or None."""
 
     Block = FamilyDecoderLayer
 
@@ -2558,14 +2558,19 @@ class CausalLM(Llama):
             for layer in [m for m in self.modules() if isinstance(m, LoRALinear)]:
                 DoRALinear.from_lora(layer)
         self.offload_activations = None
+        self.context_parallel = None
         if nf4_head:
             weight = to_nf4(self.lm_head.weight.detach(), compile=self.lm_head.compile_kernels)
             self.lm_head.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, tokens, targets=None, reduction="mean", positions=None, cache=None):
         """Llama's. positions (B, T) that start again at 0: packed rows, each document as if
-        alone (document_mask). cache: a KVCache, whose positions these tokens follow."""
+        alone (document_mask). cache: a KVCache, whose positions these tokens follow. Under
+        context_parallel the rows are this rank's pieces."""
         T = tokens.shape[1]
+        group = self.context_parallel if cache is None else None
+        if group is not None:
+            T *= dist.get_world_size(group)  # the whole row's
         window = self.config.sliding_window
         if window is not None and T > window:  # Mistral v0.1: each token sees 4096 back at most
             raise ValueError(
@@ -2578,6 +2583,9 @@ class CausalLM(Llama):
         if cache is not None:
             positions = cache.positions(T, tokens.device)
             mask = cache
+        elif group is not None:
+            piece = tokens.shape[1]
+            positions, mask = context_parallel_mask(group, positions, piece, tokens.device)
         elif positions is not None and positions.dim() == 2:
             mask = document_mask(positions)
         logits = super().forward(tokens, targets, reduction, positions, mask)
@@ -2770,6 +2778,141 @@ def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache
 
 # Part I's model generates too (as the API has it): registered here, as from_pretrained is.
 Llama.generate = generate
+
+
+# -----------------------------------------------------------------------------
+# 12. Long context: each sequence split across the ranks (--context_parallel)
+# -----------------------------------------------------------------------------
+# Needs: import math, torch, torch.distributed as dist; from typing import NamedTuple; from
+# above: sections 7, 8, 11.
+#
+# Sharding divides the weights by the world, but a rank that runs whole sequences keeps their
+# activations whole: two GPUs fit no longer a context than one. With --context_parallel N the N
+# ranks of a group hold consecutive pieces of the same rows, T / N tokens each. Everything in
+# a block but attention works token by token, so it runs on the piece as it is; attention
+# needs every earlier token. Two schemes give it them:
+# - a ring (Ring Attention) passes keys and values around the group, N - 1 hops, merging
+#   partial softmaxes by their log-sum-exp: attention kernels of its own, and traffic of the
+#   whole sequence's keys and values per rank, whatever N;
+# - DeepSpeed-Ulysses trades the sequence split for a head split with an all-to-all, runs
+#   ordinary attention over the whole sequence for nh / N heads, and trades back.
+# This file takes Ulysses: SDPA and flex_attention run unchanged (document masks included,
+# built for the whole row), and each rank moves 2 (N - 1) / N^2 of a layer's q, k, v and
+# output, falling as N grows. Its limit: N divides the query heads (32 for Llama-3.1-8B).
+
+
+class _AllToAll(torch.autograd.Function):
+    """x (N, ...): chunk i goes to rank i of the group, and chunk j of the result came from
+    rank j. As a matrix (sender, chunk) that is a transpose, its own inverse: backward sends
+    the gradient back the same way."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        x = x.contiguous()  # the collective reads and writes memory in order
+        out = torch.empty_like(x)
+        dist.all_to_all_single(out, x, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        out = torch.empty_like(grad)
+        dist.all_to_all_single(out, grad, group=ctx.group)
+        return out, None
+
+
+def seq_to_heads(x, group):
+    """x (B, H, T / N, hd), this rank's piece -> (B, H / N, T, hd): the whole sequence of heads
+    [r H / N, (r + 1) H / N), r this rank's index in the group (piece j came from rank j)."""
+    N = dist.get_world_size(group)
+    B, H, Tn, hd = x.shape
+    x = x.reshape(B, N, H // N, Tn, hd).transpose(0, 1)  # (N, B, H / N, T / N, hd)
+    x = _AllToAll.apply(x, group)  # chunk j: piece j of the sequence
+    return x.permute(1, 2, 0, 3, 4).reshape(B, H // N, N * Tn, hd)
+
+
+def heads_to_seq(x, group):
+    """seq_to_heads' inverse: x (B, H / N, T, hd) -> (B, H, T / N, hd), this rank's piece."""
+    N = dist.get_world_size(group)
+    B, Hn, T, hd = x.shape
+    x = x.reshape(B, Hn, N, T // N, hd).permute(2, 0, 1, 3, 4)  # (N, B, H / N, T / N, hd)
+    x = _AllToAll.apply(x, group)  # chunk j: heads [j H / N, (j + 1) H / N)
+    return x.transpose(0, 1).reshape(B, N * Hn, T // N, hd)
+
+
+class ContextParallel(NamedTuple):
+    """The mask attention takes under --context_parallel: the group whose ranks hold the
+    pieces, and the whole row's mask (None: causal; packed rows': document_mask's)."""
+
+    group: object
+    mask: object = None
+
+    def attend(self, attention, q, k, v):
+        """q (B, nh, T / N, hd), k and v (B, nkv, T / N, hd), this rank's piece, RoPE'd at the
+        whole row's positions -> attention over the whole row, (B, nh, T / N, hd)."""
+        N = dist.get_world_size(self.group)
+        # Rank r gets query heads [r nh / N, ...), which read kv heads [r nkv / N, ...) where
+        # N divides nkv. Where it does not (grouped-query attention with few kv heads), each
+        # kv head is repeated to lcm(nkv, N) heads, so that every rank receives the kv heads
+        # its query heads read; copies stay together, and backward sums them.
+        repeat = N // math.gcd(k.shape[1], N)
+        if repeat > 1:
+            k = k.repeat_interleave(repeat, dim=1)
+            v = v.repeat_interleave(repeat, dim=1)
+        q, k, v = (seq_to_heads(t, self.group) for t in (q, k, v))
+        y = attention.attend(q, k, v, self.mask)  # (B, nh / N, T, hd)
+        return heads_to_seq(y, self.group)
+
+
+def context_parallel_mask(group, positions, T, device):
+    """(positions, mask) for this rank's piece of T tokens: its positions in the whole row, and
+    a ContextParallel with the whole row's mask. positions: the piece's (B, T) of packed rows,
+    gathered from the group to mask the whole row; None: 0, 1, ... over the whole row."""
+    index = dist.get_rank(group)
+    if positions is None:
+        return torch.arange(index * T, (index + 1) * T, device=device), ContextParallel(group)
+    pieces = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, positions.contiguous(), group=group)
+    whole = torch.cat(pieces, dim=1)  # (B, N T)
+    return positions, ContextParallel(group, document_mask(whole))
+
+
+def context_groups(n):
+    """This rank's group of n consecutive ranks (every rank makes every group, in order), or
+    None for n = 1."""
+    if n == 1:
+        return None
+    world, rank = world_and_rank()
+    groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
+    return groups[rank // n]
+
+
+def piece_of(batch, n, index):
+    """Piece `index` of n of each row of a Batch: tokens [index T / n, (index + 1) T / n)."""
+    return Batch(*(None if t is None else t.chunk(n, dim=1)[index] for t in batch))
+
+
+def data_parallel(args, world, rank):
+    """(world, rank) of the rows: the ranks of a context-parallel group share theirs."""
+    n = getattr(args, "context_parallel", 1)
+    return world // n, rank // n
+
+
+def check_context_parallel(args, world, config):
+    """Refuse, in one line, a --context_parallel that cannot split the rows, ranks or heads."""
+    n = args.context_parallel
+    flag = f"--context_parallel {n}"
+    require(args.seq_len % n == 0, f"{flag}: does not divide --seq_len {args.seq_len}")
+    require(world % n == 0, f"{flag}: does not divide the {world} ranks")
+    heads = config.num_attention_heads
+    require(heads % n == 0, f"{flag}: does not divide the model's {heads} attention heads")
+    shard = args.shard_size or world
+    require(
+        shard % n == 0,
+        f"{flag}: its groups must lie within the --shard_size {shard} groups (the all-to-alls "
+        f"of every layer belong on a machine's fast links, as the all-gathers do)",
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -3058,9 +3201,11 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
         # sin at each token's position, and on the CPU SDPA's (B, 1, T, T) bool mask
         # (flex_attention's block mask on CUDA is (T / 128)^2 per row). Each block's SDPA
         # turns the bool mask into an additive one in the compute dtype, saved for backward:
-        # the recomputed block's alone, or without checkpointing every block's.
-        mask = tokens * seq_len + 16 * tokens + 2 * tokens * config.head_dim * elt
-        additive = tokens * seq_len * elt
+        # the recomputed block's alone, or without checkpointing every block's. Under
+        # --context_parallel the masks span the whole rows.
+        whole = tokens * flags.context_parallel * seq_len  # (B, 1, T, T)
+        mask = whole + 16 * tokens + 2 * tokens * config.head_dim * elt
+        additive = whole * elt
         if flags.checkpointing:
             block += additive
             row = mask + additive
@@ -3107,15 +3252,17 @@ class StepFlags(NamedTuple):
     pack: bool = False
     dora: bool = False
     lora_dropout: float = 0.0
+    context_parallel: int = 1  # the pieces of each row, on as many ranks
     capability: Optional[tuple] = None  # the GPU's (major, minor), for cuBLAS's workspaces
 
 
 def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8, **kw):
     """Predicted bytes per rank of a QLoRA step as this file runs it (kw: StepFlags' fields):
-    1/world of the state, and the activations of batch_size x seq_len tokens, op by op."""
+    1/world of the state, and the activations of batch_size x seq_len tokens (under
+    context_parallel, this rank's pieces of them), op by op."""
     flags = StepFlags(**kw)
     elt = dtype_bytes
-    tokens = batch_size * seq_len
+    tokens = batch_size * seq_len // flags.context_parallel
     counts = count_family_params(config, lora_rank, dora=flags.dora)
     state = _state_rows(counts, world, elt, flags.nf4_head)
     # All-gathers: two block units at a time, the one being computed and the next one's
@@ -3202,8 +3349,22 @@ def step_traffic(config, args, world):
     gathered = once + 2 * layers * _block_unit_bytes(config, counts, elt)
     grads = 4 * counts.lora
     within = args.grad_accum * (shard - 1) / shard * (gathered + grads)
+    within += layers * context_traffic(config, args)
     across = args.grad_accum * 2 * (replicas - 1) / replicas * grads / shard
     return within, across
+
+
+def context_traffic(config, args):
+    """Bytes one rank sends per layer a step under --context_parallel N (and receives as
+    many): (N - 1) / N of its piece's q, k, v and output, forward, again in backward, and once
+    more where checkpointing recomputes the forward. (kv heads repeated to a multiple of N.)"""
+    n = getattr(args, "context_parallel", 1)
+    elt = 2 if args.dtype == "bf16" else 4
+    kv = math.lcm(config.num_key_value_heads, n)
+    heads = 2 * config.num_attention_heads + 2 * kv  # q and the output, k and v
+    piece = args.batch_size * args.seq_len // n * config.head_dim * heads * elt
+    passes = 3 if args.checkpointing else 2
+    return args.grad_accum * passes * (n - 1) / n * piece
 
 
 def format_traffic(config, args, world):
@@ -3211,10 +3372,15 @@ def format_traffic(config, args, world):
     shard = shard_size(args, world)
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     spans = "within a machine" if local % shard == 0 else "spanning machines"
-    return (
+    line = (
         f"collectives per step, per rank: {within / 1e9:.2f} GB in shard groups of {shard} "
         f"ranks ({spans}), {across / 1e9:.4f} GB between the {world // shard} groups"
     )
+    n = getattr(args, "context_parallel", 1)
+    if n > 1:
+        layer = context_traffic(config, args)
+        line += f"; of the first, {layer / 1e6:.1f} MB per layer in the all-to-alls of {n} ranks"
+    return line
 
 
 # --fit: the fastest setting that the estimate says fits. What it tries, fastest first on a GPU
@@ -4848,19 +5014,21 @@ def open_metrics(out, start):
 def evaluate(model, val, args, world, rank, device):
     """(the mean loss over the counted targets, rows) of --val_data's first --eval_seqs rows:
     tokens [i T, i T + T + 1), or the i-th packed row in the file's order (each document once at
-    most), in micro-batches of --batch_size per rank, every rank running each one."""
+    most), in micro-batches of --batch_size per rank (of a context-parallel group), every rank
+    running each one."""
     B = args.batch_size
     n = min(args.eval_seqs, val.row_count(args.seq_len))
+    rows_world, rows_rank = data_parallel(args, world, rank)
+    pieces = args.context_parallel
     # The loss's sum, and the count of its targets.
     total = torch.zeros(2, dtype=torch.float64, device=device)
     model.eval()
-    for g in range(-(-n // (world * B))):  # global micro-batches: this rank's B rows of each
-        first = (g * world + rank) * B
+    for g in range(-(-n // (rows_world * B))):  # global micro-batches: B rows of each a rank
+        first = (g * rows_world + rows_rank) * B
         rows = [*range(first, min(first + B, n))]
         rows += [None] * (B - len(rows))  # rows past the last: counting nothing
-        x, y, positions = (
-            None if t is None else t.to(device) for t in val.rows(rows, args.seq_len)
-        )
+        batch = piece_of(val.rows(rows, args.seq_len), pieces, rank % pieces)
+        x, y, positions = (None if t is None else t.to(device) for t in batch)
         loss_sum = model(x, y, "sum", positions).double()
         counted = (y != IGNORE_INDEX).sum().double()
         total += torch.stack([loss_sum, counted])
@@ -4927,6 +5095,7 @@ def build(args, config, device, checkpoint=None):
     with torch.device("meta"):
         model = CausalLM(config, dtype, *lora, **kw)
     model.checkpointing = args.checkpointing
+    model.context_parallel = context_groups(args.context_parallel)
     if args.offload_activations:
         # A stream of its own: a wait for a collective (on FSDP's side stream) must not wait
         # for these copies too.
@@ -5469,6 +5638,7 @@ def set_up(args):
             f"{local} ranks: their all-gathers cross the network (it works, slower)"
         )
     name, config = model_config(args)
+    check_context_parallel(args, world, config)
     if args.fit is not None:  # before anything reads the flags it sets
         args = fit(args, world, config, device)
     tokenizer = checkpoint_tokenizer(args)
@@ -5608,11 +5778,17 @@ def where_stopped(run):
 
 
 def step_batches(data, step, args, world, rank, vocab_size):
-    """This rank's micro-batches of `step`: rows of --data (read_data's), or random tokens."""
+    """This rank's micro-batches of `step`: rows of --data (read_data's), or random tokens;
+    under --context_parallel its pieces of its group's rows."""
     micros = range(args.grad_accum)
+    rows_world, rows_rank = data_parallel(args, world, rank)
     if data is None:
-        return [get_batch(None, step, m, args, world, rank, vocab_size) for m in micros]
-    return [data.batch(step, m, args, world, rank) for m in micros]
+        get = functools.partial(get_batch, None, vocab_size=vocab_size)
+    else:
+        get = data.batch
+    batches = [get(step, m, args, rows_world, rows_rank) for m in micros]
+    n = args.context_parallel
+    return [piece_of(b, n, rank % n) for b in batches]
 
 
 def due(step, every):
@@ -5752,6 +5928,8 @@ def _add_flags(parser):
     hsdp = "shard in groups of N ranks that replicate (HSDP; default: a node's ranks when a run"
     p.add_argument("--shard_size", type=int, default=0, metavar="N", help=hsdp + " spans nodes)")
     p.add_argument("--offload_activations", action="store_true", help="block inputs on the host")
+    split = "each group of N ranks holds consecutive pieces of the same rows (Ulysses)"
+    p.add_argument("--context_parallel", type=int, default=1, metavar="N", help=split)
     p.add_argument("--estimate", action="store_true", help="print the memory per rank and exit")
     margin = FIT_MARGIN * 100
     fit = (
@@ -5776,6 +5954,7 @@ def _add_flags(parser):
 
 # Integer flags that must be at least 1, and those that must be at least 0.
 POSITIVE = "batch_size seq_len steps grad_accum lora_rank log_every eval_seqs".split()
+POSITIVE += ["context_parallel"]
 NON_NEGATIVE = "warmup_steps save_every stop_at sample temperature eval_every shard_size".split()
 FINITE = "lr weight_decay adam_eps grad_clip lora_alpha lora_dropout temperature".split()
 
@@ -5841,6 +6020,7 @@ def estimate(args):
     """--estimate: the memory tables, from the config alone (nothing is allocated)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
     name, config = model_config(args)
+    check_context_parallel(args, world, config)
     if args.fit is not None:  # the plan --fit would run
         cuda = torch.cuda.is_available() and args.device != "cpu"
         args = fit(args, world, config, torch.device("cuda" if cuda else "cpu"))

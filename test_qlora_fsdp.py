@@ -3578,6 +3578,106 @@ def test_flex_attention_mask_equals_the_dense_one():
     assert dense[0, 0, 49, :50].all() and not dense[0, 0, 50, :50].any()
 
 
+# ---- 12. long context: each sequence split across the ranks ------------------------------------
+
+
+def _runs_worker(rank, world, port, argvs, out_path):
+    """A rank that runs fine_tune for each argv in turn: one spawned world for several runs."""
+    _become_rank(rank, world, port)
+    results = []
+    for argv in argvs:
+        summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv))
+        results.append(dict(losses=losses, adapters=fsdp.full_adapters()))
+    torch.save(results, f"{out_path}.{rank}")
+    torch.distributed.destroy_process_group()
+
+
+def run_in_one_world(world, argvs, tmp_path):
+    """Rank 0's results of each argv, run in turn by one spawned world."""
+    out = str(tmp_path / f"runs{world}")
+    spawn(_runs_worker, (world, free_port(), argvs, out), world)
+    return torch.load(f"{out}.0")
+
+
+@pytest.fixture(scope="module")
+def qwen2_dir(tmp_path_factory):
+    """A tiny Qwen2 checkpoint: grouped-query attention (4 heads, 2 kv) and q, k, v biases."""
+    path = str(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2")
+    config = family_config("qwen2")
+    write_hf_checkpoint(path, config, hf_state_dict(config))
+    return path
+
+
+def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
+    """--context_parallel: the loss at every step and the adapters after them (eps 1: the
+    gradients) equal one process's run of the same global batch, to fp32 rounding. At world 2
+    (N = 2): with --grad_accum, --offload_activations and --dora; without checkpointing, packed
+    (documents masked across the pieces); a Qwen2 checkpoint (GQA, biases); compiled; and a run
+    stopped with N = 2 and resumed with N = 1 (then 2 ranks of 1 row). At world 4: N = 4 (2 kv
+    heads repeated to 4) and N = 2 with two groups."""
+    argv = BASE + ["--batch_size", "2", "--steps", "3"]
+    cases = {
+        "accum, offload, dora": ["--grad_accum", "2", "--offload_activations", "--dora"],
+        "packed": ["--no-checkpointing", "--data", packed_file(tmp_path)] + PACK,
+        "qwen2": ["--checkpoint", qwen2_dir],
+        "compiled": ["--compile"],
+    }
+    split = [argv + flags + ["--context_parallel", "2"] for flags in cases.values()]
+    out = ["--out", str(tmp_path / "run"), "--save_every", "2"]
+    split.append(argv + out + ["--stop_at", "2", "--context_parallel", "2"])
+    split.append(argv + out + ["--resume", "--batch_size", "1"])
+    *got, stopped, resumed = run_in_one_world(2, split, tmp_path)
+    for result, flags in zip(got, cases.values()):
+        assert_same_run(result, run_single(argv + flags))
+    resumed["losses"] = stopped["losses"] + resumed["losses"]
+    assert_same_run(resumed, run_single(argv))
+    four = [argv + ["--context_parallel", "4"], argv + ["--context_parallel", "2"]]
+    got = run_in_one_world(4, four, tmp_path)
+    assert_same_run(got[0], run_single(argv))
+    assert_same_run(got[1], run_single(argv + ["--batch_size", "4"]))
+
+
+@pytest.mark.parametrize(
+    "env,argv,words",
+    [
+        ({}, ["--seq_len", "33"], "--context_parallel 2: does not divide --seq_len 33"),
+        ({}, [], "--context_parallel 2: does not divide the 1 ranks"),
+        ({"WORLD_SIZE": "6"}, ["--seq_len", "96", "--context_parallel", "3"], "the model's 4"),
+        ({"WORLD_SIZE": "4"}, ["--shard_size", "2", "--context_parallel", "4"], "lie within"),
+    ],
+    ids=["seq_len", "world", "heads", "shard_size"],
+)
+def test_context_parallel_that_cannot_split_is_one_line(env, argv, words, monkeypatch, capsys):
+    """A --context_parallel that does not divide the sequence, the ranks or the heads, or whose
+    groups would span --shard_size's, is refused in one line (at world 1 by a run, at other
+    worlds by --estimate, as torchrun's WORLD_SIZE says)."""
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    flags = ["--context_parallel", "2"] + argv + (["--estimate"] if env else [])
+    with pytest.raises(SystemExit) as exc:
+        qf.main(BASE + flags)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and words in err and len(err.splitlines()) == 1
+
+
+def test_context_parallel_divides_the_activations():
+    """The estimate of N pieces of rows of T tokens keeps what one rank keeps of rows of T / N
+    (plus, packed, the masks of the whole rows), the state unchanged; --estimate prints the
+    bytes each layer's all-to-alls move."""
+    config = qf.CONFIGS["llama3-8b"]
+    split = qf.estimate_memory(config, 2, 1, 65536, context_parallel=4)
+    piece = qf.estimate_memory(config, 2, 1, 16384)
+    assert split.activation_peak == piece.activation_peak and split.state == piece.state
+    packed = qf.estimate_memory(config, 2, 1, 65536, context_parallel=4, pack=True)
+    assert packed.activation_peak > split.activation_peak + 65536**2  # the whole rows' mask
+    args = qf.parse_args(["--seq_len", "65536", "--batch_size", "1", "--context_parallel", "4"])
+    # (N - 1) / N of q, k, v and the output (32 + 8 + 8 + 32 heads of 128) of 16k tokens, 3
+    # times (forward, its recompute, backward), in bf16.
+    want = 3 * 3 / 4 * 16384 * 128 * (32 + 8 + 8 + 32) * 2
+    assert qf.context_traffic(config, args) == want
+    assert "MB per layer in the all-to-alls of 4 ranks" in qf.format_traffic(config, args, 4)
+
+
 # ---- 12. predicting the peak, and what a step keeps for backward --------------------------------
 
 
@@ -4057,7 +4157,8 @@ def write_st(path, tensors, header_patch=None):
 
 
 def hf_state_dict(config, dtype=torch.bfloat16, seed=0):
-    """Dense random weights under Hugging Face's LlamaForCausalLM names."""
+    """Dense random weights under Hugging Face's LlamaForCausalLM names (a bias's: 1/sqrt of its
+    length)."""
     g = torch.Generator().manual_seed(seed)
     with torch.device("meta"):
         shapes = {
@@ -4069,7 +4170,7 @@ def hf_state_dict(config, dtype=torch.bfloat16, seed=0):
         n: (
             torch.ones(s) + 0.1 * torch.randn(s, generator=g)
             if "norm" in n
-            else torch.randn(s, generator=g) * (1.0 if "embed" in n else s[1] ** -0.5)
+            else torch.randn(s, generator=g) * (1.0 if "embed" in n else s[-1] ** -0.5)
         ).to(dtype)
         for n, s in shapes.items()
     }
