@@ -3164,6 +3164,12 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
     block_backward = elt * (ffn + d) + 4 * q_dim
     if flags.dora and dropout:  # x and d(x) stacked into one NF4 matmul: the widest input's
         block_backward += 2 * elt * max(inp for _, inp in linear_shapes(config).values())
+    if flags.context_parallel > 1:
+        # The all-to-alls' contiguous copies of q, k and v; and k and v repeated to lcm(nkv, N)
+        # heads where N does not divide nkv, kept so by attention for backward.
+        kv = math.lcm(config.num_key_value_heads, flags.context_parallel)
+        block_saved += 2 * (kv - config.num_key_value_heads) * config.head_dim * elt
+        block_backward += elt * (q_dim + 2 * kv * config.head_dim)
     largest = max(out * inp for out, inp in linear_shapes(config).values())
     in_flight = elt * largest + counts.lora / layers * (elt + 4 + 4 / world)
     rows = {}
@@ -3424,6 +3430,8 @@ def plan_name(a):
         name += ", --offload_activations"
     if a.cpu_offload:
         name += ", --cpu_offload"
+    if getattr(a, "context_parallel", 1) > 1:
+        name += f", --context_parallel {a.context_parallel}"
     return name
 
 

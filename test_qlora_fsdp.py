@@ -3661,13 +3661,16 @@ def test_context_parallel_that_cannot_split_is_one_line(env, argv, words, monkey
 
 
 def test_context_parallel_divides_the_activations():
-    """The estimate of N pieces of rows of T tokens keeps what one rank keeps of rows of T / N
-    (plus, packed, the masks of the whole rows), the state unchanged; --estimate prints the
-    bytes each layer's all-to-alls move."""
+    """The estimate of N pieces of rows of T tokens keeps what one rank keeps of rows of T / N,
+    and in a block's backward the all-to-alls' copies of q, k and v (plus, packed, the masks of
+    the whole rows), the state unchanged; --estimate prints the bytes each layer's all-to-alls
+    move."""
     config = qf.CONFIGS["llama3-8b"]
     split = qf.estimate_memory(config, 2, 1, 65536, context_parallel=4)
     piece = qf.estimate_memory(config, 2, 1, 16384)
-    assert split.activation_peak == piece.activation_peak and split.state == piece.state
+    copies = 16384 * 2 * (4096 + 2 * 1024)  # bf16 q, k and v of the piece's tokens
+    assert split.activation_peak == piece.activation_peak + copies
+    assert split.state == piece.state
     packed = qf.estimate_memory(config, 2, 1, 65536, context_parallel=4, pack=True)
     assert packed.activation_peak > split.activation_peak + 65536**2  # the whole rows' mask
     args = qf.parse_args(["--seq_len", "65536", "--batch_size", "1", "--context_parallel", "4"])
