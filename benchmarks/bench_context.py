@@ -6,7 +6,8 @@ against whole rows (1), in one run.
 
 Each setting is one world of 2 ranks under torchrun (gloo, one thread each, CPU), batch 1 per
 rank of rows of --seq_len tokens: with N = 1 each rank runs a whole row, with N = 2 the two
-ranks hold the halves of one. A rank measures the bytes its allocator holds at the peak of a
+ranks hold the halves of one (the memory's comparison); then N = 2 at batch 2, the halves of two
+rows: the global batch of N = 1, the same tokens per rank (the time's comparison). A rank measures the bytes its allocator holds at the peak of a
 step's forward and backward (the profiler's allocator events, after a first step has made the
 first-time allocations), against what --estimate predicts for those flags (the activation
 rows and the all-gather buffers: the state between steps is apart from the step). Then it
@@ -63,7 +64,8 @@ def allocated_peak(fn):
 def worker(mine):
     torch.set_num_threads(1)
     qf.CONFIGS["mem"] = MEM
-    flags = ["--model", "mem", "--device", "cpu", "--dtype", mine.dtype, "--batch_size", "1"]
+    flags = ["--model", "mem", "--device", "cpu", "--dtype", mine.dtype]
+    flags += ["--batch_size", str(mine.batch_size)]
     flags += ["--seq_len", str(mine.seq_len), "--context_parallel", str(mine.context_parallel)]
     flags += ["--compile" if mine.compile else "--no-compile", "--steps", str(mine.steps + 1)]
     args = qf.parse_args(flags)
@@ -94,6 +96,7 @@ def worker(mine):
     if rank == 0:
         result = dict(
             context_parallel=args.context_parallel,
+            batch_size=args.batch_size,
             tokens_per_rank=b.inputs.numel(),
             measured=max(peaks),
             predicted=predicted,
@@ -111,12 +114,13 @@ def main():
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
     p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--context_parallel", type=int, help=argparse.SUPPRESS)  # a worker's
+    p.add_argument("--batch_size", type=int, default=1, help=argparse.SUPPRESS)  # a worker's
     mine = p.parse_args()
     if mine.context_parallel:
         return worker(mine)
     rows = []
-    for n in (1, 2):
-        argv = sys.argv[1:] + ["--context_parallel", str(n)]
+    for n, batch in ((1, 1), (2, 1), (2, 2)):
+        argv = sys.argv[1:] + ["--context_parallel", str(n), "--batch_size", str(batch)]
         env = dict(os.environ, OMP_NUM_THREADS="1")
         run = torchrun(os.path.abspath(__file__), argv, 2, env=env)
         if run.json is None:
@@ -128,21 +132,23 @@ def main():
         f"compile {mine.compile}:"
     )
     print(
-        f"  {'N':>2} {'tokens/rank':>12} {'measured MiB':>13} {'predicted MiB':>14} "
+        f"  {'N':>2} {'rows/rank':>9} {'tokens/rank':>12} {'measured MiB':>13} {'predicted MiB':>14} "
         f"{'pred/meas':>9} {'step s':>8}"
     )
     for r in rows:
         print(
-            f"  {r['context_parallel']:>2} {r['tokens_per_rank']:>12,} {r['measured'] / MiB:>13.1f} "
+            f"  {r['context_parallel']:>2} {r['batch_size']:>9} {r['tokens_per_rank']:>12,} {r['measured'] / MiB:>13.1f} "
             f"{r['predicted'] / MiB:>14.1f} {r['predicted'] / r['measured']:>9.3f} "
             f"{r['step_s']:>8.2f}"
         )
-    one, two = rows
+    one, two, same = rows
     print(
-        f"N = 2 / N = 1: memory {two['measured'] / one['measured']:.3f} measured, "
-        f"{two['predicted'] / one['predicted']:.3f} predicted; step time "
-        f"{two['step_s'] / one['step_s']:.3f} (N = 2 computes half a row per rank, half "
-        f"the rows of the global batch)"
+        f"N = 2 / N = 1, a row per rank: memory {two['measured'] / one['measured']:.3f} "
+        f"measured, {two['predicted'] / one['predicted']:.3f} predicted"
+    )
+    print(
+        f"N = 2 / N = 1, the same global batch and tokens per rank: step time "
+        f"{same['step_s'] / one['step_s']:.3f} (the all-to-alls' cost)"
     )
 
 
