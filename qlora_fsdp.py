@@ -13,7 +13,8 @@ trained, ending with the training loop. Each section needs only torch and the se
 Part II extends Part I's names for the product (subclasses, wrappers, registrations); Part I
 never names it. Skip it on a first read.
    9. faster NF4             10. any model            11. the Llama family, packing
-  12. predicting the peak    13. Hugging Face files   14. your data   15. a run   16. the CLI
+  12. long context          13. predicting the peak  14. Hugging Face files   15. your data
+  16. a run                 17. the CLI
 
 Run it (more in the README and --help):
   torchrun --nproc_per_node 2 qlora_fsdp.py     # the tiny model on this file's bytes, CPU
@@ -853,7 +854,7 @@ class ShardedUnit:
         fully_shard: the optimizer steps the pieces. A frozen one leaves its module."""
         self.places = []
         for p, original in zip(self.params, originals):
-            if original.device.type != "meta":  # on "meta": loaded later (section 15)
+            if original.device.type != "meta":  # on "meta": loaded later (section 16)
                 p.keep(original)
             p.value = p.unflatten([slot.full for slot in p.slots])
             for module, attr in p.places:
@@ -1686,7 +1687,7 @@ def seeded(*key, device="cpu"):
 
 def build_sharded(config, args, device, state_dict=None):
     """A Llama sharded over the ranks: (model, fsdp). Every rank builds the same model (one
-    seed), or loads `state_dict` (a checkpoint's), and keeps its pieces. (Section 15 builds
+    seed), or loads `state_dict` (a checkpoint's), and keeps its pieces. (Section 16 builds
     on "meta" and loads one weight at a time, for a model too big for a rank's memory.)"""
     torch.manual_seed(args.seed)
     dtype = DTYPES[args.dtype]
@@ -1829,8 +1830,8 @@ def train(model, fsdp, optimizer, data, args, device):
 # Part II: the product around the lesson. Skip it on a first read.
 # =============================================================================
 # Part II extends Part I's names, by subclassing, wrapping and registering: faster kernels,
-# sharding for any model, the Llama family, packed documents, predicting memory, Hugging
-# Face files, your data, and the command line. Part I never names it.
+# sharding for any model, the Llama family, packed documents, long context, predicting
+# memory, Hugging Face files, your data, and the command line. Part I never names it.
 
 import argparse
 import bisect
@@ -1854,6 +1855,19 @@ from torch.nn.attention.flex_attention import (
     create_block_mask,
     flex_attention,
 )
+
+# What every section of the product shares: bad input raises a UserError, which the command
+# line (section 17) says in one line.
+
+
+class UserError(Exception):
+    """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
+
+
+def require(ok, message):
+    if not ok:
+        raise UserError(message)
+
 
 # -----------------------------------------------------------------------------
 # 9. Faster NF4: a vectorized bf16 dequantize; copy_ and pinned memory
@@ -2243,7 +2257,7 @@ class AdamW(ForeachAdamW):
 # -----------------------------------------------------------------------------
 # 11. The Llama family, packed documents, DoRA, generation with a KV cache
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, dataclasses, functools, math, torch, torch.distributed as dist,
+# Needs: import contextlib, dataclasses, math, torch, torch.distributed as dist,
 # torch.nn as nn, torch.nn.functional as F; from dataclasses import dataclass; from typing
 # import NamedTuple, Optional; from torch.nn.attention.flex_attention import BlockMask,
 # create_block_mask, flex_attention; from above: sections 1-8.
@@ -2255,8 +2269,10 @@ class AdamW(ForeachAdamW):
 # long wavelengths.
 #
 # Attention reads its `mask` argument by kind: None is causal, a (B, 1, T, T) bool is SDPA's
-# mask, a BlockMask (packed rows on CUDA) runs flex_attention, and a KVCache (generation)
-# attends over the keys and values it holds. Packed rows reach it from their positions alone.
+# mask, a BlockMask (packed rows on CUDA) runs flex_attention, and a mask with an `attend`
+# method is handed q, k and v: a KVCache (generation) attends over the keys and values it
+# holds, section 12's ContextParallel over the whole row. Packed rows reach it from their
+# positions alone.
 
 
 @dataclass
@@ -2396,7 +2412,7 @@ class DoRALinear(LoRALinear):
     """QDoRA's layer: LoRALinear's (the same arguments, and from_linear) plus a trainable fp32
     magnitude, lora_magnitude_vector (out,), that starts at W's row norms (PEFT's use_dora).
     weight_norm_sq, ||W_i||^2, is a buffer outside state_dict, taken whenever W is set: built,
-    loaded by load_state_dict, or by section 13's load_weights (sharded)."""
+    loaded by load_state_dict, or by section 14's load_weights (sharded)."""
 
     def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, **kw):
         super().__init__(in_features, out_features, rank, alpha, dropout, **kw)
@@ -2471,7 +2487,7 @@ def _add_bias(linear, dtype):
 
 class FamilyAttention(LlamaAttention):
     """LlamaAttention with the family's biases, Qwen3's q_norm and k_norm, and the masks above
-    (a BlockMask, a KVCache); q, k and v share x A^T."""
+    (a BlockMask, a mask that attends); q, k and v share x A^T."""
 
     def __init__(self, c, lora):
         super().__init__(c, lora)
@@ -2498,7 +2514,7 @@ class FamilyAttention(LlamaAttention):
         return q, k, v
 
     def attend(self, q, k, v, mask):
-        if isinstance(mask, (KVCache, ContextParallel)):
+        if hasattr(mask, "attend"):  # a KVCache, section 12's ContextParallel
             return mask.attend(self, q, k, v)
         if isinstance(mask, BlockMask):
             gqa = self.n_kv != self.n_heads
@@ -2547,7 +2563,8 @@ def document_mask(positions):
 class CausalLM(Llama):
     """Llama and its family (Mistral, Qwen2, Qwen3) as transformers' <Family>ForCausalLM.
     nf4_head: the lm_head in NF4. dora: DoRALinear on every projection. offload_activations:
-    section 13's OffloadedInputs, or None. context_parallel: section 12's group, or None."""
+    section 13's OffloadedInputs, or None. context_parallel: section 12's ContextParallel, or
+    None."""
 
     Block = FamilyDecoderLayer
 
@@ -2568,9 +2585,9 @@ class CausalLM(Llama):
         alone (document_mask). cache: a KVCache, whose positions these tokens follow. Under
         context_parallel the rows are this rank's pieces."""
         T = tokens.shape[1]
-        group = self.context_parallel if cache is None else None
-        if group is not None:
-            T *= dist.get_world_size(group)  # the whole row's
+        split = self.context_parallel if cache is None else None
+        if split is not None:
+            T *= split.pieces()  # the whole row's
         window = self.config.sliding_window
         if window is not None and T > window:  # Mistral v0.1: each token sees 4096 back at most
             raise ValueError(
@@ -2583,9 +2600,8 @@ class CausalLM(Llama):
         if cache is not None:
             positions = cache.positions(T, tokens.device)
             mask = cache
-        elif group is not None:
-            piece = tokens.shape[1]
-            positions, mask = context_parallel_mask(group, positions, piece, tokens.device)
+        elif split is not None:
+            positions, mask = split.rows(positions, tokens.shape[1], tokens.device)
         elif positions is not None and positions.dim() == 2:
             mask = document_mask(positions)
         logits = super().forward(tokens, targets, reduction, positions, mask)
@@ -2784,7 +2800,7 @@ Llama.generate = generate
 # 12. Long context: each sequence split across the ranks (--context_parallel)
 # -----------------------------------------------------------------------------
 # Needs: import math, torch, torch.distributed as dist; from typing import NamedTuple; from
-# above: sections 7, 8, 11.
+# above: section 8, section 11.
 #
 # Sharding divides the weights by the world, but a rank that runs whole sequences keeps their
 # activations whole: two GPUs fit no longer a context than one. With --context_parallel N the N
@@ -2842,16 +2858,32 @@ def heads_to_seq(x, group):
 
 
 class ContextParallel(NamedTuple):
-    """The mask attention takes under --context_parallel: the group whose ranks hold the
-    pieces, and the whole row's mask (None: causal; packed rows': document_mask's)."""
+    """--context_parallel's group, whose ranks hold the pieces of the same rows (a CausalLM's
+    context_parallel); and as the mask attention takes, with the whole row's mask (None:
+    causal; packed rows': document_mask's)."""
 
     group: object
     mask: object = None
 
+    def pieces(self):
+        return dist.get_world_size(self.group)
+
+    def rows(self, positions, T, device):
+        """(positions, mask) for this rank's piece of T tokens: its positions in the whole row,
+        and this with the whole row's mask. positions: the piece's (B, T) of packed rows,
+        gathered from the group to mask the whole row; None: 0, 1, ... over the whole row."""
+        index = dist.get_rank(self.group)
+        if positions is None:
+            return torch.arange(index * T, (index + 1) * T, device=device), self
+        pieces = [torch.empty_like(positions) for _ in range(self.pieces())]
+        dist.all_gather(pieces, positions.contiguous(), group=self.group)
+        whole = torch.cat(pieces, dim=1)  # (B, N T)
+        return positions, ContextParallel(self.group, document_mask(whole))
+
     def attend(self, attention, q, k, v):
         """q (B, nh, T / N, hd), k and v (B, nkv, T / N, hd), this rank's piece, RoPE'd at the
         whole row's positions -> attention over the whole row, (B, nh, T / N, hd)."""
-        N = dist.get_world_size(self.group)
+        N = self.pieces()
         # Rank r gets query heads [r nh / N, ...), which read kv heads [r nkv / N, ...) where
         # N divides nkv. Where it does not (grouped-query attention with few kv heads), each
         # kv head is repeated to lcm(nkv, N) heads, so that every rank receives the kv heads
@@ -2865,27 +2897,14 @@ class ContextParallel(NamedTuple):
         return heads_to_seq(y, self.group)
 
 
-def context_parallel_mask(group, positions, T, device):
-    """(positions, mask) for this rank's piece of T tokens: its positions in the whole row, and
-    a ContextParallel with the whole row's mask. positions: the piece's (B, T) of packed rows,
-    gathered from the group to mask the whole row; None: 0, 1, ... over the whole row."""
-    index = dist.get_rank(group)
-    if positions is None:
-        return torch.arange(index * T, (index + 1) * T, device=device), ContextParallel(group)
-    pieces = [torch.empty_like(positions) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(pieces, positions.contiguous(), group=group)
-    whole = torch.cat(pieces, dim=1)  # (B, N T)
-    return positions, ContextParallel(group, document_mask(whole))
-
-
 def context_groups(n):
-    """This rank's group of n consecutive ranks (every rank makes every group, in order), or
-    None for n = 1."""
+    """The ContextParallel of this rank's group of n consecutive ranks (every rank makes every
+    group, in order), or None for n = 1."""
     if n == 1:
         return None
     world, rank = world_and_rank()
     groups = [dist.new_group(list(range(g, g + n))) for g in range(0, world, n)]
-    return groups[rank // n]
+    return ContextParallel(groups[rank // n])
 
 
 def piece_of(batch, n, index):
@@ -2916,21 +2935,12 @@ def check_context_parallel(args, world, config):
 
 
 # -----------------------------------------------------------------------------
-# 12. Fitting in memory: parked activations, the predicted peak, --fit
+# 13. Fitting in memory: parked activations, the predicted peak, --fit
 # -----------------------------------------------------------------------------
 # Needs: import argparse, math, os, re, torch, torch.distributed as dist; from dataclasses import
 # dataclass; from typing import NamedTuple, Optional; from above: GiB, section 1, section 5,
 # section 7, section 8, section 10, section 11.
 #
-
-
-class UserError(Exception):
-    """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
-
-
-def require(ok, message):
-    if not ok:
-        raise UserError(message)
 
 
 def proc_bytes(path, key):
@@ -3528,10 +3538,10 @@ def check_fits(args, config, world, device):
 
 
 # -----------------------------------------------------------------------------
-# 13. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
+# 14. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
 # -----------------------------------------------------------------------------
 # Needs: import io, json, math, os, re, shutil, functools, numpy as np, torch, torch.distributed as
-# dist; from dataclasses import fields; from typing import NamedTuple; from above: sections 1-12.
+# dist; from dataclasses import fields; from typing import NamedTuple; from above: sections 1-13.
 #
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]},
@@ -4185,11 +4195,11 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 
 
 # -----------------------------------------------------------------------------
-# 14. Your data: text, JSONL and chats, tokenized by the checkpoint's own tokenizer
+# 15. Your data: text, JSONL and chats, tokenized by the checkpoint's own tokenizer
 # -----------------------------------------------------------------------------
-# Needs: import datetime, functools, hashlib, json, os, re, time, numpy as np; from typing
-# import NamedTuple, Optional; from above: UserError, require, read_json, get_batch, Batch,
-# IGNORE_INDEX.
+# Needs: import datetime, functools, hashlib, json, os, re, time, numpy as np, torch; from
+# typing import NamedTuple, Optional; from above: UserError, require, read_json, get_batch,
+# Batch, IGNORE_INDEX.
 #
 # With --checkpoint, a data file is plain text (one example: the whole file) or .jsonl, one
 # example a line, as TRL's SFTTrainer, torchtune and axolotl take them:
@@ -4704,12 +4714,12 @@ def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
 
 
 # -----------------------------------------------------------------------------
-# 15. A run: data files, evaluation, metrics, progress, set-up and summary
+# 16. A run: data files, evaluation, metrics, progress, set-up and summary
 # -----------------------------------------------------------------------------
-# Needs: import bisect, contextlib, json, math, os, resource, shlex, signal, sys, tempfile,
-# threading, time, numpy as np, torch, torch.distributed as dist; from typing import NamedTuple,
-# Optional; from torch.distributed.device_mesh import init_device_mesh; from above: GiB,
-# sections 1-14.
+# Needs: import bisect, contextlib, functools, json, math, os, resource, shlex, signal, sys,
+# tempfile, threading, time, numpy as np, torch, torch.distributed as dist; from typing import
+# NamedTuple, Optional; from torch.distributed.device_mesh import init_device_mesh; from
+# above: GiB, sections 1-15.
 
 
 def eos_id(args):
@@ -5868,10 +5878,10 @@ def fine_tune(args):
 
 
 # -----------------------------------------------------------------------------
-# 16. The command line
+# 17. The command line
 # -----------------------------------------------------------------------------
 # Needs: import argparse, json, logging, math, os, signal, sys, time, torch,
-# torch.distributed as dist; from above: GiB, sections 1-15.
+# torch.distributed as dist; from above: GiB, sections 1-16.
 
 
 def _fit_value(v):

@@ -54,7 +54,8 @@ def best(model, world, gib, host, say=None):
 
 
 def table(model):
-    """The README's table: 1, 2, 4 and 8 GPUs of 24 and 80 GB, host memory no limit."""
+    """The README's table: 1, 2, 4 and 8 GPUs of 24 and 80 GB, host memory no limit, each GPU's
+    budget what --fit alone leaves on it: its memory less FIT_MARGIN (10%)."""
     print(
         f"| GPUs | {model}, 24 GB each | settings | host GiB per GPU | 80 GB each | settings "
         f"| host GiB per GPU |"
@@ -63,8 +64,8 @@ def table(model):
     for world in (1, 2, 4, 8):
         cells = []
         for gib in (24, 80):
-            # A card's 24 GB are 22.35 GiB; the estimate's margin is --fit's own.
-            tokens, name, host = best(model, world, gib * 1e9 / qf.GiB, float("inf"))
+            budget = gib * (1 - qf.FIT_MARGIN)  # a 24 GB card has 24 GiB
+            tokens, name, host = best(model, world, budget, float("inf"))
             cells += [f"{tokens:,}", name.replace("micro-batch 1 x 1, ", ""), f"{host:.1f}"]
         print(f"| {world} | " + " | ".join(cells) + " |")
 
