@@ -3588,7 +3588,7 @@ def _runs_worker(rank, world, port, argvs, out_path):
     results = []
     for argv in argvs:
         summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv))
-        results.append(dict(losses=losses, adapters=fsdp.full_adapters()))
+        results.append(dict(summary=summary, losses=losses, adapters=fsdp.full_adapters()))
     torch.save(results, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
@@ -3612,13 +3612,15 @@ def qwen2_dir(tmp_path_factory):
 def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
     """--context_parallel: the loss at every step and the adapters after them (eps 1: the
     gradients) equal one process's run of the same global batch, to fp32 rounding. At world 2
-    (N = 2): with --grad_accum, --offload_activations and --dora; without checkpointing, packed
+    (N = 2): with --grad_accum, --offload_activations, --dora and --val_data (the held-out
+    loss too); without checkpointing, packed
     (documents masked across the pieces); a Qwen2 checkpoint (GQA, biases); compiled; and a run
     stopped with N = 2 and resumed with N = 1 (then 2 ranks of 1 row). At world 4: N = 4 (2 kv
     heads repeated to 4) and N = 2 with two groups."""
     argv = BASE + ["--batch_size", "2", "--steps", "3"]
     cases = {
-        "accum, offload, dora": ["--grad_accum", "2", "--offload_activations", "--dora"],
+        "accum, offload, dora, val": ["--grad_accum", "2", "--offload_activations", "--dora"]
+        + ["--val_data", qf.__file__, "--eval_seqs", "3"],
         "packed": ["--no-checkpointing", "--data", packed_file(tmp_path)] + PACK,
         "qwen2": ["--checkpoint", qwen2_dir],
         "compiled": ["--compile"],
@@ -3629,7 +3631,11 @@ def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
     split.append(argv + out + ["--resume", "--batch_size", "1"])
     *got, stopped, resumed = run_in_one_world(2, split, tmp_path)
     for result, flags in zip(got, cases.values()):
-        assert_same_run(result, run_single(argv + flags))
+        summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv + flags))
+        assert_same_run(result, dict(losses=losses, adapters=fsdp.full_adapters()))
+        if "--val_data" in flags:
+            want = pytest.approx(summary["val_loss"], rel=1e-5)
+            assert result["summary"]["val_loss"] == want
     resumed["losses"] = stopped["losses"] + resumed["losses"]
     assert_same_run(resumed, run_single(argv))
     four = [argv + ["--context_parallel", "4"], argv + ["--context_parallel", "2"]]
