@@ -2771,6 +2771,10 @@ def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache
     generator = seeded(seed, "sample")
     training = model.training
     model.eval()
+    # Every rank holds the whole sequence, not a piece of it (section 12): no split.
+    split = getattr(model, "context_parallel", None)
+    if split is not None:
+        model.context_parallel = None
     kv = KVCache(length) if cache else None
     lm = causal_lm_of(model) if cache else model
     new = []
@@ -2789,6 +2793,8 @@ def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache
                 ids = torch.cat([ids, step], dim=1)
     finally:
         model.train(training)
+        if split is not None:
+            model.context_parallel = split
     return new
 
 

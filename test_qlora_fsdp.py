@@ -3589,6 +3589,11 @@ def _runs_worker(rank, world, port, argvs, out_path):
     for argv in argvs:
         summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv))
         results.append(dict(summary=summary, losses=losses, adapters=fsdp.full_adapters()))
+        if "--sample" in argv:  # and without the cache, each step the whole sequence
+            model = fsdp.root.modules[0]
+            prompt = [5, 17, 100, 9, 31, 2]
+            for cache in (True, False):
+                results[-1][cache] = qf.generate(model, prompt, 6, cache=cache)
     torch.save(results, f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
@@ -3614,7 +3619,8 @@ def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
     gradients) equal one process's run of the same global batch, to fp32 rounding. At world 2
     (N = 2): with --grad_accum, --offload_activations, --dora and --val_data (the held-out
     loss too); without checkpointing, packed
-    (documents masked across the pieces); a Qwen2 checkpoint (GQA, biases); compiled; and a run
+    (documents masked across the pieces); a Qwen2 checkpoint (GQA, biases; its greedy sample,
+    with the KV cache and without, equals the unsplit one); compiled; and a run
     stopped with N = 2 and resumed with N = 1 (then 2 ranks of 1 row). At world 4: N = 4 (2 kv
     heads repeated to 4) and N = 2 with two groups."""
     argv = BASE + ["--batch_size", "2", "--steps", "3"]
@@ -3622,7 +3628,7 @@ def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
         "accum, offload, dora, val": ["--grad_accum", "2", "--offload_activations", "--dora"]
         + ["--val_data", qf.__file__, "--eval_seqs", "3"],
         "packed": ["--no-checkpointing", "--data", packed_file(tmp_path)] + PACK,
-        "qwen2": ["--checkpoint", qwen2_dir],
+        "qwen2": ["--checkpoint", qwen2_dir, "--sample", "6", "--prompt", "5, 17,100"],
         "compiled": ["--compile"],
     }
     split = [argv + flags + ["--context_parallel", "2"] for flags in cases.values()]
@@ -3636,6 +3642,9 @@ def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
         if "--val_data" in flags:
             want = pytest.approx(summary["val_loss"], rel=1e-5)
             assert result["summary"]["val_loss"] == want
+        if "--sample" in flags:  # whole sequences, the split set aside; with the cache and not
+            assert result["summary"]["sample"] == summary["sample"]
+            assert result[False] == result[True]
     resumed["losses"] = stopped["losses"] + resumed["losses"]
     assert_same_run(resumed, run_single(argv))
     four = [argv + ["--context_parallel", "4"], argv + ["--context_parallel", "2"]]
