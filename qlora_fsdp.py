@@ -2412,7 +2412,7 @@ class DoRALinear(LoRALinear):
     """QDoRA's layer: LoRALinear's (the same arguments, and from_linear) plus a trainable fp32
     magnitude, lora_magnitude_vector (out,), that starts at W's row norms (PEFT's use_dora).
     weight_norm_sq, ||W_i||^2, is a buffer outside state_dict, taken whenever W is set: built,
-    loaded by load_state_dict, or by section 14's load_weights (sharded)."""
+    loaded by load_state_dict, or by section 14's load_weights (sharded or not)."""
 
     def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, **kw):
         super().__init__(in_features, out_features, rank, alpha, dropout, **kw)
@@ -2432,8 +2432,8 @@ class DoRALinear(LoRALinear):
         self.lora_magnitude_vector = nn.Parameter(self.weight_norm_sq.sqrt())
 
     def weight_loaded(self, weight):
-        """W (an NF4Tensor) was set: by this module, or by a sharded load, whose full W passes
-        only there. Its row norms follow."""
+        """W (an NF4Tensor) was set: by this module, or from outside it by a load (section 13's),
+        through which alone the full W passes. Its row norms follow."""
         self.weight_norm_sq = squared_row_norms(weight, self.compile_kernels)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -3546,8 +3546,9 @@ def check_fits(args, config, world, device):
 # -----------------------------------------------------------------------------
 # 14. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
 # -----------------------------------------------------------------------------
-# Needs: import io, json, math, os, re, shutil, functools, numpy as np, torch, torch.distributed as
-# dist; from dataclasses import fields; from typing import NamedTuple; from above: sections 1-13.
+# Needs: import io, json, math, os, re, shutil, functools, time, numpy as np, torch,
+# torch.distributed as dist, torch.nn as nn; from dataclasses import fields; from typing import
+# NamedTuple; from above: sections 1-13.
 #
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]},
@@ -3890,19 +3891,17 @@ def load_checkpoint(path, config):
 
 def initial_weights(shapes, seed, device="cpu", magnitudes=None):
     """(name, full tensor) of parameters with no checkpoint, as the modules draw them, one
-    at a time from generators seeded by name on `device` (the adapters' on the CPU).
+    at a time from generators seeded by name on `device` (lora_A's on the CPU).
     magnitudes: DoRA's, dora_magnitudes(model), once the base is loaded."""
     for name, shape in shapes.items():
         if name.endswith("lora_magnitude_vector"):  # W's row norms
             yield name, magnitudes[name].cpu()
         elif name.endswith("lora_A"):
             yield name, lora_A_init(shape, seeded(seed, name))
-        elif name.endswith("lora_B"):  # B = 0: the model starts as the base
-            yield name, torch.zeros(shape)
+        elif name.endswith(("lora_B", ".bias")):  # B = 0: the model starts as the base
+            yield name, torch.zeros(shape, device=device)
         elif "norm" in name:
             yield name, torch.ones(shape, device=device)
-        elif name.endswith(".bias"):
-            yield name, torch.zeros(shape, device=device)
         elif "embed_tokens" in name:  # N(0, 1)
             generator = seeded(seed, name, device=device)
             yield name, torch.randn(shape, generator=generator, device=device)
@@ -3910,20 +3909,92 @@ def initial_weights(shapes, seed, device="cpu", magnitudes=None):
             yield name, random_weight(shape, seeded(seed, name, device=device))
 
 
-def load_weights(fsdp, tensors, compile=None):
-    """Each (name, full tensor) into this rank's pieces: a frozen one in the compute dtype
-    (an NF4 weight quantized), a trainable one into its fp32 master as it is. A DoRA layer
-    takes its W's row norms here, where the whole of W passes."""
+def load_weights(model, params, tensors, put, device):
+    """Each (name, full tensor) put in place by put(name, t) as its parameter in `params` (the
+    model's, as built on "meta") is to be: in its dtype, on `device`, an NF4 weight quantized as
+    its module quantizes. A DoRA layer takes its W's row norms here, where the whole of W passes."""
     for name, t in tensors:
-        p = fsdp.param_of[name][1]
-        if not p.trainable:
-            t = t.to(fsdp.device, fsdp.compute_dtype)
-        if p.subclass:  # an NF4 weight
-            t = to_nf4(t, compile=compile)
-            for module, _ in p.places:
-                if isinstance(module, DoRALinear):
-                    module.weight_loaded(t)
-        fsdp.load_full(name, t)
+        p = params[name]
+        t = t.to(device, p.dtype)
+        if isinstance(p, NF4Tensor):
+            module = model.get_submodule(name.rpartition(".")[0])
+            t = to_nf4(t, compile=module.compile_kernels)
+            if isinstance(module, DoRALinear):
+                module.weight_loaded(t)
+        put(name, t)
+
+
+def _assign(model, name, t):
+    """t in place of the parameter `name` of a model built on "meta", trainable if that was."""
+    path, _, attr = name.rpartition(".")
+    trainable = model.get_parameter(name).requires_grad
+    setattr(model.get_submodule(path), attr, nn.Parameter(t, requires_grad=trainable))
+
+
+def _finite(tensors, path):
+    """The (name, tensor) stream of the checkpoint at `path`, each checked for inf and NaN."""
+    for name, t in tensors:
+        require(t.isfinite().all(), f"{path}: tensor {name} holds inf or NaN")
+        yield name, t
+
+
+PROGRESS_S = 10.0  # seconds between progress lines (loading here; tokenizing, a run below)
+
+
+def progress(items, what, total, nbytes, compiling=False):
+    """(name, tensor) items as they come, with a line on rank 0 every PROGRESS_S: done, and
+    from the second line the rate since the line before and the time left (the first's time
+    holds the fixed costs: `compiling` says they include the kernels' compiles); one more line
+    at the end."""
+    start = time.perf_counter()
+    said = None  # (time, bytes) at the last line
+    n = 0
+    done = 0
+    for n, (name, t) in enumerate(items, 1):
+        done += t.nbytes  # the bytes read (in a checkpoint's dtype) or drawn
+        yield name, t
+        now = time.perf_counter()
+        if now - (said[0] if said else start) < PROGRESS_S:
+            continue
+        line = f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}"
+        if said and now > said[0]:
+            rate = (done - said[1]) / (now - said[0])
+            left = max(0, nbytes - done) / max(rate, 1e-9)
+            line += f", {fmt_bytes(rate)}/s, {left:.0f} s left"
+        elif compiling:
+            line += ", compiling the NF4 kernels"
+        said = (now, done)
+        print0(line)
+    seconds = max(time.perf_counter() - start, 1e-9)
+    print0(
+        f"{what}: {n:,} tensors, {fmt_bytes(done)} in {seconds:.1f} s "
+        f"({fmt_bytes(done / seconds)}/s)"
+    )
+
+
+def load_model(make, seed, device, checkpoint=None, path=None, shard=None):
+    """(model, fsdp): make() built on "meta", then filled one full tensor at a time, never a bf16
+    model: the base, `checkpoint`'s (load_checkpoint(path)'s) or drawn, then fresh adapters (after
+    it: DoRA's magnitudes start at its W's row norms). shard: FSDP's keywords; an FSDP made first
+    keeps this rank's pieces of each tensor. Without it the model is whole, and fsdp None."""
+    with torch.device("meta"):
+        model = make()
+    params = dict(model.named_parameters())  # what each is to be, read before FSDP takes them
+    fsdp = FSDP(model, model.units(), device, model.dtype, **shard) if shard else None
+    put = functools.partial(_assign, model) if fsdp is None else fsdp.load_full
+    shapes = {name: p.shape for name, p in params.items() if not p.requires_grad}
+    what = f"loading {path}" if checkpoint is not None else "drawing a random base"
+    if checkpoint is None:  # a random base, drawn in fp32
+        nbytes = 4 * sum(map(math.prod, shapes.values()))
+        checkpoint = Checkpoint(initial_weights(shapes, seed, device), nbytes)
+    compiling = model.lm_head.compile_kernels  # the NF4 kernels compile as the first loads
+    items = _finite(checkpoint.tensors, path)
+    base = progress(items, what, len(shapes), checkpoint.nbytes, compiling)
+    load_weights(model, params, base, put, device)
+    adapters = {name: p.shape for name, p in params.items() if p.requires_grad}
+    adapters = initial_weights(adapters, seed, magnitudes=dora_magnitudes(model))
+    load_weights(model, params, adapters, put, device)
+    return model, fsdp
 
 
 def from_pretrained(
@@ -3938,26 +4009,13 @@ def from_pretrained(
     dora=False,
 ):
     """A CausalLM (Llama, Mistral, Qwen2, Qwen3) with fresh adapters (DoRA's with dora) from a
-    Hugging Face directory, unsharded: built on "meta", each weight put in place (quantized) as
-    it is read, so that memory stays near the NF4 size, never a bf16 model's."""
+    Hugging Face directory: load_model's, unsharded (memory stays near the NF4 size)."""
     config_path = os.path.join(path, "config.json")
     config = config_from_hf(read_json(config_path), config_path)
-    device = torch.device(device or "cpu")
     checkpoint = load_checkpoint(path, config)  # every header checked
-    with torch.device("meta"):
-        lora = (lora_rank, lora_alpha, lora_dropout)
-        model = CausalLM(config, dtype, *lora, nf4_head=nf4_head, dora=dora)
-    nf4 = {n for n, p in model.named_parameters() if isinstance(p, NF4Tensor)}
-    for name, t in checkpoint.tensors:
-        t = t.to(device, dtype)
-        if name in nf4:  # NF4Linear quantizes its own; an NF4 lm_head is quantized here
-            t = to_nf4(t)
-        model.load_state_dict({name: t}, strict=False, assign=True)
-    adapters = {n: p.shape for n, p in model.named_parameters() if p.requires_grad}
-    drawn = initial_weights(adapters, seed, magnitudes=dora_magnitudes(model))
-    drawn = {n: t.to(device) for n, t in drawn}
-    model.load_state_dict(drawn, strict=False, assign=True)
-    return model
+    lora = (lora_rank, lora_alpha, lora_dropout)
+    make = functools.partial(CausalLM, config, dtype, *lora, nf4_head=nf4_head, dora=dora)
+    return load_model(make, seed, device or "cpu", checkpoint, path)[0]
 
 
 # Llama's (section 7), as the API has it: registered here, where the reader is.
@@ -4205,7 +4263,7 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # Needs: import datetime, functools, hashlib, json, os, re, time, numpy as np, torch; from
 # typing import NamedTuple, Optional; from above: UserError, require, read_json, get_batch,
-# Batch, IGNORE_INDEX.
+# Batch, IGNORE_INDEX, PROGRESS_S.
 #
 # With --checkpoint, a data file is plain text (one example: the whole file) or .jsonl, one
 # example a line, as TRL's SFTTrainer, torchtune and axolotl take them:
@@ -4231,7 +4289,6 @@ TOKENIZER_FILES = (
     "config.json generation_config.json"
 ).split()
 CACHE_VERSION = 1  # bump when a rule below changes what a file tokenizes to
-PROGRESS_S = 10.0  # seconds between progress lines (here and in a run)
 TOKENIZE_BATCH = 1024  # examples per encode_batch call: enough to keep its threads busy
 PIECE = 1 << 20  # characters: a longer text is encoded in pieces of about this size
 
@@ -4722,7 +4779,7 @@ def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
 # -----------------------------------------------------------------------------
 # 16. A run: data files, evaluation, metrics, progress, set-up and summary
 # -----------------------------------------------------------------------------
-# Needs: import bisect, contextlib, functools, json, math, os, resource, shlex, signal, sys,
+# Needs: import bisect, contextlib, functools, json, os, resource, shlex, signal, sys,
 # tempfile, threading, time, numpy as np, torch, torch.distributed as dist; from typing import
 # NamedTuple, Optional; from torch.distributed.device_mesh import init_device_mesh; from
 # above: GiB, sections 1-15.
@@ -5079,45 +5136,21 @@ def sparkline(values, width=40):
     return "".join(bars[min(7, int((v - lo) / span * 8))] for v in means)
 
 
-def progress(items, what, total, nbytes, compiling=False):
-    """(name, tensor) items as they come, with a line on rank 0 every PROGRESS_S: done, and
-    from the second line the rate since the line before and the time left (the first's time
-    holds the fixed costs: `compiling` says they include the kernels' compiles); one more line
-    at the end."""
-    start = time.perf_counter()
-    said = None  # (time, bytes) at the last line
-    n = 0
-    done = 0
-    for n, (name, t) in enumerate(items, 1):
-        done += t.nbytes  # the bytes read (in a checkpoint's dtype) or drawn
-        yield name, t
-        now = time.perf_counter()
-        if now - (said[0] if said else start) < PROGRESS_S:
-            continue
-        line = f"{what}: {n:,}/{total:,} tensors, {fmt_bytes(done)} of {fmt_bytes(nbytes)}"
-        if said and now > said[0]:
-            rate = (done - said[1]) / (now - said[0])
-            left = max(0, nbytes - done) / max(rate, 1e-9)
-            line += f", {fmt_bytes(rate)}/s, {left:.0f} s left"
-        elif compiling:
-            line += ", compiling the NF4 kernels"
-        said = (now, done)
-        print0(line)
-    seconds = max(time.perf_counter() - start, 1e-9)
-    print0(
-        f"{what}: {n:,} tensors, {fmt_bytes(done)} in {seconds:.1f} s "
-        f"({fmt_bytes(done / seconds)}/s)"
-    )
-
-
 def build(args, config, device, checkpoint=None):
-    """(model, fsdp), as section 8's build_sharded, but built on "meta" and its base loaded one
-    weight at a time: `checkpoint`'s (load_checkpoint's, checked finite), or drawn."""
-    dtype = DTYPES[args.dtype]
+    """(model, fsdp), as section 8's build_sharded, but load_model's (`checkpoint`: the base, or
+    None), sharded over an HSDP mesh where --shard_size asks; then the blocks set up to run."""
+    world = world_and_rank()[0]
+    shard = shard_size(args, world)
+    mesh = None
+    if shard < world:  # HSDP: the groups of shard ranks replicate
+        shape = (world // shard, shard)
+        names = ("dp_replicate", "dp_shard")
+        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
     lora = (args.lora_rank, args.lora_alpha, args.lora_dropout)
     kw = dict(compile=args.compile, nf4_head=args.nf4_head, dora=args.dora)
-    with torch.device("meta"):
-        model = CausalLM(config, dtype, *lora, **kw)
+    make = functools.partial(CausalLM, config, DTYPES[args.dtype], *lora, **kw)
+    sharding = dict(offload=args.cpu_offload, mesh=mesh)
+    model, fsdp = load_model(make, args.seed, device, checkpoint, args.checkpoint, sharding)
     model.checkpointing = args.checkpointing
     model.context_parallel = context_groups(args.context_parallel)
     if args.offload_activations:
@@ -5133,26 +5166,6 @@ def build(args, config, device, checkpoint=None):
         if model.offload_activations is not None:  # outside the compiled code
             forward = model.offload_activations.around(forward)
         layer.forward = forward
-    world = world_and_rank()[0]
-    shard = shard_size(args, world)
-    mesh = None
-    if shard < world:  # HSDP: the groups of shard ranks replicate
-        shape = (world // shard, shard)
-        names = ("dp_replicate", "dp_shard")
-        mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    fsdp = FSDP(model, model.units(), device, dtype, offload=args.cpu_offload, mesh=mesh)
-    shapes = fsdp.base_shapes()
-    what = f"loading {args.checkpoint}"
-    if checkpoint is None:  # a random base, drawn in fp32
-        what = "drawing a random base"
-        nbytes = 4 * sum(map(math.prod, shapes.values()))
-        checkpoint = Checkpoint(initial_weights(shapes, args.seed, device), nbytes)
-    items = _finite(checkpoint.tensors, args)
-    tensors = progress(items, what, len(shapes), checkpoint.nbytes, args.compile)
-    load_weights(fsdp, tensors, args.compile)
-    magnitudes = dora_magnitudes(model)  # W's row norms, taken as W loaded
-    adapters = initial_weights(fsdp.adapter_shapes(), args.seed, magnitudes=magnitudes)
-    load_weights(fsdp, adapters, args.compile)
     return model, fsdp
 
 
@@ -5166,14 +5179,6 @@ def _input_needs_grad(forward):
         return forward(x, *args)
 
     return first
-
-
-def _finite(tensors, args):
-    """The (name, tensor) stream, each tensor checked for inf and NaN."""
-    for name, t in tensors:
-        finite = t.isfinite().all()
-        require(finite, f"--checkpoint {args.checkpoint}: tensor {name} holds inf or NaN")
-        yield name, t
 
 
 def configure_cuda_allocator():

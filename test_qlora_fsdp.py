@@ -5130,7 +5130,7 @@ def _bad(tmp_path, hf_dir, case):
     if case == "non-finite weight":
         return ckpt(
             sd={**sd, "model.norm.weight": torch.full((128,), float("inf"), dtype=torch.bfloat16)}
-        ), "tensor model.norm.weight holds inf or NaN"
+        ), f"{d}: tensor model.norm.weight holds inf or NaN"
     if case == "non-finite loss":  # step 1's update, at this learning rate, overflows the adapters
         return ["--lr", "1e38"], "loss is nan at step 2; stopped before updating"
     raise AssertionError(case)
