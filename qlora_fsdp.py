@@ -1131,7 +1131,6 @@ class FullyShard:
             self.units.append(ShardedUnit(self, i, name, group, params[i], not last))
         self.all_units = [self.root] + self.units
         self.trained = [u for u in self.all_units if u.master is not None]
-        self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
 
     def parameters(self):
         """The trainable parameters: this rank's pieces, as model.parameters() gives them."""
@@ -2081,6 +2080,7 @@ class FSDP(FullyShard):
         self.waits = []  # (start, end) of each wait, while time_waits
         shard = (compute_dtype, offload, group, replicate_group, cast_forward_inputs)
         super().__init__(model, units, device, *shard)
+        self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
         # Buffers are not sharded: they move to the device, as FSDP2 moves them (one on "meta"
         # is made there, for its module to fill as its weights load).
         for module in model.modules():
