@@ -358,8 +358,7 @@ class NF4Tensor(torch.Tensor):
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        tensors = [inner[name] for name in NF4Tensor.INNER]
-        return NF4Tensor(tensors, *meta)
+        return NF4Tensor([inner[name] for name in NF4Tensor.INNER], *meta)
 
     def _stable_hash_for_caching(self):
         """The key torch.compile's cache files this tensor under: its layout, not its data."""
@@ -417,8 +416,7 @@ NF4_OPS = {
 def to_nf4(weight, block_size=64, scaler_block_size=256, compile=None):
     """Quantize a float tensor to an NF4Tensor that reports weight's shape and dtype."""
     inner = quantize_nf4(weight, block_size, scaler_block_size, compile)
-    blocks = (block_size, scaler_block_size)
-    return NF4Tensor(inner, weight.shape, weight.dtype, *blocks)
+    return NF4Tensor(inner, weight.shape, weight.dtype, block_size, scaler_block_size)
 
 
 # y = x W^T with W frozen in NF4, as a custom op whose backward, grad_x = grad_y W, is the
@@ -436,8 +434,7 @@ def _matmul_nf4(
 ) -> torch.Tensor:
     """x W^T (..., in) -> (..., out) if transpose, else x W; sizes: out, the block sizes."""
     out_features, block_size, scaler_block_size = sizes
-    blocks = (block_size, scaler_block_size)
-    w = dequantize_nf4(*inner, *blocks, x.dtype, compile)
+    w = dequantize_nf4(*inner, block_size, scaler_block_size, x.dtype, compile)
     w = w.view(out_features, -1)  # (out, in)
     return x @ (w.T if transpose else w)
 
@@ -638,6 +635,7 @@ class _Slot:
             per_16_bytes = 16 // math.gcd(16, dtype.itemsize)
             self.shard_numel = -(-self.shard_numel // per_16_bytes) * per_16_bytes
         self.nbytes = self.shard_numel * dtype.itemsize
+        self.got = False  # a trainable one: a gradient reached it in this backward
 
     def piece(self, full):
         """This rank's piece of a full tensor of this shape: flat, zero padded."""
@@ -656,20 +654,18 @@ class _Param:
         self.shape = tuple(p.shape)
         self.subclass = hasattr(p, "__tensor_flatten__")
         self.trainable = p.requires_grad and not self.subclass
-        names = [fqn]
         if self.subclass:
             # What rebuilds it, never p itself: the unit must not keep the original alive.
             self.inner_names, self.flatten_meta = p.__tensor_flatten__()
             self.cls = type(p)
             self.stride = p.stride()
-            names = [f"{fqn}.{inner}" for inner in self.inner_names]
+        names = [f"{fqn}.{inner}" for inner in self.inner_names] if self.subclass else [fqn]
         self.slots = []
         for name, t in zip(names, self.flatten(p)):
             dtype = t.dtype
             if t.is_floating_point() and not self.subclass:
                 dtype = fsdp.compute_dtype or dtype
             self.slots.append(_Slot(name, t, dtype, self.trainable, fsdp.world, fsdp.rank))
-        self.value = None  # the full parameter, rebuilt from the full slots
 
     def flatten(self, t):
         if self.subclass:
@@ -680,8 +676,7 @@ class _Param:
         if not self.subclass:
             return tensors[0]
         inner = dict(zip(self.inner_names, tensors))
-        unflatten = self.cls.__tensor_unflatten__
-        return unflatten(inner, self.flatten_meta, self.shape, self.stride)
+        return self.cls.__tensor_unflatten__(inner, self.flatten_meta, self.shape, self.stride)
 
     @torch.no_grad()
     def keep(self, full):
@@ -768,13 +763,9 @@ class _Use:
 
     def __init__(self):
         self.ran = set()  # the modules called in it
-        self.nodes = 0  # _PostBackward nodes made on its calls' inputs
-        self.nodes_done = 0  # of those, the ones whose backward has run
+        self.nodes = 0  # _PostBackward nodes made on its calls' inputs, less those that ran
         self.unsignalled = False  # a call made no node
         self.started = False  # a gradient reached one of its outputs: its backward began
-
-    def done(self):
-        return not self.unsignalled and self.nodes_done == self.nodes
 
 
 class ShardedUnit:
@@ -788,12 +779,8 @@ class ShardedUnit:
         self.modules = modules
         self.reshard_after_forward = reshard_after_forward
         self.params = [_Param(fqn, places, p, fsdp) for fqn, places, p in params]
-        all_slots = [slot for p in self.params for slot in p.slots]
-        self.slots = sorted(all_slots, key=_layout_order)
+        self.slots = sorted([s for p in self.params for s in p.slots], key=_layout_order)
         self.adapters = [slot for slot in self.slots if slot.trainable]
-        for slot in self.adapters:
-            slot.got = False  # a gradient reached it in this backward
-        self._lay_out()
         self._allocate()
         self._take_over([p for _, _, p in params])
         self.gathered = False
@@ -806,21 +793,17 @@ class ShardedUnit:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)
 
-    def _lay_out(self):
-        """Each slot's offset in the shard bytes; a trainable one's start in the master."""
-        offset = 0
-        start = 0
-        for slot in self.slots:
-            slot.offset = offset
-            offset += slot.nbytes
-            if slot.trainable:
-                slot.start = start
-                start += slot.shard_numel
-        self.unit_bytes = offset
-        self.master_numel = start
-
     def _allocate(self):
-        """The shard bytes and fp32 master, and the full tensors as views of one storage."""
+        """Each slot's offset in the shard bytes (a trainable one's start in the master); the
+        shard bytes and fp32 master, and the full tensors as views of one storage."""
+        self.unit_bytes = 0
+        self.master_numel = 0
+        for slot in self.slots:
+            slot.offset = self.unit_bytes
+            self.unit_bytes += slot.nbytes
+            if slot.trainable:
+                slot.start = self.master_numel
+                self.master_numel += slot.shard_numel
         fsdp = self.fsdp
         world = fsdp.world
         device = fsdp.device
@@ -835,17 +818,14 @@ class ShardedUnit:
         self.storage = flat.untyped_storage()
         for slot in self.slots:
             if slot.trainable:  # a view of the master, a parameter of its own
-                end = slot.start + slot.shard_numel
-                slot.local = nn.Parameter(self.master[slot.start : end])
+                slot.local = nn.Parameter(self.master.narrow(0, slot.start, slot.shard_numel))
             else:
-                end = slot.offset + slot.nbytes
-                slot.local = self.shard_bytes[slot.offset : end].view(slot.dtype)
-            full = torch.empty(0, dtype=slot.dtype, device=device)
-            full.set_(self.storage, world * slot.offset // slot.dtype.itemsize, slot.shape)
-            slot.full = full.requires_grad_(slot.trainable)
-            padded = torch.empty(0, dtype=torch.uint8, device=device)
-            padded.set_(self.storage, world * slot.offset, (world, slot.nbytes))
-            slot.padded_bytes = padded
+                slot.local = self.shard_bytes.narrow(0, slot.offset, slot.nbytes).view(slot.dtype)
+            slot.full = torch.empty(0, dtype=slot.dtype, device=device)
+            slot.full.set_(self.storage, world * slot.offset // slot.dtype.itemsize, slot.shape)
+            slot.full.requires_grad_(slot.trainable)
+            slot.padded_bytes = torch.empty(0, dtype=torch.uint8, device=device)
+            slot.padded_bytes.set_(self.storage, world * slot.offset, (world, slot.nbytes))
         self.storage.resize_(0)
 
     def _take_over(self, originals):
@@ -856,7 +836,7 @@ class ShardedUnit:
         for p, original in zip(self.params, originals):
             if original.device.type != "meta":  # on "meta": loaded later (section 16)
                 p.keep(original)
-            p.value = p.unflatten([slot.full for slot in p.slots])
+            p.value = p.unflatten([slot.full for slot in p.slots])  # the full parameter
             for module, attr in p.places:
                 module._parameters.pop(attr, None)
                 if p.trainable:
@@ -865,8 +845,7 @@ class ShardedUnit:
 
     def _version(self):
         """Moves whenever this rank's pieces are written (an optimizer step, a load)."""
-        master_version = self.master._version if self.master is not None else None
-        return self.shard_bytes._version, master_version
+        return self.shard_bytes._version, getattr(self.master, "_version", None)
 
     def prefetch(self):
         """Issue this unit's all-gather, unless it is gathered or in flight already."""
@@ -874,8 +853,7 @@ class ShardedUnit:
         if self.gathered or self.inflight is not None or not self.slots:
             return
         # The receive buffer belongs to the compute stream, which reads and frees it.
-        size = fsdp.world * self.unit_bytes
-        out = torch.empty(size, dtype=torch.uint8, device=fsdp.device)
+        out = torch.empty(fsdp.world * self.unit_bytes, dtype=torch.uint8, device=fsdp.device)
         # On the side stream, after the optimizer's last update: the shard's copy to the
         # GPU (with offload), the masters' cast, the all-gather, overlapping compute.
         with _side(fsdp.side_stream), torch.profiler.record_function("fsdp::all_gather"):
@@ -902,18 +880,17 @@ class ShardedUnit:
         if self.gathered or not self.slots:
             return
         self.prefetch()
-        inflight = self.inflight
-        self.inflight = None
-        self.fsdp.wait(inflight.work, "fsdp::wait_all_gather")
+        self.fsdp.wait(self.inflight.work, "fsdp::wait_all_gather")
         world = self.fsdp.world
         with torch.no_grad(), torch.profiler.record_function("fsdp::copy_out"):
             self.storage.resize_(world * self.unit_bytes)
             torch.split_with_sizes_copy(
-                inflight.output.view(world, self.unit_bytes),
+                self.inflight.output.view(world, self.unit_bytes),
                 [slot.nbytes for slot in self.slots],
                 dim=1,
                 out=[slot.padded_bytes for slot in self.slots],
             )
+        self.inflight = None  # the receive buffer goes
         for module, attr, value in self.places:
             module.__dict__[attr] = value  # as long as the full tensors exist
         # A trainable tensor gets a gradient only while its parameter asks for one.
@@ -936,35 +913,31 @@ class ShardedUnit:
     # in the form torch uses itself, which imports the compiler at the first call, not here.
     @torch._disable_dynamo
     def _pre_forward(self, module, args, kwargs):
+        self.gather()
         # A recompute inside backward (a checkpoint around the module) needs the weights
         # only: its backward was set up by the forward it repeats.
         if torch._C._current_graph_task_id() != -1:
-            self.gather()
             return args, kwargs
         if self.index < 0:  # the root: a new forward of the whole model
             args, kwargs = self.fsdp.cast_inputs(args, kwargs)
             for unit in self.fsdp.all_units:
                 unit.use = None
-        self.gather()
         if self.index + 1 < len(self.fsdp.units):
             self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
         # A module called again starts another pass through the unit.
         if self.use is None or module in self.use.ran:
             self.use = _Use()
         self.use.ran.add(module)
-        if torch.is_grad_enabled():
-            args, kwargs = self._mark_inputs(self.use, args, kwargs)
-        return args, kwargs
-
-    def _mark_inputs(self, use, args, kwargs):
-        """The inputs that need a gradient, passed through a _PostBackward node of `use`."""
+        if not torch.is_grad_enabled():
+            return args, kwargs
+        # The inputs that need a gradient pass through a _PostBackward node of the use.
         leaves, spec = pytree.tree_flatten((args, kwargs))
         need = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
         if not need:
-            use.unsignalled = True
+            self.use.unsignalled = True
             return args, kwargs
-        use.nodes += 1
-        wrapped = _PostBackward.apply(self, use, *(leaves[i] for i in need))
+        self.use.nodes += 1
+        wrapped = _PostBackward.apply(self, self.use, *(leaves[i] for i in need))
         for i, t in zip(need, wrapped):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)
@@ -995,16 +968,14 @@ class ShardedUnit:
             return
         use.started = True
         self.started.append(use)
-        if self.index > 0:
-            previous = self.fsdp.units[self.index - 1]
-            if previous.needs_backward:
-                previous.prefetch()  # the unit whose backward comes next
+        previous = self.fsdp.units[self.index - 1] if self.index > 0 else None
+        if previous is not None and previous.needs_backward:
+            previous.prefetch()  # the unit whose backward comes next
 
     def node_done(self, use):
-        """A _PostBackward node of `use` has run; if no use is left in backward, nor is the
-        unit's."""
-        use.nodes_done += 1
-        if use.started and use.done():
+        """A _PostBackward node of `use` ran; when no use is left in backward, the unit's ends."""
+        use.nodes -= 1
+        if use.started and not use.unsignalled and use.nodes == 0:
             self.started.remove(use)
             if not self.started:
                 self.post_backward()
@@ -1015,19 +986,17 @@ class ShardedUnit:
             use.started = False  # over for this backward; another may reach it again
         self.started = []
         self.needs_backward = False
-        grads = [slot.full.grad for slot in self.adapters]
         # A unit may reduce more than once in one backward (a use over early, another one
         # later): a slot that a gradient reached in any of them gets each reduction added,
         # the zeros that stood in for it included; one that none reached keeps its .grad.
-        for slot, g in zip(self.adapters, grads):
-            slot.got |= g is not None
+        grads = [slot.full.grad for slot in self.adapters]
         if any(g is not None for g in grads):
             filled = []
             for slot, g in zip(self.adapters, grads):
+                slot.got |= g is not None
+                slot.full.grad = None
                 filled.append(torch.zeros_like(slot.full) if g is None else g)
             self.fsdp.reduce(self, filled)
-            for slot in self.adapters:
-                slot.full.grad = None
         self.free()
 
 
@@ -1040,12 +1009,11 @@ def _find_params(model, groups):
     found = {}
 
     def visit(module, prefix, unit, top=""):
-        if module in owner and owner[module] == unit:
-            inner = prefix[:-1]
-            raise ValueError(
-                f"FSDP: a unit lists {inner} and {top}, which holds it; list only {top}"
-            )
         if module in owner:
+            if owner[module] == unit:
+                raise ValueError(
+                    f"FSDP: a unit lists {prefix[:-1]} and {top}, which holds it; list only {top}"
+                )
             unit = owner[module]
             top = prefix[:-1]
         for attr, p in module._parameters.items():
@@ -1073,8 +1041,8 @@ class FullyShard:
     other parameter of `model` forms the root unit, gathered for the whole forward.
     compute_dtype (FSDP2's param_dtype): frozen floating tensors are kept and gathered in it,
     trainable ones gathered in it from fp32 masters, the root's floating inputs cast to it
-    (cast_forward_inputs); gradients reduce in fp32. offload: shards, masters and AdamW on
-    the host. replicate_group: hybrid sharding (HSDP), the ranks that hold the same pieces.
+    (FSDP2's cast_forward_inputs); gradients reduce in fp32. offload: shards, masters and
+    AdamW on the host.
 
         fsdp = FullyShard(model, model.units(), "cuda", torch.bfloat16)
         optimizer = ForeachAdamW(fsdp.parameters())  # the pieces: make it after sharding
@@ -1091,30 +1059,20 @@ class FullyShard:
         compute_dtype=None,
         offload=False,
         group=None,
-        replicate_group=None,
-        cast_forward_inputs=True,
     ):
-        device = torch.device(device)
-        self.device = device
+        self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.offload = offload
         self.group = group
-        self.replicate_group = replicate_group
-        self.cast_forward_inputs = cast_forward_inputs
         self.world = dist.get_world_size(group) if dist.is_initialized() else 1
         self.rank = dist.get_rank(group) if dist.is_initialized() else 0
-        self.store_device = torch.device("cpu") if offload else device
+        self.store_device = torch.device("cpu") if offload else self.device
         self.pending = None  # the reduce-scatter in flight, a _Reduction
         self.arrived = []  # reduced gradient pieces to add at the end of backward
         self.task = None  # the backward pass whose end is queued
         # On CUDA the all-gathers and host copies go on a side stream, to overlap compute.
-        cuda = device.type == "cuda"
-        self.side_stream = torch.cuda.Stream(device) if cuda else None
+        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
-        self._make_units(model, groups)
-
-    def _make_units(self, model, groups):
-        """self.units: one per group of modules; self.root: the other parameters'."""
         names = {m: name for name, m in model.named_modules()}
         outside = [type(m).__name__ for group in groups for m in group if m not in names]
         if outside:
@@ -1143,7 +1101,7 @@ class FullyShard:
     def cast_inputs(self, args, kwargs):
         """The root's floating-point inputs in compute_dtype (FSDP2's cast_forward_inputs)."""
         dtype = self.compute_dtype
-        if dtype is None or not self.cast_forward_inputs:
+        if dtype is None:
             return args, kwargs
 
         def cast(t):
@@ -1156,8 +1114,7 @@ class FullyShard:
         task = torch._C._current_graph_task_id()
         if task != self.task:
             self.task = task
-            engine = torch.autograd.Variable._execution_engine
-            engine.queue_callback(self._end_of_backward)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self):
         """Reduce every unit still in backward (one whose use made no node; the root), add each
@@ -1170,22 +1127,18 @@ class FullyShard:
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
         for arrived in self.arrived:
-            for slot in arrived.unit.adapters:
+            # A slot that no gradient reached keeps its .grad (None).
+            for slot in [s for s in arrived.unit.adapters if s.got]:
                 grad = arrived.output[slot.start : slot.start + slot.shard_numel]
-                if slot.got:  # one that no gradient reached keeps its .grad (None)
-                    self.add_grad(slot, grad)
+                if slot.local.grad is None:  # a view of the reduction
+                    slot.local.grad = grad
+                else:
+                    slot.local.grad.add_(grad)
         self.arrived = []
         for unit in self.all_units:
             for slot in unit.adapters:
                 slot.got = False  # the next backward starts afresh
         self.reshard()
-
-    def add_grad(self, slot, grad):
-        """A piece's reduced gradient into its .grad: a view of the reduction, or added."""
-        if slot.local.grad is None:
-            slot.local.grad = grad
-        else:
-            slot.local.grad.add_(grad)
 
     def reduce(self, unit, grads):
         """Issue unit's fp32 reduce-scatter, one at a time; its input (world, master numel),
@@ -1213,18 +1166,9 @@ class FullyShard:
         self.arrived.append(pending._replace(work=None, output=grad, input=None))
 
     def reduced(self, grad):
-        """A reduce-scatter's output as the mean over ranks, as FSDP2's gradients; with HSDP
-        then the mean over the replicas, an all-reduce of the adapters' gradient pieces: all
-        that crosses between groups."""
+        """A reduce-scatter's output as the mean over ranks, as FSDP2's gradients."""
         if not _averages(self.group):
             grad.div_(self.world)  # gloo summed
-        replicas = self.replicate_group
-        if replicas is not None:
-            with torch.profiler.record_function("fsdp::all_reduce"):
-                op = dist.ReduceOp.AVG if _averages(replicas) else dist.ReduceOp.SUM
-                dist.all_reduce(grad, op=op, group=replicas)
-                if not _averages(replicas):
-                    grad.div_(dist.get_world_size(replicas))
         return grad
 
     def wait(self, work, label):
@@ -1436,9 +1380,7 @@ class LlamaAttention(nn.Module):
     def attend(self, q, k, v, mask):
         # Grouped-query attention: each of the nkv heads serves nh / nkv query heads.
         gqa = self.n_kv != self.n_heads
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, mask, is_causal=mask is None, enable_gqa=gqa)
 
 
 class LlamaMLP(nn.Module):
@@ -1698,8 +1640,7 @@ def build_sharded(config, args, device, state_dict=None):
     if args.compile:  # each block's forward, its checkpoint included; hooks stay eager
         for layer in model.model.layers:
             layer.forward = torch.compile(layer.forward)
-    fsdp = FullyShard(model, model.units(), device, dtype, offload=args.cpu_offload)
-    return model, fsdp
+    return model, FullyShard(model, model.units(), device, dtype, offload=args.cpu_offload)
 
 
 class Batch(NamedTuple):
@@ -1991,6 +1932,8 @@ NF4_OPS.update(
 #   - requires_grad_(False) after wrapping freezes a parameter; one that got no gradient
 #     keeps .grad None;
 #   - reading a sharded parameter outside its unit is a clear error;
+#   - hybrid sharding (HSDP: a mean over the replicas after the reduce-scatter), and
+#     cast_forward_inputs=False to leave the root's inputs as they are;
 #   - and the state in full, for checkpoints.
 
 
@@ -2078,8 +2021,9 @@ class FSDP(FullyShard):
             device = torch.device("cuda", torch.cuda.current_device())
         self.time_waits = False  # record each wait for a collective (the run reads them)
         self.waits = []  # (start, end) of each wait, while time_waits
-        shard = (compute_dtype, offload, group, replicate_group, cast_forward_inputs)
-        super().__init__(model, units, device, *shard)
+        self.replicate_group = replicate_group  # HSDP: the ranks that hold the same pieces
+        self.cast_forward_inputs = cast_forward_inputs
+        super().__init__(model, units, device, compute_dtype, offload, group)
         self.param_of = {p.fqn: (u, p) for u in self.all_units for p in u.params}
         # Buffers are not sharded: they move to the device, as FSDP2 moves them (one on "meta"
         # is made there, for its module to fill as its weights load).
@@ -2093,6 +2037,25 @@ class FSDP(FullyShard):
             for p in unit.params:
                 for module, attr in p.places:
                     _mark_sharded(module, attr, p.fqn)
+
+    def cast_inputs(self, args, kwargs):
+        """FullyShard's, unless cast_forward_inputs is False."""
+        if not self.cast_forward_inputs:
+            return args, kwargs
+        return super().cast_inputs(args, kwargs)
+
+    def reduced(self, grad):
+        """FullyShard's mean over the shard group; with HSDP then the mean over the replicas,
+        an all-reduce of the adapters' gradient pieces: all that crosses between groups."""
+        grad = super().reduced(grad)
+        replicas = self.replicate_group
+        if replicas is not None:
+            with torch.profiler.record_function("fsdp::all_reduce"):
+                op = dist.ReduceOp.AVG if _averages(replicas) else dist.ReduceOp.SUM
+                dist.all_reduce(grad, op=op, group=replicas)
+                if not _averages(replicas):
+                    grad.div_(dist.get_world_size(replicas))
+        return grad
 
     def _now(self):
         """A point in time: a CUDA event on the compute stream, or the host's clock."""
