@@ -4771,6 +4771,11 @@ def model_config(args):
     return name, config_from_hf(read_json(path), path)
 
 
+def is_text(path):
+    """Whether a data file is text (not .npy, .npz or .bin ids): bytes, or tokenized."""
+    return os.path.splitext(path)[1].lower() not in (".npy", ".npz", ".bin")
+
+
 def _read_token_file(path, ext, where):
     """TokenData's arrays, unchecked; .npy, .bin and .txt are memory-mapped."""
     try:
@@ -4793,11 +4798,8 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
     least seq_len + 1 tokens, every id below vocab_size."""
     where = f"{flag} {path}"
     require(os.path.isfile(path), f"{where}: no such file")
-    # The default data is this file's own bytes.
-    # Anything but .npy, .npz and .bin is raw bytes, one token each (a .txt, this README).
-    ext = os.path.splitext(path)[1].lower()
-    if ext not in (".npy", ".npz", ".bin"):
-        ext = ".txt"
+    # Text (anything but .npy, .npz and .bin) is raw bytes, one token each.
+    ext = ".txt" if is_text(path) else os.path.splitext(path)[1].lower()
     require(
         ext != ".bin" or vocab_size <= 65536,
         f"{where}: a .bin holds uint16 ids, too few for this model's {vocab_size:,}-token "
@@ -5031,6 +5033,11 @@ def check_writable(args, rank):
             tempfile.TemporaryFile(dir=existing).close()
         except OSError as e:
             problem = f"{flag} {path}: cannot be written ({e.strerror or e})"
+    require_on_all_ranks(problem)
+
+
+def require_on_all_ranks(problem):
+    """Raise, on every rank, the first rank's problem (a message; None: none)."""
     if dist.is_initialized():
         problems = [None] * dist.get_world_size()
         dist.all_gather_object(problems, problem)
@@ -5154,6 +5161,14 @@ def configure_cuda_allocator():
     (settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
 
 
+def max_over_ranks(value, device):
+    """A number's max over the ranks (as float32, on `device`, where the collective runs)."""
+    t = torch.tensor(float(value), device=device)
+    if dist.is_initialized():
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
 def peak_memory_gib(device):
     """The peak memory since reset_peak_memory, the max over ranks: the GPU memory
     allocated, or on the CPU the resident set (Linux's VmHWM)."""
@@ -5163,10 +5178,7 @@ def peak_memory_gib(device):
         with open("/proc/self/status") as f:
             line = next(line for line in f if line.startswith("VmHWM:"))
         peak = int(line.split()[1]) * 1024  # kB
-    t = torch.tensor(peak / GiB, device=device)
-    if dist.is_initialized():
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return t.item()
+    return max_over_ranks(peak / GiB, device)
 
 
 def reset_peak_memory(device):
@@ -5192,17 +5204,10 @@ def compile_counts():
     return utils.counters["frames"]["ok"], recompiles
 
 
-class StepTimes(NamedTuple):
-    """Of a step's seconds, those spent waiting for collectives and in the optimizer."""
-
-    comm_wait: float
-    optimizer: float
-
-
 class Run:
     """A run's state and what fine_tune's loop asks of it: log lines with the memory,
     metrics.jsonl, --profile's trace of steps 3-5, step 1's peaks apart, evaluations,
-    checkpoints, and the summary (with each step's StepTimes)."""
+    checkpoints, and the summary (with each step's times)."""
 
     def __init__(self, setup, model, fsdp, optimizer, start, end):
         self.setup = setup  # the flags, the device, the data, the model's config
@@ -5224,7 +5229,8 @@ class Run:
         if self.args.out and world_and_rank()[1] == 0:
             self.metrics, self.history = open_metrics(self.args.out, start)
         self.profiler = self._start_profiler() if self.args.profile else None
-        self.times = []  # StepTimes of each step
+        # Each step's seconds: in all, waiting for collectives, in the optimizer.
+        self.times = []
         self.optimizer_seconds = 0.0  # of the step in progress
         fsdp.time_waits = True
         optimizer.register_step_pre_hook(self._optimizer_starts)
@@ -5246,11 +5252,8 @@ class Run:
         allocated = peak_memory_gib(self.device)
         if self.device.type != "cuda":
             return allocated, allocated
-        reserved = torch.tensor(torch.cuda.max_memory_reserved(self.device) / GiB)
-        if dist.is_initialized():
-            reserved = reserved.to(self.device)
-            dist.all_reduce(reserved, op=dist.ReduceOp.MAX)
-        return allocated, reserved.item()
+        reserved = torch.cuda.max_memory_reserved(self.device) / GiB
+        return allocated, max_over_ranks(reserved, self.device)
 
     def record(self, **fields):
         """A line of metrics.jsonl, on disk at once (a crashed run keeps what it logged)."""
@@ -5283,11 +5286,12 @@ class Run:
             print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
 
     def after_step(self, r):
-        """What each step leaves: its record, its StepTimes, the profiler's step."""
+        """What each step leaves: its record, its times, the profiler's step."""
         self.step = r.step
         self.records.append(r)
         # The step is done: so are its collectives' events.
-        self.times.append(StepTimes(self.fsdp.take_comm_wait_s(), self.optimizer_seconds))
+        waits = self.fsdp.take_comm_wait_s()
+        self.times.append((r.seconds, waits, self.optimizer_seconds))
         self.optimizer_seconds = 0.0
         if self.profiler is not None:
             self.profiler.step()
@@ -5318,11 +5322,9 @@ class Run:
 
     def stop_requested(self):
         """Whether any rank received SIGINT or SIGTERM: all stop at the same step."""
-        signum = torch.tensor(float(self.signal or 0), device=self.device)
-        if dist.is_initialized():
-            dist.all_reduce(signum, op=dist.ReduceOp.MAX)
-        if signum.item():
-            self.interrupted = int(signum.item())
+        signum = max_over_ranks(self.signal or 0, self.device)
+        if signum:
+            self.interrupted = int(signum)
         return self.interrupted is not None
 
     def save(self, step):
@@ -5421,14 +5423,10 @@ class Run:
 
     def _summary(self, steady, samples):
         args = self.args
-        records = self.records
         # Medians over the steps after the first (which compiles), in ms.
-        timed = records[1:] or records
-        times = self.times[1:] or self.times
-        step_ms = float(np.median([r.seconds for r in timed])) * 1000
-        wait_ms = float(np.median([t.comm_wait for t in times])) * 1000
-        optim_ms = float(np.median([t.optimizer for t in times])) * 1000
-        tokens = records[-1].tokens
+        medians = np.median(self.times[1:] or self.times, axis=0)
+        step_ms, wait_ms, optim_ms = (float(m) * 1000 for m in medians)
+        tokens = self.records[-1].tokens
         losses, val_losses = self.curves()
         summary = dict(
             model=self.setup.name,
@@ -5488,11 +5486,6 @@ WAITING_FOR_RANKS = (
 )
 
 
-def is_text(path):
-    """Whether a data file is text (not .npy, .npz or .bin ids): bytes, or tokenized."""
-    return os.path.splitext(path)[1].lower() not in (".npy", ".npz", ".bin")
-
-
 def cache_dir():
     """Where tokenized files are kept: $XDG_CACHE_HOME/qlora_fsdp (~/.cache by default)."""
     base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
@@ -5510,11 +5503,7 @@ def tokenized(path, args, flag):
             data = tokenize_file(path, args.checkpoint, cache_dir(), say=print0)
         except UserError as e:
             problem = str(e)
-    if dist.is_initialized():  # one rank's error is every rank's
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p), None)
-    require(problem is None, problem)
+    require_on_all_ranks(problem)  # one rank's error is every rank's
     return data if first else tokenize_file(path, args.checkpoint, cache_dir())
 
 
@@ -5537,14 +5526,14 @@ def read_tokens(path, args, config, tokenizer, flag="--data"):
     examples = data.starts is not None and len(data.starts) > 1
     shuffle = flag == "--data"  # --val_data in the file's order
     if examples and not args.pack:
-        spans = document_spans(data, None, args.seq_len)
-        long = len(spans[0]) - len(data.starts)  # the pieces beyond each example's first
+        rows = PackedDocuments(data, None, args.seq_len, args.seed, shuffle, per_row=1)
+        long = len(rows.starts) - len(data.starts)  # the pieces beyond each example's first
         if long:
             print0(
                 f"{where}: {len(data.starts):,} examples, {long:,} pieces beyond --seq_len "
                 f"{args.seq_len} (a longer example is cut into pieces, a row each; --pack packs)"
             )
-        return PackedDocuments(data, None, args.seq_len, args.seed, shuffle, per_row=1)
+        return rows
     if args.pack:
         eos = None if data.starts is not None else eos_id(args)
         ok = eos is None or 0 <= eos < config.vocab_size
@@ -5555,18 +5544,6 @@ def read_tokens(path, args, config, tokenizer, flag="--data"):
         f"{where}: {len(data.ids)} tokens, fewer than --seq_len + 1 = {args.seq_len + 1}",
     )
     return data
-
-
-def read_data(args, config, tokenizer=None):
-    """(--data's, --val_data's) as get_batch takes them (read_tokens); None: none given."""
-    require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
-    data = None
-    if args.data != "dummy":
-        data = read_tokens(args.data or __file__, args, config, tokenizer)
-    val = None
-    if args.val_data:
-        val = read_tokens(args.val_data, args, config, tokenizer, "--val_data")
-    return data, val
 
 
 def checkpoint_tokenizer(args):
@@ -5634,7 +5611,14 @@ def set_up(args):
     if args.fit is not None:  # before anything reads the flags it sets
         args = fit(args, world, config, device)
     tokenizer = checkpoint_tokenizer(args)
-    data, val = read_data(args, config, tokenizer)
+    # --data (by default this file's bytes; None: random tokens) and --val_data, read.
+    require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
+    data = None
+    if args.data != "dummy":
+        data = read_tokens(args.data or __file__, args, config, tokenizer)
+    val = None
+    if args.val_data:
+        val = read_tokens(args.val_data, args, config, tokenizer, "--val_data")
     prompts = read_prompts(args, config, tokenizer) if args.sample else None
     checkpoint = None
     if args.checkpoint:
@@ -5770,15 +5754,13 @@ def where_stopped(run):
 
 
 def step_batches(data, step, args, world, rank, vocab_size):
-    """This rank's micro-batches of `step`: rows of --data (read_data's), or random tokens;
+    """This rank's micro-batches of `step`: rows of --data (read_tokens'), or random tokens;
     under --context_parallel its pieces of its group's rows."""
-    micros = range(args.grad_accum)
     rows_world, rows_rank = data_parallel(args, world, rank)
-    if data is None:
-        get = functools.partial(get_batch, None, vocab_size=vocab_size)
-    else:
+    get = functools.partial(get_batch, None, vocab_size=vocab_size)
+    if data is not None:
         get = data.batch
-    batches = [get(step, m, args, rows_world, rows_rank) for m in micros]
+    batches = [get(step, m, args, rows_world, rows_rank) for m in range(args.grad_accum)]
     n = args.context_parallel
     return [piece_of(b, n, rank % n) for b in batches]
 
