@@ -2912,18 +2912,6 @@ def check_context_parallel(args, world, config):
 #
 
 
-def proc_bytes(path, key):
-    """The "key: N kB" line of a Linux /proc file, in bytes; None where there is none."""
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.startswith(key + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def fmt_bytes(n):
     for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= size:
@@ -3105,52 +3093,52 @@ def _block_unit_bytes(config, counts, elt):
     return _nf4_bytes(counts.linear / layers) + 2 * d * elt + (counts.lora / layers) * elt
 
 
-def _block_saved_per_token(config, elt, lora_rank, dora=False, dropout=False):
-    """Bytes per token that one block saves for backward, op by op: each RMSNorm its fp32
-    input and its output; attention q, k, v, its output and an fp32 log-sum-exp per head;
-    o_proj's LoRA its input; SwiGLU the gate, both factors and the product; each projection
-    its LoRA intermediate, and with DoRA its output before the magnitude's scale (for m's
-    gradient). (NF4 linears save only their packed weight.) With LoRA dropout, each projection
-    also keeps its dropped input (for A's gradient) and the dropout's mask (a byte each); DoRA
-    then keeps three outputs instead of one: x W^T and d(x) W^T (the halves of one matmul of
-    both) and its LoRA term, each scaled by m / n apart."""
+def _block_bytes(config, counts, elt, lora_rank, world, flags):
+    """(saved, backward, in_flight): bytes per token that one block saves for backward and that
+    its backward adds beside them, and the bytes of its backward not per token. Saved, op by op:
+    each RMSNorm its fp32 input and its output; attention q, k, v, its output and an fp32
+    log-sum-exp per head; o_proj's LoRA its input; SwiGLU the gate, both factors and the
+    product; each projection its LoRA intermediate, and with DoRA its output before the
+    magnitude's scale (for m's gradient). (NF4 linears save only their packed weight.) With
+    LoRA dropout, each projection also keeps its dropped input (for A's gradient) and the
+    dropout's mask (a byte each); DoRA then keeps three outputs instead of one: x W^T and
+    d(x) W^T (the halves of one matmul of both) and its LoRA term, each scaled by m / n apart."""
     d = config.hidden_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
+    shapes = linear_shapes(config).values()
+    dropout = flags.lora_dropout > 0
     norms = 2 * (4 * d + elt * d)
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * config.num_attention_heads
     mlp = elt * 4 * config.intermediate_size
-    shapes = linear_shapes(config).values()
-    unscaled = elt * sum(out for out, _ in shapes) * (3 if dropout else 1) if dora else 0
+    unscaled = elt * sum(out for out, _ in shapes) * (3 if dropout else 1) if flags.dora else 0
     dropped = (elt + 1) * sum(inp for _, inp in shapes) if dropout else 0
-    return norms + attention + mlp + 7 * elt * lora_rank + unscaled + dropped
+    saved = norms + attention + mlp + 7 * elt * lora_rank + unscaled + dropped
+    # Backward frees each saved tensor once its op's backward is done, so beside them there is
+    # about one (tokens, ffn) gradient and one (tokens, d) at a time. Attention's backward
+    # accumulates in fp32 (flash).
+    backward = elt * (config.intermediate_size + d) + 4 * q_dim
+    if flags.dora and dropout:  # x and d(x) stacked into one NF4 matmul: the widest input's
+        backward += 2 * elt * max(inp for _, inp in shapes)
+    if flags.context_parallel > 1:
+        # The all-to-alls' contiguous copies of q, k and v; and k and v repeated to lcm(nkv, N)
+        # heads where N does not divide nkv, kept so by attention for backward.
+        kv = math.lcm(config.num_key_value_heads, flags.context_parallel)
+        saved += 2 * (kv - config.num_key_value_heads) * config.head_dim * elt
+        backward += elt * (q_dim + 2 * kv * config.head_dim)
+    # Not per token: the dense weight inside the NF4 matmul that runs (the largest
+    # projection's), the block's adapter gradients, and the unit before's reduce-scatter input
+    # and output (fp32), alive until this unit's is issued (section 5).
+    largest = max(out * inp for out, inp in shapes)
+    in_flight = elt * largest + counts.lora / config.num_hidden_layers * (elt + 4 + 4 / world)
+    return saved, backward, in_flight
 
 
 def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, flags):
     """(rows, peak) of the activations of one rank's batch_size x seq_len tokens."""
     d = config.hidden_size
-    ffn = config.intermediate_size
-    vocab = config.vocab_size
     layers = config.num_hidden_layers
-    q_dim = config.num_attention_heads * config.head_dim
-    dropout = flags.lora_dropout > 0
-    block_saved = _block_saved_per_token(config, elt, lora_rank, flags.dora, dropout)
-    # Backward frees each saved tensor once its op's backward is done, so beside them there is
-    # about one (tokens, ffn) gradient and one (tokens, d) at a time. Attention's backward
-    # accumulates in fp32 (flash). Not per token: the dense weight inside the NF4 matmul that
-    # runs (the largest projection's), the block's adapter gradients, and the unit before's
-    # reduce-scatter input and output (fp32), alive until this unit's is issued (section 5).
-    block_backward = elt * (ffn + d) + 4 * q_dim
-    if flags.dora and dropout:  # x and d(x) stacked into one NF4 matmul: the widest input's
-        block_backward += 2 * elt * max(inp for _, inp in linear_shapes(config).values())
-    if flags.context_parallel > 1:
-        # The all-to-alls' contiguous copies of q, k and v; and k and v repeated to lcm(nkv, N)
-        # heads where N does not divide nkv, kept so by attention for backward.
-        kv = math.lcm(config.num_key_value_heads, flags.context_parallel)
-        block_saved += 2 * (kv - config.num_key_value_heads) * config.head_dim * elt
-        block_backward += elt * (q_dim + 2 * kv * config.head_dim)
-    largest = max(out * inp for out, inp in linear_shapes(config).values())
-    in_flight = elt * largest + counts.lora / layers * (elt + 4 + 4 / world)
+    saved, backward, in_flight = _block_bytes(config, counts, elt, lora_rank, world, flags)
     rows = {}
     if flags.checkpointing and flags.offload_activations:
         # On the host; the block's own input and the next one's (prefetched) on the GPU.
@@ -3161,13 +3149,13 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
         kept = layers * tokens * elt * d
         rows["checkpointed block inputs"] = kept
     else:
-        kept = layers * tokens * block_saved
+        kept = layers * tokens * saved
         rows["saved activations, all blocks"] = kept
     if flags.checkpointing:
-        block = tokens * (block_saved + block_backward) + in_flight
+        block = tokens * (saved + backward) + in_flight
         rows["recomputed block (forward + backward)"] = block
     else:
-        block = tokens * block_backward + in_flight
+        block = tokens * backward + in_flight
         rows["block backward gradients"] = block
     # The loss: the final norm's saved tensors, lm_head dense (an NF4 head dequantized; a
     # dense one is the last unit's gathered weight), one chunk of logits and, compiled, their
@@ -3179,6 +3167,7 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
         per_logit = elt + 4 * (elt != 4) + 1 + 4
     chunk_rows = min(flags.loss_chunk, tokens)
     norm = tokens * (4 * d + elt * d)
+    vocab = config.vocab_size
     loss = norm + vocab * d * elt + chunk_rows * vocab * per_logit + tokens * d * elt
     rows["loss: norm, lm_head dense, logits chunk, grad_h"] = loss
     if flags.pack:
@@ -3193,10 +3182,9 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
         additive = whole * elt
         if flags.checkpointing:
             block += additive
-            row = mask + additive
         else:
             mask += layers * additive
-            row = mask
+        row = mask + additive if flags.checkpointing else mask
         rows["document mask, positions, RoPE per token (--pack)"] = row
         kept += mask
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient
@@ -3415,8 +3403,15 @@ def plan_name(a):
 
 
 def host_available():
-    """Bytes of memory this machine can still give; None where unknown."""
-    return proc_bytes("/proc/meminfo", "MemAvailable")
+    """Bytes of memory this machine can still give (Linux's MemAvailable); None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError):
+        return None
+    return None
 
 
 class FitBudget(NamedTuple):
@@ -3989,17 +3984,14 @@ PEFT_PREFIX = "base_model.model."
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def peft_key(name):
-    """PEFT's key of an adapter: base_model.model.<name>.weight (DoRA's magnitude: no .weight)."""
-    if name.endswith("lora_magnitude_vector"):
-        return PEFT_PREFIX + name
-    return PEFT_PREFIX + name + ".weight"
-
-
 def save_adapters(out_dir, adapters, args):
-    """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight), its config."""
+    """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight; DoRA's magnitude
+    has no .weight), its config."""
     os.makedirs(out_dir, exist_ok=True)
-    tensors = {peft_key(name): t.float() for name, t in adapters.items()}
+    tensors = {}
+    for name, t in adapters.items():
+        suffix = "" if name.endswith("lora_magnitude_vector") else ".weight"
+        tensors[PEFT_PREFIX + name + suffix] = t.float()
     specs = [(key, torch.float32, tuple(t.shape)) for key, t in tensors.items()]
     save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), specs, tensors.__getitem__)
     config = {
@@ -4132,22 +4124,22 @@ def resume(args, fsdp, optimizer):
     for name, t in adapters.items():
         fsdp.load_full(name, t)
     for name, p in fsdp.named_parameters():
-        if steps[name]:  # a parameter never stepped has no state yet
-            zeros = torch.zeros_like(p)
-            optimizer.state[p] = dict(step=steps[name], exp_avg=zeros, exp_avg_sq=zeros.clone())
-    # moments: {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
-    for key, full in moments.items():
-        for name, t in full.items():
-            if steps[name]:
-                fsdp.load_full(name, t, of=functools.partial(_moment, optimizer, key))
+        if not steps[name]:
+            continue  # a parameter never stepped has no state yet
+        zeros = torch.zeros_like(p)
+        optimizer.state[p] = dict(step=steps[name], exp_avg=zeros, exp_avg_sq=zeros.clone())
+        # moments: {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
+        for key, full in moments.items():
+            fsdp.load_full(name, full[name], of=functools.partial(_moment, optimizer, key))
     world = state["world_size"]
     print0(f"resumed from {args.out} at step {state['step']} (saved by world size {world})")
     return state["step"]
 
 
 def shard_files(specs, max_bytes):
-    """[(name, dtype, shape)] cut into files as save_pretrained(max_shard_size) cuts them: a new
-    one where the next tensor would pass max_bytes. Our order is kept (readers use the index)."""
+    """{file name: [(name, dtype, shape)]}, cut and named as save_pretrained(max_shard_size) does:
+    a new file where the next tensor would pass max_bytes. Our order is kept (readers use the
+    index)."""
     files = [[]]
     size = 0
     for spec in specs:
@@ -4157,7 +4149,10 @@ def shard_files(specs, max_bytes):
             size = 0
         files[-1].append(spec)
         size += n
-    return files
+    n = len(files)
+    if n == 1:
+        return {"model.safetensors": files[0]}
+    return {f"model-{i:05d}-of-{n:05d}.safetensors": f for i, f in enumerate(files, 1)}
 
 
 def _merged_config(model, source):
@@ -4196,16 +4191,12 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
         os.makedirs(out_dir, exist_ok=True)
         specs = [(name, model.dtype, shape) for name, shape in fsdp.base_shapes().items()]
         files = shard_files(specs, max_shard_bytes)
-        names = ["model.safetensors"]
-        if len(files) > 1:
-            n = len(files)
-            names = [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
-        for name, file_specs in zip(names, files):
+        for name, file_specs in files.items():
             save_safetensors(os.path.join(out_dir, name), file_specs, get)
         if len(files) > 1:
             # After the shards: a reader that finds the index finds every file it names.
-            total = sum(math.prod(s) * d.itemsize for f in files for _, d, s in f)
-            weight_map = {n: name for name, f in zip(names, files) for n, _, _ in f}
+            total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)
+            weight_map = {n: name for name, f in files.items() for n, _, _ in f}
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
         write_json(os.path.join(out_dir, "config.json"), _merged_config(model, source))
