@@ -2220,10 +2220,10 @@ class AdamW(ForeachAdamW):
 # -----------------------------------------------------------------------------
 # 11. The Llama family, packed documents, DoRA, generation with a KV cache
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, dataclasses, math, torch, torch.distributed as dist,
-# torch.nn as nn, torch.nn.functional as F; from dataclasses import dataclass; from typing
-# import NamedTuple, Optional; from torch.nn.attention.flex_attention import BlockMask,
-# create_block_mask, flex_attention; from above: sections 1-8.
+# Needs: import dataclasses, math, torch, torch.distributed as dist, torch.nn as nn,
+# torch.nn.functional as F; from dataclasses import dataclass; from typing import Optional;
+# from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention;
+# from above: sections 1-8.
 #
 # The family people fine-tune is Llama with a few deltas, as transformers' modular files
 # write them (modular_qwen2.py is essentially Qwen2Attention(LlamaAttention) with biases):
@@ -2248,14 +2248,6 @@ class FamilyConfig(LlamaConfig):
     attention_bias: bool = False  # a bias on q, k, v and o (Llama's, Qwen3's option)
     mlp_bias: bool = False  # a bias on gate, up and down (Llama's option)
     sliding_window: Optional[int] = None  # Mistral: attend to this many tokens back at most
-
-    @property
-    def qkv_bias(self):
-        return self.attention_bias or self.model_type == "qwen2"  # Qwen2's q, k, v have one
-
-    @property
-    def qk_norm(self):
-        return self.model_type == "qwen3"  # q_norm and k_norm over each head
 
     def rope_inv_freq(self):
         """LlamaConfig's, with Llama 3.1's frequency-dependent scaling if configured."""
@@ -2379,24 +2371,20 @@ class DoRALinear(LoRALinear):
 
     def __init__(self, in_features, out_features, rank=8, alpha=16.0, dropout=0.0, **kw):
         super().__init__(in_features, out_features, rank, alpha, dropout, **kw)
-        self._add_magnitude()
+        self.from_lora(self)  # the LoRALinear just built, given its magnitude
 
     @classmethod
     def from_lora(cls, layer):
         """A LoRALinear made a DoRALinear in place (as fully_shard swaps a module's class): its
         tensors kept, nothing quantized again, its magnitude added."""
         layer.__class__ = cls
-        layer._add_magnitude()
+        layer.register_buffer("weight_norm_sq", None, persistent=False)
+        layer.weight_loaded(layer.weight)
+        layer.lora_magnitude_vector = nn.Parameter(layer.weight_norm_sq.sqrt())
         return layer
 
-    def _add_magnitude(self):
-        self.register_buffer("weight_norm_sq", None, persistent=False)
-        self.weight_loaded(self.weight)
-        self.lora_magnitude_vector = nn.Parameter(self.weight_norm_sq.sqrt())
-
     def weight_loaded(self, weight):
-        """W (an NF4Tensor) was set: by this module, or from outside it by a load (section 13's),
-        through which alone the full W passes. Its row norms follow."""
+        """W (an NF4Tensor) was set, here or by section 14's load_weights: its row norms follow."""
         self.weight_norm_sq = squared_row_norms(weight, self.compile_kernels)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
@@ -2442,10 +2430,11 @@ def dora_magnitudes(model):
     return found
 
 
-def _add_bias(linear, dtype):
-    """A frozen zero bias on a layer that has none (a checkpoint's comes later)."""
-    zeros = torch.zeros(linear.out_features, dtype=dtype)
-    linear.bias = nn.Parameter(zeros, requires_grad=False)
+def _add_bias(dtype, *layers):
+    """A frozen zero bias on each of the layers, which have none (a checkpoint's comes later)."""
+    for linear in layers:
+        zeros = torch.zeros(linear.out_features, dtype=dtype)
+        linear.bias = nn.Parameter(zeros, requires_grad=False)
 
 
 class FamilyAttention(LlamaAttention):
@@ -2455,13 +2444,12 @@ class FamilyAttention(LlamaAttention):
     def __init__(self, c, lora):
         super().__init__(c, lora)
         dtype = lora["dtype"]
-        if c.qkv_bias:
-            for projection in (self.q_proj, self.k_proj, self.v_proj):
-                _add_bias(projection, dtype)
+        if c.attention_bias or c.model_type == "qwen2":  # Qwen2's q, k and v have one
+            _add_bias(dtype, self.q_proj, self.k_proj, self.v_proj)
         if c.attention_bias:
-            _add_bias(self.o_proj, dtype)
-        self.qk_norm = c.qk_norm
-        if self.qk_norm:  # Qwen3
+            _add_bias(dtype, self.o_proj)
+        self.qk_norm = c.model_type == "qwen3"
+        if self.qk_norm:  # Qwen3: q_norm and k_norm over each head
             self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
             self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps, dtype)
 
@@ -2491,8 +2479,7 @@ class FamilyMLP(LlamaMLP):
     def __init__(self, c, lora):
         super().__init__(c, lora)
         if c.mlp_bias:
-            for projection in (self.gate_proj, self.up_proj, self.down_proj):
-                _add_bias(projection, lora["dtype"])
+            _add_bias(lora["dtype"], self.gate_proj, self.up_proj, self.down_proj)
 
     def forward(self, x):
         gate, up = shared_input(x, self.gate_proj, self.up_proj)
@@ -2560,8 +2547,8 @@ class CausalLM(Llama):
         if self.offload_activations is not None:
             self.offload_activations.start(None)  # a new forward: a new chain of inputs
         mask = None
-        if cache is not None:
-            positions = cache.positions(T, tokens.device)
+        if cache is not None:  # T tokens after the cached ones
+            positions = torch.arange(cache.filled, cache.filled + T, device=tokens.device)
             mask = cache
         elif split is not None:
             positions, mask = split.rows(positions, tokens.shape[1], tokens.device)
@@ -2577,71 +2564,58 @@ class CausalLM(Llama):
 # counts and a checkpoint's shapes are read off the model built on "meta" with one block.
 
 
-class Tensors(NamedTuple):
-    """A model's parameters, {name: (shape, kind)}; kind: "nf4" (frozen, 4-bit), "head" (the
-    dense lm_head), "dense" (other frozen ones) or "adapter" (trained)."""
-
-    block: dict  # block 0's, named within the block ("self_attn.q_proj.weight")
-    other: dict  # the embeddings', the final norm's and lm_head's
-
-
-_TENSORS = {}  # (repr(config), lora_rank, nf4_head, dora) -> Tensors
+_TENSORS = {}  # (repr(config), lora_rank, nf4_head, dora) -> model_tensors'
 
 
 def model_tensors(config, lora_rank=8, nf4_head=False, dora=False):
-    """Tensors of a CausalLM of this config (built once per config, on "meta")."""
+    """{name: (shape, kind)} of the parameters of a CausalLM of this config with one block,
+    "model.layers.0." (built once per config, on "meta"). kind: "nf4" (frozen, 4-bit), "head"
+    (the dense lm_head), "dense" (other frozen ones) or "adapter" (trained)."""
     key = (repr(config), lora_rank, nf4_head, dora)
     if key in _TENSORS:
         return _TENSORS[key]
-    one = dataclasses.replace(as_family(config), num_hidden_layers=1)
+    one = dataclasses.replace(config, num_hidden_layers=1)
     with torch.device("meta"):
         model = CausalLM(one, lora_rank=lora_rank, nf4_head=nf4_head, dora=dora)
-    found = _TENSORS[key] = Tensors({}, {})
+    found = _TENSORS[key] = {}
     for name, p in model.named_parameters():
         kind = "adapter" if p.requires_grad else "dense"
         if isinstance(p, NF4Tensor):
             kind = "nf4"
         elif name == "lm_head.weight":
             kind = "head"
-        in_block = name.startswith("model.layers.0.")
-        where = found.block if in_block else found.other
-        where[name.removeprefix("model.layers.0.")] = (tuple(p.shape), kind)
+        found[name] = (tuple(p.shape), kind)
     return found
 
 
 def count_family_params(config, lora_rank=8, nf4_head=False, dora=False):
     """count_params for any family (its biases, Qwen3's q_norm and k_norm; an NF4 head counted
     with the NF4 projections, DoRA's magnitudes with the adapters)."""
-    tensors = model_tensors(config, lora_rank, nf4_head, dora)
-    layers = config.num_hidden_layers
     n = dict(nf4=0, head=0, dense=0, adapter=0)
-    for times, found in ((layers, tensors.block), (1, tensors.other)):
-        for shape, kind in found.values():
-            n[kind] += times * math.prod(shape)
+    for name, (shape, kind) in model_tensors(config, lora_rank, nf4_head, dora).items():
+        in_block = name.startswith("model.layers.0.")
+        times = config.num_hidden_layers if in_block else 1
+        n[kind] += times * math.prod(shape)
     return ParamCounts(n["nf4"], n["head"], n["dense"], n["adapter"])
 
 
 def hf_shapes(config, layer=None):
     """{name: shape} of a Hugging Face checkpoint's tensors: block `layer`'s, or with none the
     others (the embeddings, the final norm, lm_head)."""
-    tensors = model_tensors(config)
-    if layer is None:
-        return {name: shape for name, (shape, _) in tensors.other.items()}
-    block = tensors.block.items()
-    prefix = f"model.layers.{layer}."
-    return {prefix + name: shape for name, (shape, kind) in block if kind != "adapter"}
-
-
-# Generation. A new token needs only the last position's logits, and the keys and values of the
-# positions before it never change: each attention keeps them, (B, n_kv, length, head_dim), so
-# that the prompt is one forward and each new token one more, over that token alone (not the
-# whole sequence again). CausalLM(ids, cache=cache) passes the cache down as the attentions'
-# mask; FamilyAttention.attend hands it its q, k and v.
+    shapes = {}
+    for name, (shape, kind) in model_tensors(config).items():
+        in_block = name.startswith("model.layers.0.")
+        if in_block == (layer is not None) and kind != "adapter":
+            shapes[name.replace("model.layers.0.", f"model.layers.{layer}.")] = shape
+    return shapes
 
 
 class KVCache:
     """The keys and values of a model's attentions, up to `length` positions: model(ids,
-    cache=cache) runs ids (B, T), the tokens after the cached ones, and caches theirs."""
+    cache=cache) runs ids (B, T), the tokens after the cached ones, and caches theirs. A new
+    token needs only the last position's logits, and the keys and values of the positions
+    before it never change: the prompt is one forward and each new token one more, over that
+    token alone (not the whole sequence again)."""
 
     def __init__(self, length):
         self.length = length
@@ -2649,14 +2623,9 @@ class KVCache:
         self.keys = {}  # attention -> (B, n_kv, length, head_dim)
         self.values = {}
 
-    def positions(self, T, device):
-        """The positions (T,) of T tokens after the cached ones."""
-        return torch.arange(self.filled, self.filled + T, device=device)
-
-    def attend(self, attention, q, k, v, mask=None):
+    def attend(self, attention, q, k, v):
         """q (B, nh, T, hd), k and v (B, nkv, T, hd) of the T new positions -> attention over
-        every position so far (B, nh, T, hd), each query seeing keys up to its own position.
-        mask: generation has none."""
+        every position so far (B, nh, T, hd), each query seeing keys up to its own position."""
         start = self.filled
         end = start + q.shape[2]
         if attention not in self.keys:
@@ -2669,8 +2638,7 @@ class KVCache:
         values[:, :, start:] = v
         position = torch.arange(start, end, device=q.device)[:, None]
         visible = torch.arange(end, device=q.device) <= position  # (T, end)
-        gqa = attention.n_kv != attention.n_heads
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, enable_gqa=gqa)
+        return attention.attend(q, keys, values, visible)  # as a (T, end) mask
 
 
 def causal_lm_of(model):
@@ -2684,19 +2652,6 @@ def causal_lm_of(model):
         lm = CausalLM(model.config, model.dtype, *lora, compile=q.compile_kernels)
     lm.load_state_dict(model.state_dict(keep_vars=True), assign=True)
     return lm.train(model.training)
-
-
-@contextlib.contextmanager
-def eager_forwards(model):
-    """Each module runs its class's forward for the duration: a compiled one set on the
-    instance (build's blocks) would compile again for every new length. (The NF4 kernels stay
-    compiled: one graph serves every shape.)"""
-    replaced = {m: vars(m).pop("forward") for m in model.modules() if "forward" in vars(m)}
-    try:
-        yield
-    finally:
-        for m, forward in replaced.items():
-            m.forward = forward
 
 
 def next_token(logits, temperature, generator):
@@ -2733,31 +2688,36 @@ def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache
         raise ValueError(f"{length} tokens exceed the model's sliding_window of {window}")
     generator = seeded(seed, "sample")
     training = model.training
-    model.eval()
     # Every rank holds the whole sequence, not a piece of it (section 12): no split.
     split = getattr(model, "context_parallel", None)
-    if split is not None:
-        model.context_parallel = None
-    kv = KVCache(length) if cache else None
-    lm = causal_lm_of(model) if cache else model
+    # Each module runs its class's forward: a compiled one set on the instance (build's
+    # blocks) would compile again for every new length. (The NF4 kernels stay compiled: one
+    # graph serves every shape.)
+    compiled = {m: vars(m).pop("forward") for m in model.modules() if "forward" in vars(m)}
     new = []
     try:
-        with eager_forwards(model):
-            step = ids  # what the next forward reads: with the cache, the new token alone
-            for _ in range(max_new_tokens):
-                logits = lm(step, cache=kv) if kv else model(ids)
-                token = next_token(logits[0, -1].float(), temperature, generator)
-                if dist.is_initialized():
-                    dist.broadcast(token, src=0)
-                new.append(token.item())
-                if new[-1] in stop:
-                    break
-                step = token.view(1, 1)
-                ids = torch.cat([ids, step], dim=1)
-    finally:
+        model.eval()
+        if split is not None:
+            model.context_parallel = None
+        kv = KVCache(length) if cache else None
+        lm = causal_lm_of(model) if cache else model  # after eval(): it copies the mode
+        step = ids  # what the next forward reads: with the cache, the new token alone
+        for _ in range(max_new_tokens):
+            logits = lm(step, cache=kv) if kv else model(ids)
+            token = next_token(logits[0, -1].float(), temperature, generator)
+            if dist.is_initialized():
+                dist.broadcast(token, src=0)
+            new.append(token.item())
+            if new[-1] in stop:
+                break
+            step = token.view(1, 1)
+            ids = torch.cat([ids, step], dim=1)
+    finally:  # the model as it was
         model.train(training)
         if split is not None:
             model.context_parallel = split
+        for m, forward in compiled.items():
+            m.forward = forward
     return new
 
 
@@ -2786,6 +2746,13 @@ Llama.generate = generate
 # output, falling as N grows. Its limit: N divides the query heads (32 for Llama-3.1-8B).
 
 
+def _all_to_all(x, group):
+    x = x.contiguous()  # the collective reads and writes memory in order
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=group)
+    return out
+
+
 class _AllToAll(torch.autograd.Function):
     """x (N, ...): chunk i goes to rank i of the group, and chunk j of the result came from
     rank j. As a matrix (sender, chunk) that is a transpose, its own inverse: backward sends
@@ -2794,17 +2761,11 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        x = x.contiguous()  # the collective reads and writes memory in order
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=group)
-        return out
+        return _all_to_all(x, group)
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.contiguous()
-        out = torch.empty_like(grad)
-        dist.all_to_all_single(out, grad, group=ctx.group)
-        return out, None
+        return _all_to_all(grad, ctx.group), None
 
 
 def seq_to_heads(x, group):
