@@ -1901,15 +1901,11 @@ def _nf4_copy_(dst, src, non_blocking=False):
     return dst
 
 
-def _nf4_is_pinned(t, *_):
-    return all(x.is_pinned() for x in t.inner())
-
-
 NF4_OPS.update(
     {
         aten.copy_.default: _nf4_copy_,
         aten._pin_memory.default: lambda t, *_: t._with_inner(torch.Tensor.pin_memory),
-        aten.is_pinned.default: _nf4_is_pinned,
+        aten.is_pinned.default: lambda t, *_: all(x.is_pinned() for x in t.inner()),
     }
 )
 
@@ -1917,8 +1913,7 @@ NF4_OPS.update(
 # -----------------------------------------------------------------------------
 # 10. Any model: FSDP for any module tree, AdamW as torch's drop-in
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, functools, math, time, torch, torch.distributed as dist,
-# torch.nn as nn, torch.utils._pytree as pytree; from typing import NamedTuple; from above:
+# Needs: import contextlib, math, time, torch, torch.distributed as dist; from above:
 # section 5, section 6.
 #
 # Section 5's FullyShard serves Llama, whose units each run once forward and once backward
@@ -2033,10 +2028,9 @@ class FSDP(FullyShard):
                     module._buffers[key] = torch.empty_like(buffer, device=device)
                 elif buffer is not None:
                     module._buffers[key] = buffer.to(device)
-        for unit in self.all_units:
-            for p in unit.params:
-                for module, attr in p.places:
-                    _mark_sharded(module, attr, p.fqn)
+        for fqn, (_, p) in self.param_of.items():
+            for module, attr in p.places:
+                _mark_sharded(module, attr, fqn)
 
     def cast_inputs(self, args, kwargs):
         """FullyShard's, unless cast_forward_inputs is False."""
@@ -2088,12 +2082,10 @@ class FSDP(FullyShard):
     def full_adapters(self, of=None):
         """{name: full fp32 tensor, on the host} of every trainable parameter, or of of(its
         piece) (its gradient, an AdamW moment)."""
+        of = of or (lambda piece: piece)  # the pieces themselves: together, the master
         full = {}
         for unit in self.trained:
-            if of is None:
-                flat = unit.master
-            else:
-                flat = torch.cat([of(slot.local).reshape(-1) for slot in unit.adapters])
+            flat = torch.cat([of(slot.local).reshape(-1) for slot in unit.adapters])
             send = flat.detach().to(self.device, torch.float32)
             out = torch.empty(self.world * flat.numel(), dtype=torch.float32, device=self.device)
             work = _collective(out, send, self.group)
@@ -2169,15 +2161,13 @@ class AdamW(ForeachAdamW):
         super().__init__(params, lr, betas, eps, weight_decay)
         self.defaults.update(TORCH_ADAMW, **kw)
         for group in self.param_groups:
-            for key, value in self.defaults.items():
-                group.setdefault(key, value)
             self._check(group)
 
-    @staticmethod
-    def _check(group):
-        """Refuse what is not implemented: at construction, and at each step (after a load)."""
+    def _check(self, group):
+        """Refuse what is not implemented: at construction, and at each step (after a load).
+        A keyword a group lacks takes its value from the defaults."""
         for key, default in TORCH_ADAMW.items():
-            value = group.setdefault(key, default)
+            value = group.setdefault(key, self.defaults[key])
             allowed = value == default
             allowed |= key == "foreach" and bool(value)
             allowed |= key == "fused" and value is False
@@ -4176,7 +4166,7 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # -----------------------------------------------------------------------------
 # 15. Your data: text, JSONL and chats, tokenized by the checkpoint's own tokenizer
 # -----------------------------------------------------------------------------
-# Needs: import datetime, functools, hashlib, json, os, re, time, numpy as np, torch; from
+# Needs: import datetime, hashlib, json, os, re, time, numpy as np, torch; from
 # typing import NamedTuple, Optional; from above: UserError, require, read_json, get_batch,
 # Batch, IGNORE_INDEX, PROGRESS_S.
 #
@@ -4211,7 +4201,6 @@ PIECE = 1 << 20  # characters: a longer text is encoded in pieces of about this 
 # Chat templates, rendered as transformers renders them (utils/chat_template_utils.py)
 
 
-@functools.lru_cache(maxsize=None)
 def _compile(template):
     """The template in transformers' jinja2 sandbox, with its tojson filter and globals."""
     try:
@@ -4329,14 +4318,14 @@ class Tokenizer:
     post-processor adds BOS where the model wants one, and tokenizer_config.json's add_bos_token
     is ignored, as transformers 5 ignores it when a tokenizer.json exists."""
 
-    def __init__(self, backend, plain, special_tokens, eos_id, end_ids, chat_template):
+    def __init__(self, backend, plain, special_tokens, end_ids, chat_template):
         self.backend = backend  # a tokenizers.Tokenizer
         self.plain = plain  # the same without its post-processor, for chats (see load)
         self.prefix = _prefix(backend)  # what the post-processor puts before a text (BOS)
         self.special_tokens = special_tokens  # {"bos_token": "<s>", ...}: template variables
-        self.eos_id = eos_id  # ends each example; None where the checkpoint names none
         self.end_ids = end_ids  # the ids that end a turn: the EOS, config.json's eos_token_id
-        self.chat_template = chat_template
+        self.eos_id = end_ids[0] if end_ids else None  # ends each example (None: none named)
+        self.chat_template = chat_template  # compiled (a jinja2 Template), or None
 
     @classmethod
     def load(cls, checkpoint_dir):
@@ -4377,13 +4366,12 @@ class Tokenizer:
         template, where = _read_chat_template(checkpoint_dir, config)
         if template is not None:
             try:
-                _compile(template)
+                template = _compile(template)  # compiled once, here, so that errors name the file
             except Exception as e:  # noqa: BLE001 -- TemplateSyntaxError and kin
                 line = getattr(e, "lineno", None)
                 message = f"{where}: the chat template does not compile (line {line}: {e})"
                 raise UserError(message) from None
-        eos_id = end_ids[0] if end_ids else None
-        return cls(backend, plain, special_tokens, eos_id, end_ids, template)
+        return cls(backend, plain, special_tokens, end_ids, template)
 
     def encode_batch(self, texts, add_special_tokens):
         """The ids of each text, encoded on the library's threads (TOKENIZERS_PARALLELISM)."""
@@ -4422,7 +4410,7 @@ class Tokenizer:
         # transformers drops the keys whose value is None (a content: null beside tool_calls).
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
         try:
-            return _compile(self.chat_template).render(
+            return self.chat_template.render(
                 messages=messages,
                 tools=None,
                 documents=None,
