@@ -3559,8 +3559,9 @@ class SafetensorsFile:
 
 
 def atomic_write(path, write, mode="wb"):
-    """write(f) into path.tmp, then rename: readers see the old file or the new one, never half."""
-    tmp = f"{path}.tmp"
+    """write(f) into a file beside path, then rename: readers see the old file or the new one,
+    never half; each process writes its own (path.PID.tmp), so two writing at once do not mix."""
+    tmp = f"{path}.{os.getpid()}.tmp"
     try:
         with open(tmp, mode) as f:
             write(f)
@@ -4167,8 +4168,8 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 # 15. Your data: text, JSONL and chats, tokenized by the checkpoint's own tokenizer
 # -----------------------------------------------------------------------------
 # Needs: import datetime, hashlib, json, os, re, time, numpy as np, torch; from
-# typing import NamedTuple, Optional; from above: UserError, require, read_json, get_batch,
-# Batch, IGNORE_INDEX, PROGRESS_S.
+# typing import NamedTuple, Optional; from above: UserError, require, read_json, atomic_write,
+# get_batch, Batch, IGNORE_INDEX, PROGRESS_S.
 #
 # With --checkpoint, a data file is plain text (one example: the whole file) or .jsonl, one
 # example a line, as TRL's SFTTrainer, torchtune and axolotl take them:
@@ -4664,18 +4665,10 @@ def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
             f"{path}: {len(examples):,} examples, {len(data.ids):,} tokens ({targets:,} "
             f"targets) in {seconds:.1f} s, {mb / seconds:.1f} MB/s"
         )
-    # Written beside its final name, then renamed: a reader never sees half a file, and
-    # processes racing to fill the cache each rename a whole one into place.
+    # Processes racing to fill the cache each rename a whole file into place.
     os.makedirs(cache_dir, exist_ok=True)
-    tmp = f"{cache}.{os.getpid()}.tmp"
-    try:
-        with open(tmp, "wb") as f:
-            np.savez(f, tokens=data.ids, loss_mask=data.loss_mask, starts=data.starts)
-        os.replace(tmp, cache)
-    except OSError as e:
-        if os.path.isfile(tmp):
-            os.remove(tmp)
-        raise UserError(f"{cache}: cannot be written ({e.strerror or type(e).__name__})") from None
+    arrays = dict(tokens=data.ids, loss_mask=data.loss_mask, starts=data.starts)
+    atomic_write(cache, lambda f: np.savez(f, **arrays))
     return data
 
 
