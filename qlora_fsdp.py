@@ -2734,6 +2734,15 @@ Llama.generate = generate
 # This file takes Ulysses: SDPA and flex_attention run unchanged (document masks included,
 # built for the whole row), and each rank moves 2 (N - 1) / N^2 of a layer's q, k, v and
 # output, falling as N grows. Its limit: N divides the query heads (32 for Llama-3.1-8B).
+#
+# A model of your own takes it as section 11's CausalLM does: each forward calls cp.rows on
+# its piece of T / N tokens (N divides T) and uses both results, the piece's positions in the
+# whole row (for RoPE or a learned position embedding alike) and the mask for attention, whose
+# attend(q, k, v, mask) (mask None: causal) hands q, k and v to a mask with an attend method.
+# A weight's gradient is then the sum of the ranks' gradients of their loss sums, divided by
+# the count of targets over all ranks: section 8's train_step scales each rank's loss so that
+# FSDP's mean over the ranks is that sum; a model without FSDP sums it over the group with an
+# all-reduce.
 
 
 def _all_to_all(x, group):
@@ -2828,7 +2837,8 @@ def context_groups(n):
 
 
 def piece_of(batch, n, index):
-    """Piece `index` of n of each row of a Batch: tokens [index T / n, (index + 1) T / n)."""
+    """Piece `index` of n of each row of a Batch: tokens [index T / n, (index + 1) T / n);
+    n divides T (check_context_parallel refuses a --seq_len it does not)."""
     return Batch(*(None if t is None else t.chunk(n, dim=1)[index] for t in batch))
 
 
