@@ -22,6 +22,7 @@ Run it (more in the README and --help):
 """
 
 import contextlib
+import enum
 import functools
 import hashlib
 import itertools
@@ -580,7 +581,7 @@ class LoRALinear(NF4Linear):
 # -----------------------------------------------------------------------------
 # 5. Sharding and offload: FSDP2's idea written out on torch.distributed
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, functools, itertools, math, torch, torch.distributed as dist,
+# Needs: import contextlib, enum, itertools, math, torch, torch.distributed as dist,
 # torch.nn as nn, torch.nn.functional as F, torch.utils._pytree as pytree; from typing import
 # NamedTuple, Optional.
 #
@@ -597,19 +598,30 @@ class LoRALinear(NF4Linear):
 #   gathered (world, unit_bytes) -> one split_with_sizes_copy: each tensor's columns into
 #   its (world, shard bytes) block of the unit's full storage -> the full tensors
 #
-# A unit's life, run by hooks on its modules (FSDP2's, written small). Each pass of a forward
-# through a unit is a *use*; a module called again starts another (a shared head, a recompute).
-#   pre-forward    wait for its all-gather (issued early: prefetch), issue the next unit's;
-#                  the inputs that need a gradient pass through _PostBackward, whose backward
-#                  says that the use's backward is over.
-#   post-forward   once each of its modules ran, free (the storage resized to 0), but the last
-#                  unit, needed at once by backward.
-#   pre-backward   (a hook on each output) all-gather again, prefetch the unit before.
-#   post-backward  when no use is left in backward: one reduce-scatter of the adapters'
-#                  gradients, in fp32; free.
-#   end of backward  (a callback on the autograd engine) a unit whose use made no node (the
-#                  embedding's input needs no gradient) reduces now; each reduced piece is
-#                  added to its parameter's .grad, so that several backward() calls add up.
+# Why per parameter, as FSDP2 and not as FSDP1: FSDP1 flattens a unit's parameters into one
+# FlatParameter of one dtype, and an NF4 weight is four tensors of three dtypes (uint8 codes,
+# int8 scales, fp32 factors) whose bits must not be cast. Cut tensor by tensor, each keeps its
+# dtype, and only the bytes travel together.
+#
+# A unit's life, run by hooks on its modules, is four states (FSDP2's TrainingState). A *pass*
+# is one forward through the unit, each of its modules called once; a module called again
+# begins another pass, and so does each forward of the whole model.
+#
+#   IDLE      -> pre-forward: gather (its all-gather issued early, a prefetch), prefetch the
+#                next unit; a pass's first call passes its inputs that need a gradient
+#                through _PostBackward. Once each module of the pass ran: free (the storage
+#                resized to 0), but the last unit, needed at once by backward.
+#   WAITING   an output of a forward needs a gradient: a backward will come.
+#   BACKWARD  a gradient reached an output (a hook): gathered again, the unit before
+#             prefetched. When the gradient of the pass's first inputs is made (its
+#             _PostBackward node), every call of the pass is done: reduce-scatter the adapters'
+#             gradients in fp32, free.
+#   REDUCED   reduced in this backward; another pass's output gradient -> BACKWARD again.
+#   the end of backward (a callback on the autograd engine): a unit still in BACKWARD, whose
+#             pass made no node (the embedding's input needs no gradient), reduces; each
+#             reduced piece is added to its parameter's .grad (several backward() calls add
+#             up); every unit is freed and IDLE.
+#
 # The parameters in no unit form the root unit, gathered for the whole forward.
 # CPU offload keeps the shards, the masters, their gradients and the optimizer on the host:
 # plain tensors, not DTensors, whose dispatch every optimizer op would pay (section 6).
@@ -635,7 +647,6 @@ class _Slot:
             per_16_bytes = 16 // math.gcd(16, dtype.itemsize)
             self.shard_numel = -(-self.shard_numel // per_16_bytes) * per_16_bytes
         self.nbytes = self.shard_numel * dtype.itemsize
-        self.got = False  # a trainable one: a gradient reached it in this backward
 
     def piece(self, full):
         """This rank's piece of a full tensor of this shape: flat, zero padded."""
@@ -697,7 +708,7 @@ class _AllGather(NamedTuple):
 
 
 class _Reduction(NamedTuple):
-    unit: "ShardedUnit"
+    reached: list  # the unit's trainable slots that a gradient reached
     work: Optional[dist.Work]  # in flight; its input is held until it is done
     output: torch.Tensor  # a reduce-scatter's: laid out as the unit's master
     input: Optional[torch.Tensor]
@@ -741,31 +752,27 @@ def _to_host(t, stream):
 
 
 class _PostBackward(torch.autograd.Function):
-    """The identity on a use's inputs, whose backward says that the use's is over (FSDP2's)."""
+    """The identity on a pass's first inputs, whose backward says that the pass's is over."""
 
     @staticmethod
-    def forward(ctx, unit, use, *inputs):
+    def forward(ctx, unit, *inputs):
         ctx.unit = unit
-        ctx.use = use
         ctx.set_materialize_grads(False)  # no gradient: None, not a tensor of zeros
         return inputs
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.unit.node_done(ctx.use)
-        return (None, None) + grads
+        ctx.unit.post_backward()
+        return (None,) + grads
 
 
-class _Use:
-    """One pass of a forward through a unit, each of its modules called at most once. Its
-    backward is over when its _PostBackward nodes have run. A call whose inputs need no
-    gradient (the embedding's) makes no node: such a use is over at the end of backward."""
+class State(enum.Enum):
+    """Where a unit is in its life (the comment above)."""
 
-    def __init__(self):
-        self.ran = set()  # the modules called in it
-        self.nodes = 0  # _PostBackward nodes made on its calls' inputs, less those that ran
-        self.unsignalled = False  # a call made no node
-        self.started = False  # a gradient reached one of its outputs: its backward began
+    IDLE = "idle"
+    WAITING = "waiting for its backward"
+    BACKWARD = "in backward"
+    REDUCED = "reduced in this backward"
 
 
 class ShardedUnit:
@@ -783,12 +790,11 @@ class ShardedUnit:
         self.adapters = [slot for slot in self.slots if slot.trainable]
         self._allocate()
         self._take_over([p for _, _, p in params])
-        self.gathered = False
+        self.state = State.IDLE
+        self.to_run = set()  # the modules of the pass under way not called yet
+        self.gathered = False  # the full tensors exist
         self.inflight = None  # its all-gather in flight, an _AllGather
         self.version = None  # _version() when it was gathered or prefetched
-        self.use = None  # the _Use that its modules' calls join
-        self.started = []  # the uses whose backward began and is not over
-        self.needs_backward = False  # an output needs a gradient: a backward will come
         for m in modules:
             m.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
             m.register_forward_hook(self._post_forward)
@@ -907,7 +913,6 @@ class ShardedUnit:
             module.__dict__.pop(attr, None)
         self.gathered = False
         self.version = None
-        self.use = None  # what runs next is another forward
 
     # The hooks stay eager under a torch.compile'd model, as FSDP2's: torch.compiler.disable,
     # in the form torch uses itself, which imports the compiler at the first call, not here.
@@ -918,26 +923,22 @@ class ShardedUnit:
         # only: its backward was set up by the forward it repeats.
         if torch._C._current_graph_task_id() != -1:
             return args, kwargs
-        if self.index < 0:  # the root: a new forward of the whole model
+        units = self.fsdp.units
+        if self.index < 0:  # the root: a new forward of the whole model, a new pass everywhere
             args, kwargs = self.fsdp.cast_inputs(args, kwargs)
             for unit in self.fsdp.all_units:
-                unit.use = None
-        if self.index + 1 < len(self.fsdp.units):
-            self.fsdp.units[self.index + 1].prefetch()  # it overlaps this unit's compute
-        # A module called again starts another pass through the unit.
-        if self.use is None or module in self.use.ran:
-            self.use = _Use()
-        self.use.ran.add(module)
+                unit.to_run = set()
+        if self.index + 1 < len(units):
+            units[self.index + 1].prefetch()  # it overlaps this unit's compute
+        if module in self.to_run:
+            return args, kwargs  # the pass goes on
+        # A pass begins: its first inputs that need a gradient go through _PostBackward.
+        self.to_run = set(self.modules)
         if not torch.is_grad_enabled():
             return args, kwargs
-        # The inputs that need a gradient pass through a _PostBackward node of the use.
         leaves, spec = pytree.tree_flatten((args, kwargs))
         need = [i for i, t in enumerate(leaves) if torch.is_tensor(t) and t.requires_grad]
-        if not need:
-            self.use.unsignalled = True
-            return args, kwargs
-        self.use.nodes += 1
-        wrapped = _PostBackward.apply(self, self.use, *(leaves[i] for i in need))
+        wrapped = _PostBackward.apply(self, *(leaves[i] for i in need)) if need else ()
         for i, t in zip(need, wrapped):
             leaves[i] = t
         return pytree.tree_unflatten(leaves, spec)
@@ -946,58 +947,43 @@ class ShardedUnit:
     def _post_forward(self, module, args, output):
         if torch._C._current_graph_task_id() != -1:  # a recompute
             return None
-        use = self.use
+        self.to_run.discard(module)
         if torch.is_grad_enabled():
             for t in pytree.tree_leaves(output):
-                # The first gradient to arrive at an output starts the use's backward.
                 if torch.is_tensor(t) and t.requires_grad:
-                    t.register_hook(functools.partial(self._pre_backward, use))
-                    self.needs_backward = True
+                    t.register_hook(self._pre_backward)
+                    self.state = State.WAITING
         # Once each module has run, the pass is over: free, unless backward needs the unit
         # at once. A module that does not run keeps the unit gathered until backward ends.
-        if use.ran.issuperset(self.modules):
-            self.use = None
-            if self.reshard_after_forward or not torch.is_grad_enabled():
-                self.free()
+        if not self.to_run and (self.reshard_after_forward or not torch.is_grad_enabled()):
+            self.free()
         return None
 
-    def _pre_backward(self, use, grad):
+    def _pre_backward(self, grad):
         self.fsdp.queue_end_of_backward()
-        self.gather()  # again if another use's backward freed it
-        if use.started:
+        if self.state == State.BACKWARD:
             return
-        use.started = True
-        self.started.append(use)
+        self.state = State.BACKWARD
+        self.gather()  # again if a reduction in this backward freed it
         previous = self.fsdp.units[self.index - 1] if self.index > 0 else None
-        if previous is not None and previous.needs_backward:
+        if previous is not None and previous.state == State.WAITING:
             previous.prefetch()  # the unit whose backward comes next
 
-    def node_done(self, use):
-        """A _PostBackward node of `use` ran; when no use is left in backward, the unit's ends."""
-        use.nodes -= 1
-        if use.started and not use.unsignalled and use.nodes == 0:
-            self.started.remove(use)
-            if not self.started:
-                self.post_backward()
-
     def post_backward(self):
-        """Reduce-scatter this unit's gradients, free its weights."""
-        for use in self.started:
-            use.started = False  # over for this backward; another may reach it again
-        self.started = []
-        self.needs_backward = False
-        # A unit may reduce more than once in one backward (a use over early, another one
-        # later): a slot that a gradient reached in any of them gets each reduction added,
-        # the zeros that stood in for it included; one that none reached keeps its .grad.
+        """Reduce-scatter the gradients that reached the full tensors, free. A unit may reduce
+        more than once in a backward (a module called twice, a pass that made no node): each
+        reduction is added, zeros standing in for a slot that another reduction reached."""
         grads = [slot.full.grad for slot in self.adapters]
-        if any(g is not None for g in grads):
-            filled = []
-            for slot, g in zip(self.adapters, grads):
-                slot.got |= g is not None
+        reached = [slot for slot, g in zip(self.adapters, grads) if g is not None]
+        if reached:
+            filled = [
+                torch.zeros_like(s.full) if g is None else g for s, g in zip(self.adapters, grads)
+            ]
+            for slot in self.adapters:
                 slot.full.grad = None
-                filled.append(torch.zeros_like(slot.full) if g is None else g)
-            self.fsdp.reduce(self, filled)
+            self.fsdp.reduce(self, filled, reached)
         self.free()
+        self.state = State.REDUCED
 
 
 def _find_params(model, groups):
@@ -1117,32 +1103,31 @@ class FullyShard:
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
 
     def _end_of_backward(self):
-        """Reduce every unit still in backward (one whose use made no node; the root), add each
-        reduced piece to its .grad, free every unit."""
+        """Reduce every unit still in backward (one whose pass made no node; the root), add each
+        reduced piece to its .grad (a slot that no gradient reached keeps None), free every
+        unit."""
         self.task = None
         for unit in self.all_units:
-            if unit.needs_backward or any(s.full.grad is not None for s in unit.adapters):
+            if unit.state == State.BACKWARD:
                 unit.post_backward()
+            unit.state = State.IDLE
         self._finish_reduction()
         if self.offload and self.side_stream is not None:
             self.side_stream.synchronize()  # the host reads these gradients next
         for arrived in self.arrived:
-            # A slot that no gradient reached keeps its .grad (None).
-            for slot in [s for s in arrived.unit.adapters if s.got]:
+            for slot in arrived.reached:
                 grad = arrived.output[slot.start : slot.start + slot.shard_numel]
                 if slot.local.grad is None:  # a view of the reduction
                     slot.local.grad = grad
                 else:
                     slot.local.grad.add_(grad)
         self.arrived = []
-        for unit in self.all_units:
-            for slot in unit.adapters:
-                slot.got = False  # the next backward starts afresh
         self.reshard()
 
-    def reduce(self, unit, grads):
-        """Issue unit's fp32 reduce-scatter, one at a time; its input (world, master numel),
-        row r laid out as rank r's master, made by one chunk-cat."""
+    def reduce(self, unit, grads, reached):
+        """Issue unit's fp32 reduce-scatter of grads (one per trainable slot; `reached`: the
+        slots a gradient reached), one at a time; its input (world, master numel), row r laid
+        out as rank r's master, made by one chunk-cat."""
         self._finish_reduction()
         with torch.no_grad(), torch.profiler.record_function("fsdp::reduce_scatter"):
             f32 = dict(dtype=torch.float32, device=self.device)
@@ -1151,7 +1136,7 @@ class FullyShard:
             torch._chunk_cat(flat_grads, dim=0, num_chunks=self.world, out=send)
             out = torch.empty(unit.master_numel, **f32)
             work = _collective(out, send.view(-1), self.group, reduce_scatter=True)
-            self.pending = _Reduction(unit, work, out, send)
+            self.pending = _Reduction(reached, work, out, send)
 
     def _finish_reduction(self):
         """Wait for the reduce-scatter in flight; its piece is added at the end of backward."""
