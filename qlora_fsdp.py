@@ -1762,7 +1762,6 @@ import argparse
 import bisect
 import dataclasses
 import datetime
-import io
 import json
 import logging
 import re
@@ -1785,13 +1784,24 @@ from torch.nn.attention.flex_attention import (
 # line (section 17) says in one line.
 
 
-class UserError(Exception):
+class UserError(ValueError):
     """Bad input (a file, a flag): main() prints it as one line and exits non-zero."""
 
 
 def require(ok, message):
     if not ok:
         raise UserError(message)
+
+
+def check_window(config, length, what):
+    """Refuse `length` tokens past the model's sliding window (Mistral v0.1: each token sees 4096
+    back at most), which this file does not follow."""
+    window = getattr(config, "sliding_window", None)
+    require(
+        window is None or length <= window,
+        f"{what}: {length} tokens exceed the model's sliding_window of {window}, which this file "
+        f"does not follow",
+    )
 
 
 # -----------------------------------------------------------------------------
@@ -1898,23 +1908,19 @@ NF4_OPS.update(
 # -----------------------------------------------------------------------------
 # 10. Any model: FSDP for any module tree, AdamW as torch's drop-in
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, math, time, torch, torch.distributed as dist; from above:
-# section 5, section 6.
+# Needs: import contextlib, math, torch, torch.distributed as dist; from above: section 5,
+# section 6.
 #
-# Section 5's FullyShard serves Llama, whose units each run once forward and once backward
-# with tensors in and out. FSDP serves any model, as FSDP2's fully_shard does:
-#   - the parameters in no unit form a root unit, gathered for the model's whole forward;
-#   - a unit's hooks see positional and keyword arguments and any outputs (pytrees);
-#   - a unit's modules may run in any order, some not at all, or alone later: each call is a
-#     *use*, followed from its forward into its backward; the unit's backward is over when
-#     no use is left in it;
-#   - weights gathered or prefetched before an optimizer step are gathered again;
-#   - requires_grad_(False) after wrapping freezes a parameter; one that got no gradient
-#     keeps .grad None;
-#   - reading a sharded parameter outside its unit is a clear error;
+# Section 5's unit life already serves any module tree (pytrees in and out, modules called in
+# any order, twice or not at all, a root unit). FSDP adds what a model of your own and the
+# command line ask of it, as FSDP2's fully_shard has it:
+#   - a device by default (the current GPU, else the CPU), its buffers moved there;
+#   - reading a sharded parameter outside its unit is a clear error, not a crash;
 #   - hybrid sharding (HSDP: a mean over the replicas after the reduce-scatter), and
 #     cast_forward_inputs=False to leave the root's inputs as they are;
-#   - and the state in full, for checkpoints.
+#   - the state in full, for checkpoints: the adapters (or their AdamW moments), the frozen
+#     base one unit at a time, and a full tensor loaded into this rank's pieces.
+# AdamW takes torch.optim.AdamW's keywords, state_dicts and closure.
 
 
 class _Sharded:
@@ -1999,8 +2005,6 @@ class FSDP(FullyShard):
         device = torch.device(device)
         if device == torch.device("cuda"):
             device = torch.device("cuda", torch.cuda.current_device())
-        self.time_waits = False  # record each wait for a collective (the run reads them)
-        self.waits = []  # (start, end) of each wait, while time_waits
         self.replicate_group = replicate_group  # HSDP: the ranks that hold the same pieces
         self.cast_forward_inputs = cast_forward_inputs
         super().__init__(model, units, device, compute_dtype, offload, group)
@@ -2035,32 +2039,6 @@ class FSDP(FullyShard):
                 if not _averages(replicas):
                     grad.div_(dist.get_world_size(replicas))
         return grad
-
-    def _now(self):
-        """A point in time: a CUDA event on the compute stream, or the host's clock."""
-        if self.side_stream is None:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()
-        return event
-
-    def wait(self, work, label):
-        """As FullyShard's, timed (on CUDA by events on the compute stream) if time_waits."""
-        start = self._now() if self.time_waits else None
-        super().wait(work, label)
-        if self.time_waits:
-            self.waits.append((start, self._now()))
-
-    def take_comm_wait_s(self):
-        """Seconds waited on collectives since the last call (the device has synchronized)."""
-        seconds = 0.0
-        for start, end in self.waits:
-            if isinstance(start, float):
-                seconds += end - start
-            else:
-                seconds += start.elapsed_time(end) / 1000
-        self.waits = []
-        return seconds
 
     # The state in full, for checkpoints. These are collectives: every rank gets (or gives)
     # all of it.
@@ -2104,10 +2082,6 @@ class FSDP(FullyShard):
                 yield p.fqn, p.value
             unit.free()
 
-    def base_shapes(self):
-        """{name: shape} of every frozen parameter, by its name in the model."""
-        return {fqn: p.shape for fqn, (_, p) in self.param_of.items() if not p.trainable}
-
     def adapter_shapes(self):
         return {slot.name: slot.shape for unit in self.all_units for slot in unit.adapters}
 
@@ -2143,16 +2117,24 @@ class AdamW(ForeachAdamW):
         unknown = sorted(set(kw) - set(TORCH_ADAMW))
         if unknown:
             raise TypeError(f"AdamW got an unexpected keyword argument {unknown[0]!r}")
+        self._torch_keywords = {**TORCH_ADAMW, **kw}  # read by add_param_group, in __init__
         super().__init__(params, lr, betas, eps, weight_decay)
-        self.defaults.update(TORCH_ADAMW, **kw)
+        self.defaults.update(self._torch_keywords)
+
+    def add_param_group(self, group):
+        super().add_param_group(group)
+        self._check(self.param_groups[-1])
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
         for group in self.param_groups:
             self._check(group)
 
     def _check(self, group):
-        """Refuse what is not implemented: at construction, and at each step (after a load).
-        A keyword a group lacks takes its value from the defaults."""
+        """Refuse what is not implemented, in each group as it is added or loaded. A keyword a
+        group lacks takes its value from the defaults."""
         for key, default in TORCH_ADAMW.items():
-            value = group.setdefault(key, self.defaults[key])
+            value = group.setdefault(key, self._torch_keywords[key])
             allowed = value == default
             allowed |= key == "foreach" and bool(value)
             allowed |= key == "fused" and value is False
@@ -2169,7 +2151,6 @@ class AdamW(ForeachAdamW):
             with torch.enable_grad():
                 loss = closure()
         for group in self.param_groups:
-            self._check(group)
             params = [p for p in group["params"] if p.grad is not None]
             if any(p.grad.is_sparse or p.is_complex() for p in params):
                 raise RuntimeError("AdamW does not support sparse gradients or complex parameters")
@@ -2440,12 +2421,21 @@ class FamilyAttention(LlamaAttention):
         return q, k, v
 
     def attend(self, q, k, v, mask):
-        if hasattr(mask, "attend"):  # a KVCache, section 12's ContextParallel
-            return mask.attend(self, q, k, v)
         if isinstance(mask, BlockMask):
             gqa = self.n_kv != self.n_heads
             return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
         return super().attend(q, k, v, mask)
+
+
+def _attend(self, q, k, v, mask, sdpa=LlamaAttention.attend):
+    """Part I's attend, handing q, k and v to a mask that attends (a KVCache, section 12's
+    ContextParallel): registered on LlamaAttention, so that Part I's Llama generates too."""
+    if hasattr(mask, "attend"):
+        return mask.attend(self, q, k, v)
+    return sdpa(self, q, k, v, mask)
+
+
+LlamaAttention.attend = _attend
 
 
 class FamilyMLP(LlamaMLP):
@@ -2505,34 +2495,21 @@ class CausalLM(Llama):
             weight = to_nf4(self.lm_head.weight.detach(), compile=self.lm_head.compile_kernels)
             self.lm_head.weight = nn.Parameter(weight, requires_grad=False)
 
-    def forward(self, tokens, targets=None, reduction="mean", positions=None, cache=None):
+    def forward(self, tokens, targets=None, reduction="mean", positions=None, mask=None):
         """Llama's. positions (B, T) that start again at 0: packed rows, each document as if
-        alone (document_mask). cache: a KVCache, whose positions these tokens follow. Under
-        context_parallel the rows are this rank's pieces."""
-        T = tokens.shape[1]
-        split = self.context_parallel if cache is None else None
-        if split is not None:
-            T *= split.pieces()  # the whole row's
-        window = self.config.sliding_window
-        if window is not None and T > window:  # Mistral v0.1: each token sees 4096 back at most
-            raise ValueError(
-                f"sequences of {T} tokens exceed the model's sliding_window of {window}, which "
-                f"this implementation does not follow"
-            )
+        alone (document_mask). mask: a KVCache holds the positions before these. Under
+        context_parallel (and no cache) the rows are this rank's pieces."""
+        split = self.context_parallel if mask is None else None
+        T = tokens.shape[1] * (split.pieces() if split else 1)  # the whole row's
+        if mask is None:  # generate checks the cache's whole length itself
+            check_window(self.config, T, "sequences")
         if self.offload_activations is not None:
             self.offload_activations.start(None)  # a new forward: a new chain of inputs
-        mask = None
-        if cache is not None:  # T tokens after the cached ones
-            positions = torch.arange(cache.filled, cache.filled + T, device=tokens.device)
-            mask = cache
-        elif split is not None:
+        if split is not None:
             positions, mask = split.rows(positions, tokens.shape[1], tokens.device)
-        elif positions is not None and positions.dim() == 2:
+        elif mask is None and positions is not None and positions.dim() == 2:
             mask = document_mask(positions)
-        logits = super().forward(tokens, targets, reduction, positions, mask)
-        if cache is not None:
-            cache.filled += T
-        return logits
+        return super().forward(tokens, targets, reduction, positions, mask)
 
 
 # What sets a family apart is written once, in its modules above: its parameters, their
@@ -2587,14 +2564,15 @@ def hf_shapes(config, layer=None):
 
 class KVCache:
     """The keys and values of a model's attentions, up to `length` positions: model(ids,
-    cache=cache) runs ids (B, T), the tokens after the cached ones, and caches theirs. A new
-    token needs only the last position's logits, and the keys and values of the positions
-    before it never change: the prompt is one forward and each new token one more, over that
-    token alone (not the whole sequence again)."""
+    positions=..., mask=cache) runs ids (B, T), the tokens after the `filled` cached ones, at
+    those positions, and caches theirs (the caller then counts them in `filled`). A new token
+    needs only the last position's logits, and the keys and values of the positions before it
+    never change: the prompt is one forward and each new token one more, over that token alone
+    (not the whole sequence again)."""
 
     def __init__(self, length):
         self.length = length
-        self.filled = 0  # positions cached so far (CausalLM.forward counts them)
+        self.filled = 0  # positions cached so far
         self.keys = {}  # attention -> (B, n_kv, length, head_dim)
         self.values = {}
 
@@ -2614,19 +2592,6 @@ class KVCache:
         position = torch.arange(start, end, device=q.device)[:, None]
         visible = torch.arange(end, device=q.device) <= position  # (T, end)
         return attention.attend(q, keys, values, visible)  # as a (T, end) mask
-
-
-def causal_lm_of(model):
-    """model as a CausalLM, whose attention takes a KVCache: itself, or for Part I's Llama a
-    CausalLM built on "meta" over the same tensors (shared, not copied)."""
-    if isinstance(model, CausalLM):
-        return model
-    q = model.model.layers[0].self_attn.q_proj
-    lora = (q.rank, q.scaling * q.rank)
-    with torch.device("meta"):
-        lm = CausalLM(model.config, model.dtype, *lora, compile=q.compile_kernels)
-    lm.load_state_dict(model.state_dict(keep_vars=True), assign=True)
-    return lm.train(model.training)
 
 
 def next_token(logits, temperature, generator):
@@ -2657,10 +2622,8 @@ def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache
     calls it and rank 0's tokens are every rank's. device: where ids go (None: model_device's).
     The model runs in eval mode (no dropout), and is then put back in the mode it was in."""
     ids = torch.as_tensor(ids, device=device or model_device(model)).view(1, -1)
-    window = getattr(model.config, "sliding_window", None)
     length = ids.shape[1] + max_new_tokens
-    if window is not None and length > window:
-        raise ValueError(f"{length} tokens exceed the model's sliding_window of {window}")
+    check_window(model.config, length, "a prompt and its new tokens")
     generator = seeded(seed, "sample")
     training = model.training
     # Every rank holds the whole sequence, not a piece of it (section 12): no split.
@@ -2675,10 +2638,14 @@ def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache
         if split is not None:
             model.context_parallel = None
         kv = KVCache(length) if cache else None
-        lm = causal_lm_of(model) if cache else model  # after eval(): it copies the mode
         step = ids  # what the next forward reads: with the cache, the new token alone
         for _ in range(max_new_tokens):
-            logits = lm(step, cache=kv) if kv else model(ids)
+            if kv is None:
+                logits = model(ids)
+            else:
+                positions = torch.arange(kv.filled, kv.filled + step.shape[1], device=ids.device)
+                logits = model(step, positions=positions, mask=kv)
+                kv.filled += step.shape[1]
             token = next_token(logits[0, -1].float(), temperature, generator)
             if dist.is_initialized():
                 dist.broadcast(token, src=0)
@@ -2827,21 +2794,19 @@ def piece_of(batch, n, index):
     return Batch(*(None if t is None else t.chunk(n, dim=1)[index] for t in batch))
 
 
-def data_parallel(args, world, rank):
-    """(world, rank) of the rows: the ranks of a context-parallel group share theirs."""
-    n = getattr(args, "context_parallel", 1)
+def data_parallel(n, world, rank):
+    """(world, rank) of the rows, n ranks splitting each: a context-parallel group shares them."""
     return world // n, rank // n
 
 
-def check_context_parallel(args, world, config):
-    """Refuse, in one line, a --context_parallel that cannot split the rows, ranks or heads."""
-    n = args.context_parallel
+def check_context_parallel(n, seq_len, world, shard, config):
+    """Refuse, in one line, a --context_parallel n that cannot split the rows of seq_len tokens,
+    the world's ranks, the groups of `shard` ranks that shard the state, or the heads."""
     flag = f"--context_parallel {n}"
-    require(args.seq_len % n == 0, f"{flag}: does not divide --seq_len {args.seq_len}")
+    require(seq_len % n == 0, f"{flag}: does not divide --seq_len {seq_len}")
     require(world % n == 0, f"{flag}: does not divide the {world} ranks")
     heads = config.num_attention_heads
     require(heads % n == 0, f"{flag}: does not divide the model's {heads} attention heads")
-    shard = args.shard_size or world
     require(
         shard % n == 0,
         f"{flag}: its groups must lie within the --shard_size {shard} groups (the all-to-alls "
@@ -2977,6 +2942,46 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
 # the loss's buffers or that block's.
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How a run builds its model and runs a step, its rows and its memory: what --estimate
+    predicts, --fit chooses and a run follows (the fields are the flags'). shard: the ranks that
+    shard the state (all of them, or an HSDP group's); batch_size: rows per rank of a
+    micro-batch."""
+
+    batch_size: int = 8
+    seq_len: int = 2048
+    grad_accum: int = 1
+    seed: int = 0
+    dtype: str = "bf16"
+    lora_rank: int = 8
+    lora_alpha: float = 16.0
+    lora_dropout: float = 0.0
+    dora: bool = False
+    nf4_head: bool = False
+    pack: bool = False
+    compile: bool = True
+    checkpointing: bool = True
+    offload_activations: bool = False
+    cpu_offload: bool = False
+    context_parallel: int = 1
+    shard: int = 1
+    loss_chunk: int = LOSS_CHUNK
+
+    @classmethod
+    def of(cls, args, shard):
+        """The plan the flags give, the state sharded over `shard` ranks."""
+        flags = {f.name for f in dataclasses.fields(cls)} - {"shard", "loss_chunk"}
+        return cls(shard=shard, **{name: getattr(args, name) for name in flags})
+
+    def element_bytes(self):
+        return DTYPES[self.dtype].itemsize
+
+    def tokens(self):
+        """Tokens of one rank's micro-batch (under context_parallel, its pieces)."""
+        return self.batch_size * self.seq_len // self.context_parallel
+
+
 def cublas_workspaces(capability=None):
     """(bytes, what they follow): cuBLAS's workspaces, one per thread that runs matmuls
     (forward's, backward's), as CUBLAS_WORKSPACE_CONFIG's ":KiB:count" pairs say, else torch's
@@ -2998,7 +3003,7 @@ def cublas_workspaces(capability=None):
 class Estimate:
     """Predicted bytes per rank of a training step; each dict is rows of a table."""
 
-    flags: "StepFlags"
+    plan: Plan
     state: dict  # sharded, resident between steps (on the host with offload)
     gathers: float  # all-gather buffers
     activations: dict
@@ -3019,16 +3024,18 @@ def _pinned(n):
     return 2 ** math.ceil(math.log2(n)) if n >= 1 else 0
 
 
-def _state_rows(counts, world, elt, nf4_head):
+def _state_rows(counts, plan):
     """The sharded state that lives between steps, per rank."""
-    head_nf4 = counts.head if nf4_head else 0
+    shard = plan.shard
+    elt = plan.element_bytes()
+    head_nf4 = counts.head if plan.nf4_head else 0
     return {
-        "NF4 weights (shard)": _nf4_bytes(counts.linear + head_nf4) / world,
-        "frozen dense weights (shard)": (counts.dense + counts.head - head_nf4) * elt / world,
-        "adapters fp32 + wire copy (shard)": counts.lora * (4 + elt) / world,
-        "adapter gradients fp32 (shard)": 4 * counts.lora / world,
+        "NF4 weights (shard)": _nf4_bytes(counts.linear + head_nf4) / shard,
+        "frozen dense weights (shard)": (counts.dense + counts.head - head_nf4) * elt / shard,
+        "adapters fp32 + wire copy (shard)": counts.lora * (4 + elt) / shard,
+        "adapter gradients fp32 (shard)": 4 * counts.lora / shard,
         # m and v. AdamW's sqrt(v) lives only during its step, when backward's buffers are gone.
-        "AdamW state fp32 (shard)": 8 * counts.lora / world,
+        "AdamW state fp32 (shard)": 8 * counts.lora / shard,
     }
 
 
@@ -3039,7 +3046,7 @@ def _block_unit_bytes(config, counts, elt):
     return _nf4_bytes(counts.linear / layers) + 2 * d * elt + (counts.lora / layers) * elt
 
 
-def _block_bytes(config, counts, elt, lora_rank, world, flags):
+def _block_bytes(config, counts, plan):
     """(saved, backward, in_flight): bytes per token that one block saves for backward and that
     its backward adds beside them, and the bytes of its backward not per token. Saved, op by op:
     each RMSNorm its fp32 input and its output; attention q, k, v, its output and an fp32
@@ -3049,55 +3056,58 @@ def _block_bytes(config, counts, elt, lora_rank, world, flags):
     LoRA dropout, each projection also keeps its dropped input (for A's gradient) and the
     dropout's mask (a byte each); DoRA then keeps three outputs instead of one: x W^T and
     d(x) W^T (the halves of one matmul of both) and its LoRA term, each scaled by m / n apart."""
+    elt = plan.element_bytes()
     d = config.hidden_size
     q_dim = config.num_attention_heads * config.head_dim
     kv_dim = config.num_key_value_heads * config.head_dim
     shapes = linear_shapes(config).values()
-    dropout = flags.lora_dropout > 0
+    dropout = plan.lora_dropout > 0
     norms = 2 * (4 * d + elt * d)
     attention = elt * (3 * q_dim + 2 * kv_dim) + 4 * config.num_attention_heads
     mlp = elt * 4 * config.intermediate_size
-    unscaled = elt * sum(out for out, _ in shapes) * (3 if dropout else 1) if flags.dora else 0
+    unscaled = elt * sum(out for out, _ in shapes) * (3 if dropout else 1) if plan.dora else 0
     dropped = (elt + 1) * sum(inp for _, inp in shapes) if dropout else 0
-    saved = norms + attention + mlp + 7 * elt * lora_rank + unscaled + dropped
+    saved = norms + attention + mlp + 7 * elt * plan.lora_rank + unscaled + dropped
     # Backward frees each saved tensor once its op's backward is done, so beside them there is
     # about one (tokens, ffn) gradient and one (tokens, d) at a time. Attention's backward
     # accumulates in fp32 (flash).
     backward = elt * (config.intermediate_size + d) + 4 * q_dim
-    if flags.dora and dropout:  # x and d(x) stacked into one NF4 matmul: the widest input's
+    if plan.dora and dropout:  # x and d(x) stacked into one NF4 matmul: the widest input's
         backward += 2 * elt * max(inp for _, inp in shapes)
-    if flags.context_parallel > 1:
+    if plan.context_parallel > 1:
         # The all-to-alls' contiguous copies of q, k and v; and k and v repeated to lcm(nkv, N)
         # heads where N does not divide nkv, kept so by attention for backward.
-        kv = math.lcm(config.num_key_value_heads, flags.context_parallel)
+        kv = math.lcm(config.num_key_value_heads, plan.context_parallel)
         saved += 2 * (kv - config.num_key_value_heads) * config.head_dim * elt
         backward += elt * (q_dim + 2 * kv * config.head_dim)
     # Not per token: the dense weight inside the NF4 matmul that runs (the largest
     # projection's), the block's adapter gradients, and the unit before's reduce-scatter input
     # and output (fp32), alive until this unit's is issued (section 5).
     largest = max(out * inp for out, inp in shapes)
-    in_flight = elt * largest + counts.lora / config.num_hidden_layers * (elt + 4 + 4 / world)
+    in_flight = elt * largest + counts.lora / config.num_hidden_layers * (elt + 4 + 4 / plan.shard)
     return saved, backward, in_flight
 
 
-def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, flags):
-    """(rows, peak) of the activations of one rank's batch_size x seq_len tokens."""
+def _activation_rows(config, counts, plan):
+    """(rows, peak) of the activations of one rank's micro-batch."""
+    elt = plan.element_bytes()
+    tokens = plan.tokens()
     d = config.hidden_size
     layers = config.num_hidden_layers
-    saved, backward, in_flight = _block_bytes(config, counts, elt, lora_rank, world, flags)
+    saved, backward, in_flight = _block_bytes(config, counts, plan)
     rows = {}
-    if flags.checkpointing and flags.offload_activations:
+    if plan.checkpointing and plan.offload_activations:
         # On the host; the block's own input and the next one's (prefetched) on the GPU.
         rows["checkpointed block inputs (host)"] = layers * tokens * elt * d
         kept = 2 * tokens * elt * d
         rows["checkpointed block inputs back on the GPU (2)"] = kept
-    elif flags.checkpointing:
+    elif plan.checkpointing:
         kept = layers * tokens * elt * d
         rows["checkpointed block inputs"] = kept
     else:
         kept = layers * tokens * saved
         rows["saved activations, all blocks"] = kept
-    if flags.checkpointing:
+    if plan.checkpointing:
         block = tokens * (saved + backward) + in_flight
         rows["recomputed block (forward + backward)"] = block
     else:
@@ -3107,30 +3117,30 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
     # dense one is the last unit's gathered weight), one chunk of logits and, compiled, their
     # gradient (eager, at its peak, the fp32 copy of bf16 logits and the
     # one-hot, bool and cast to fp32, instead), and the gradient wrt the hidden states.
-    if flags.compile:
+    if plan.compile:
         per_logit = 2 * elt
     else:
         per_logit = elt + 4 * (elt != 4) + 1 + 4
-    chunk_rows = min(flags.loss_chunk, tokens)
+    chunk_rows = min(plan.loss_chunk, tokens)
     norm = tokens * (4 * d + elt * d)
     vocab = config.vocab_size
     loss = norm + vocab * d * elt + chunk_rows * vocab * per_logit + tokens * d * elt
     rows["loss: norm, lm_head dense, logits chunk, grad_h"] = loss
-    if flags.pack:
+    if plan.pack:
         # Kept for the whole step: each token's document and position (int64), RoPE's cos and
         # sin at each token's position, and on the CPU SDPA's (B, 1, T, T) bool mask
         # (flex_attention's block mask on CUDA is (T / 128)^2 per row). Each block's SDPA
         # turns the bool mask into an additive one in the compute dtype, saved for backward:
         # the recomputed block's alone, or without checkpointing every block's. Under
         # --context_parallel the masks span the whole rows.
-        whole = tokens * flags.context_parallel * seq_len  # (B, 1, T, T)
+        whole = tokens * plan.context_parallel * plan.seq_len  # (B, 1, T, T)
         mask = whole + 16 * tokens + 2 * tokens * config.head_dim * elt
         additive = whole * elt
-        if flags.checkpointing:
+        if plan.checkpointing:
             block += additive
         else:
             mask += layers * additive
-        row = mask + additive if flags.checkpointing else mask
+        row = mask + additive if plan.checkpointing else mask
         rows["document mask, positions, RoPE per token (--pack)"] = row
         kept += mask
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient
@@ -3139,79 +3149,62 @@ def _activation_rows(config, counts, tokens, seq_len, elt, lora_rank, world, fla
     return rows, peak
 
 
-def _host_bytes(config, counts, tokens, elt, world, flags):
+def _host_bytes(config, counts, plan):
     """Host memory for offloaded tensors, per rank: pinned allocations (shards, masters,
     their gradients, block inputs) round up to a power of two; AdamW's moments are pageable."""
+    elt = plan.element_bytes()
+    tokens = plan.tokens()
+    world = plan.shard
     layers = config.num_hidden_layers
     d = config.hidden_size
     host = 0
-    if flags.checkpointing and flags.offload_activations:
+    if plan.checkpointing and plan.offload_activations:
         host += layers * _pinned(tokens * elt * d)
-    if flags.cpu_offload:
+    if plan.cpu_offload:
         # The shards of the embeddings, of norm + lm_head, and of each block with its masters
         # and their gradients.
         block_unit = _block_unit_bytes(config, counts, elt)
         unit = _pinned(block_unit / world) + 2 * _pinned(4 * counts.lora / layers / world)
         host += _pinned(config.vocab_size * d * elt / world)
-        head = _nf4_bytes(counts.head) if flags.nf4_head else counts.head * elt
+        head = _nf4_bytes(counts.head) if plan.nf4_head else counts.head * elt
         host += _pinned((head + d * elt) / world)
         host += 8 * counts.lora / world + ADAM_CHUNK_BYTES["cpu"] + layers * unit
     return host
 
 
-class StepFlags(NamedTuple):
-    """How a step runs, as far as its memory goes: estimate_memory's keywords (the flags' names)."""
-
-    checkpointing: bool = True
-    cpu_offload: bool = False
-    offload_activations: bool = False
-    loss_chunk: int = LOSS_CHUNK
-    compile: bool = True
-    nf4_head: bool = False
-    pack: bool = False
-    dora: bool = False
-    lora_dropout: float = 0.0
-    context_parallel: int = 1  # the pieces of each row, on as many ranks
-    capability: Optional[tuple] = None  # the GPU's (major, minor), for cuBLAS's workspaces
-
-
-def estimate_memory(config, world=1, batch_size=8, seq_len=2048, dtype_bytes=2, lora_rank=8, **kw):
-    """Predicted bytes per rank of a QLoRA step as this file runs it (kw: StepFlags' fields):
-    1/world of the state, and the activations of batch_size x seq_len tokens (under
-    context_parallel, this rank's pieces of them), op by op."""
-    flags = StepFlags(**kw)
-    elt = dtype_bytes
-    tokens = batch_size * seq_len // flags.context_parallel
-    counts = count_family_params(config, lora_rank, dora=flags.dora)
-    state = _state_rows(counts, world, elt, flags.nf4_head)
+def estimate_memory(config, plan=Plan(), capability=None):
+    """Predicted bytes per rank of a QLoRA step as this file runs it, by `plan`, on a GPU of
+    this compute capability (None: Hopper's): 1/shard of the state, and the activations of the
+    rank's micro-batch (under context_parallel, its pieces of the rows), op by op."""
+    elt = plan.element_bytes()
+    counts = count_family_params(config, plan.lora_rank, dora=plan.dora)
+    state = _state_rows(counts, plan)
     # All-gathers: two block units at a time, the one being computed and the next one's
     # receive buffer (prefetched after the copy-out, whose receive buffer is gone by then).
     gathers = 2 * _block_unit_bytes(config, counts, elt)
-    activations, activation_peak = _activation_rows(
-        config, counts, tokens, seq_len, elt, lora_rank, world, flags
-    )
-    gpu_state = 0 if flags.cpu_offload else sum(state.values())
+    activations, activation_peak = _activation_rows(config, counts, plan)
+    gpu_state = 0 if plan.cpu_offload else sum(state.values())
     # Loading streams one weight at a time: the largest, dense in the compute dtype, and its NF4.
     linears = [out * inp for out, inp in linear_shapes(config).values()]
     largest = max(config.vocab_size * config.hidden_size, *linears)
     load_peak = gpu_state + largest * (elt + NF4_BITS_PER_PARAM / 8)
-    workspaces = cublas_workspaces(flags.capability)
+    workspaces = cublas_workspaces(capability)
     return Estimate(
-        flags=flags,
+        plan=plan,
         state=state,
         gathers=gathers,
         activations=activations,
         activation_peak=activation_peak,
         gpu_state=gpu_state,
-        host_state=_host_bytes(config, counts, tokens, elt, world, flags),
+        host_state=_host_bytes(config, counts, plan),
         gpu_peak=gpu_state + gathers + activation_peak + workspaces[0],
         load_peak=load_peak,
         workspaces=workspaces,
     )
 
 
-def format_estimate(name, est, world):
-    offload = est.flags.cpu_offload
+def format_estimate(name, est):
+    offload = est.plan.cpu_offload
     where = "host" if offload else "GPU"
     rows = [(f"{row} ({where})", n) for row, n in est.state.items()]
     rows.append(("all-gather buffers (1 gathered + 1 receiving)", est.gathers))
@@ -3221,9 +3214,9 @@ def format_estimate(name, est, world):
     rows.append(("while loading (one weight at a time), per GPU", est.load_peak))
     if est.host_state > 0:
         rows.append(("predicted host memory for offloaded tensors", est.host_state))
-    title = f"predicted memory per rank, {name}, world {world}"
+    title = f"predicted memory per rank, {name}, the state sharded over {est.plan.shard} ranks"
     if offload:
-        title += ", state offloaded to the host"
+        title += ", offloaded to the host"
     lines = [title + ":"]
     for row, n in rows:
         lines.append(f"  {row:<48} {n / GiB:8.3f} GiB")
@@ -3231,74 +3224,58 @@ def format_estimate(name, est, world):
     return "\n".join(lines)
 
 
-def predicted_memory(args, world, config, capability=None):
-    """estimate_memory for a run's flags, on a GPU of this compute capability (None: this
-    machine's, if any)."""
-    flags = {key: getattr(args, key) for key in StepFlags._fields if hasattr(args, key)}
-    if capability is None and args.device != "cpu" and torch.cuda.is_available():
-        capability = torch.cuda.get_device_capability()
-    flags["capability"] = capability
-    elt = 2 if args.dtype == "bf16" else 4
-    shard = shard_size(args, world)  # what shards the state: HSDP's groups, or all ranks
-    return estimate_memory(
-        config, shard, args.batch_size, args.seq_len, elt, args.lora_rank, **flags
-    )
-
-
-def shard_size(args, world):
-    """--shard_size, else a machine's ranks (torchrun's LOCAL_WORLD_SIZE) when a run spans
-    machines (HSDP: all-gathers stay within one), else all ranks (full sharding)."""
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    size = getattr(args, "shard_size", 0) or (local if local < world else world)
+def shard_size(size, world, local):
+    """The ranks that shard the state: --shard_size (size), else a machine's `local` ranks when
+    a run spans machines (HSDP: all-gathers stay within one), else all of them."""
+    size = size or (local if local < world else world)
     require(world % size == 0, f"--shard_size {size}: does not divide the {world} ranks")
     return size
 
 
-def step_traffic(config, args, world):
-    """Bytes one rank sends a step: within its group of S, the all-gathers ((S - 1) / S of
-    the embeddings, norm + head, each block twice) and the fp32 gradient reduce-scatter; to
-    the R groups, the all-reduce of its gradient pieces (2 (R - 1) / R of them)."""
-    shard = shard_size(args, world)
+class Traffic(NamedTuple):
+    """Bytes one rank sends a step."""
+
+    within: float  # in its shard group: all-gathers, the reduce-scatter, the all-to-alls
+    across: float  # to the other groups: the all-reduce of its gradient pieces
+    per_layer: float  # of `within`, in each layer's all-to-alls under --context_parallel
+
+
+def traffic(config, plan, world):
+    """Within its group of S: the all-gathers ((S - 1) / S of the embeddings, norm + head, each
+    block twice) and the fp32 gradient reduce-scatter; under --context_parallel N, (N - 1) / N
+    of its piece's q, k, v and output per layer, forward, backward and the recompute; to the R
+    groups, the all-reduce of its gradient pieces (2 (R - 1) / R of them)."""
+    shard = plan.shard
     replicas = world // shard
-    elt = 2 if args.dtype == "bf16" else 4
-    counts = count_family_params(config, args.lora_rank, dora=args.dora)
+    elt = plan.element_bytes()
+    counts = count_family_params(config, plan.lora_rank, dora=plan.dora)
     layers = config.num_hidden_layers
-    head = _nf4_bytes(counts.head) if args.nf4_head else counts.head * elt
+    head = _nf4_bytes(counts.head) if plan.nf4_head else counts.head * elt
     once = (counts.dense - layers * 2 * config.hidden_size) * elt + head
     gathered = once + 2 * layers * _block_unit_bytes(config, counts, elt)
     grads = 4 * counts.lora
-    within = args.grad_accum * (shard - 1) / shard * (gathered + grads)
-    within += layers * context_traffic(config, args)
-    across = args.grad_accum * 2 * (replicas - 1) / replicas * grads / shard
-    return within, across
-
-
-def context_traffic(config, args):
-    """Bytes one rank sends per layer a step under --context_parallel N (and receives as
-    many): (N - 1) / N of its piece's q, k, v and output, forward, again in backward, and once
-    more where checkpointing recomputes the forward. (kv heads repeated to a multiple of N.)"""
-    n = getattr(args, "context_parallel", 1)
-    elt = 2 if args.dtype == "bf16" else 4
-    kv = math.lcm(config.num_key_value_heads, n)
+    n = plan.context_parallel
+    kv = math.lcm(config.num_key_value_heads, n)  # kv heads repeated to a multiple of N
     heads = 2 * config.num_attention_heads + 2 * kv  # q and the output, k and v
-    piece = args.batch_size * args.seq_len // n * config.head_dim * heads * elt
-    passes = 3 if args.checkpointing else 2
-    return args.grad_accum * passes * (n - 1) / n * piece
+    piece = plan.tokens() * config.head_dim * heads * elt
+    passes = 3 if plan.checkpointing else 2
+    per_layer = plan.grad_accum * passes * (n - 1) / n * piece
+    within = plan.grad_accum * (shard - 1) / shard * (gathered + grads) + layers * per_layer
+    across = plan.grad_accum * 2 * (replicas - 1) / replicas * grads / shard
+    return Traffic(within, across, per_layer)
 
 
-def format_traffic(config, args, world):
-    within, across = step_traffic(config, args, world)
-    shard = shard_size(args, world)
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    spans = "within a machine" if local % shard == 0 else "spanning machines"
+def format_traffic(t, plan, world, local):
+    spans = "within a machine" if local % plan.shard == 0 else "spanning machines"
     line = (
-        f"collectives per step, per rank: {within / 1e9:.2f} GB in shard groups of {shard} "
-        f"ranks ({spans}), {across / 1e9:.4f} GB between the {world // shard} groups"
+        f"collectives per step, per rank: {t.within / 1e9:.2f} GB in shard groups of "
+        f"{plan.shard} ranks ({spans}), {t.across / 1e9:.4f} GB between the "
+        f"{world // plan.shard} groups"
     )
-    n = getattr(args, "context_parallel", 1)
+    n = plan.context_parallel
     if n > 1:
-        layer = context_traffic(config, args)
-        line += f"; of the first, {layer / 1e6:.1f} MB per layer in the all-to-alls of {n} ranks"
+        layer = t.per_layer / 1e6
+        line += f"; of the first, {layer:.1f} MB per layer in the all-to-alls of {n} ranks"
     return line
 
 
@@ -3319,32 +3296,29 @@ FIT_TIERS = [
 ]
 
 
-def fit_plans(args, rows=None):
-    """Every plan --fit tries, in order: copies of args with FIT_FLAGS set, each keeping `rows`
-    of this rank per step (batch_size x grad_accum)."""
-    rows = rows or args.batch_size * args.grad_accum
+def fit_plans(plan, rows=None):
+    """Every plan --fit tries, in order: `plan` with FIT_FLAGS set, each keeping `rows` of this
+    rank per step (batch_size x grad_accum)."""
+    rows = rows or plan.batch_size * plan.grad_accum
     plans = []
     for tier in FIT_TIERS:
         for micro in range(rows, 0, -1):
             if rows % micro == 0:
-                plan = argparse.Namespace(**vars(args))
-                plan.batch_size = micro
-                plan.grad_accum = rows // micro
-                vars(plan).update(tier)  # checkpointing and the two offloads
-                plans.append(plan)
+                split = dict(batch_size=micro, grad_accum=rows // micro)
+                plans.append(dataclasses.replace(plan, **split, **tier))
     return plans
 
 
-def plan_name(a):
-    name = f"micro-batch {a.batch_size} x {a.grad_accum}"
-    if a.checkpointing:
+def plan_name(plan):
+    name = f"micro-batch {plan.batch_size} x {plan.grad_accum}"
+    if plan.checkpointing:
         name += ", checkpointing"
-    if a.offload_activations:
+    if plan.offload_activations:
         name += ", --offload_activations"
-    if a.cpu_offload:
+    if plan.cpu_offload:
         name += ", --cpu_offload"
-    if getattr(a, "context_parallel", 1) > 1:
-        name += f", --context_parallel {a.context_parallel}"
+    if plan.context_parallel > 1:
+        name += f", --context_parallel {plan.context_parallel}"
     return name
 
 
@@ -3360,91 +3334,75 @@ def host_available():
     return None
 
 
-class FitBudget(NamedTuple):
-    gpu: float  # bytes per GPU to fit in
-    host: float  # bytes of host memory available (inf where unknown)
+class Budget(NamedTuple):
+    """What a plan must fit in: bytes per GPU, and bytes of host memory for the ranks of this
+    machine (inf where unknown); cpu: the ranks compute on the host, their state there too."""
+
+    gpu: float
+    host: float
+    local_ranks: int = 1
+    cpu: bool = False
 
 
-def fit_budget(args, device):
-    """What --fit fits in, the least over ranks."""
-    if args.fit == "auto":
-        require(device.type == "cuda", "--fit: on a CPU give the memory to fit in, e.g. --fit 20")
+def budget_of(device, fit=None, local_ranks=1):
+    """This machine's Budget, the least over the ranks. Per GPU: --fit's GIB (fit), or its free
+    memory less FIT_MARGIN of its whole ("auto"), or its free memory (None; no bound on a CPU).
+    And the host memory available."""
+    cuda = device.type == "cuda"
+    require(fit != "auto" or cuda, "--fit: on a CPU give the memory to fit in, e.g. --fit 20")
+    if fit not in (None, "auto"):
+        gpu = fit * GiB
+    elif cuda:
         free, total = torch.cuda.mem_get_info(device)
-        gpu = free - FIT_MARGIN * total
+        gpu = free - (FIT_MARGIN * total if fit else 0)
     else:
-        gpu = args.fit * GiB
+        gpu = math.inf
     host = host_available() or math.inf
     if dist.is_initialized():
         t = torch.tensor([gpu, host], dtype=torch.float64, device=device)
         dist.all_reduce(t, op=dist.ReduceOp.MIN)
         gpu, host = t.tolist()
-    return FitBudget(gpu, host)
+    return Budget(gpu, host, local_ranks, not cuda)
 
 
-class PlanCheck(NamedTuple):
-    estimate: Estimate
-    gpu_fits: bool
-    host_fits: bool  # the host memory of this machine's ranks
-    fits: bool  # both
+def shortfall(est, budget, whole_step=True):
+    """Why an estimate does not fit a budget, in words (None: it fits): the step's peak per GPU
+    (whole_step), else the state alone, which a run needs before its first step; then the host
+    memory of this machine's ranks (on a CPU the "GPU" state too, which lives there)."""
+    gpu = est.gpu_peak if whole_step else est.gpu_state
+    if gpu > budget.gpu:
+        return f"{gpu / GiB:.2f} GiB per GPU, {budget.gpu / GiB:.2f} GiB is available"
+    host = (est.host_state + (gpu if budget.cpu else 0)) * budget.local_ranks
+    if host > budget.host:
+        ranks = f"for {budget.local_ranks} rank(s)"
+        return (
+            f"{host / GiB:.2f} GiB of host memory {ranks}, {budget.host / GiB:.2f} GiB is available"
+        )
+    return None
 
 
-def check_plan(plan, world, config, budget):
-    est = predicted_memory(plan, world, config)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpu_fits = est.gpu_peak <= budget.gpu
-    host_fits = est.host_state * local_ranks <= budget.host
-    return PlanCheck(est, gpu_fits, host_fits, gpu_fits and host_fits)
-
-
-def fit(args, world, config, device):
-    """The first of fit_plans(args) that fits fit_budget's memory, every plan tried printed;
-    none: one error naming the smallest peak."""
-    budget = fit_budget(args, device)
+def fit(config, plan, budget):
+    """The first of fit_plans(plan) that fits the budget, every plan tried printed; none: one
+    error naming the smallest peak (the last plan's)."""
     said = f"--fit: {budget.gpu / GiB:.2f} GiB per GPU"
     if budget.host < math.inf:
         said += f", {budget.host / GiB:.1f} GiB of host memory"
     print0(said)
-    for plan in fit_plans(args):
-        check = check_plan(plan, world, config, budget)
-        peak = check.estimate.gpu_peak / GiB
-        verdict = "fits" if check.fits else "its host memory is not available"
-        if not check.gpu_fits:
-            verdict = "too big"
-        print0(f"  {plan_name(plan):<62} {peak:8.2f} GiB  {verdict}")
-        if check.fits:
-            print0(f"--fit chose {plan_name(plan)}: {peak:.2f} GiB predicted per GPU")
-            return plan
-    # The last plan tried has the smallest peak.
-    message = (
-        f"--fit: no setting fits in {budget.gpu / GiB:.2f} GiB per GPU; the smallest predicted "
-        f"peak is {peak:.2f} GiB ({plan_name(plan)})"
+    for trial in fit_plans(plan):
+        est = estimate_memory(config, trial)
+        why = shortfall(est, budget)
+        peak = est.gpu_peak / GiB
+        verdict = "fits" if why is None else "too big"
+        if why is not None and "host memory" in why:
+            verdict = "its host memory is not available"
+        print0(f"  {plan_name(trial):<62} {peak:8.2f} GiB  {verdict}")
+        if why is None:
+            print0(f"--fit chose {plan_name(trial)}: {peak:.2f} GiB predicted per GPU")
+            return trial
+    raise UserError(
+        f"--fit: no setting fits; the smallest predicted peak is {peak:.2f} GiB "
+        f"({plan_name(trial)}): it needs {why}"
     )
-    if not check.host_fits:
-        host = check.estimate.host_state / GiB
-        message += f" and its {host:.1f} GiB of host memory are not available"
-    raise UserError(message)
-
-
-def check_fits(args, config, world, device):
-    """Refuse, before anything is allocated, a model whose sharded state would not fit on the
-    GPU or in this machine's available memory (offloaded, or on a CPU; its ranks share it)."""
-    est = predicted_memory(args, world, config)
-    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-    gpu_free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else math.inf
-    # On the CPU, the "GPU" state is in host memory too.
-    on_host = est.host_state + (est.gpu_state if device.type == "cpu" else 0)
-    host_free = host_available() or math.inf
-    needs = [
-        (est.gpu_state, gpu_free, "per GPU"),
-        (on_host * local_ranks, host_free, f"of this machine's memory for {local_ranks} rank(s)"),
-    ]
-    for need, have, where in needs:
-        require(
-            need <= have,
-            f"the model's shards need {need / GiB:.2f} GiB {where} (--estimate), "
-            f"{have / GiB:.2f} GiB is available: more ranks, --cpu_offload, or --fit to choose "
-            f"the settings",
-        )
 
 
 # -----------------------------------------------------------------------------
@@ -3532,7 +3490,8 @@ class SafetensorsFile:
                 f"{path}: header length {n} runs past the end of the file ({size} bytes)",
             )
             header = read_json(path, f.read(n), what="header")
-        header.pop("__metadata__", None)  # free-form strings, not a tensor
+        self.metadata = header.pop("__metadata__", None) or {}  # strings, not a tensor
+        require(isinstance(self.metadata, dict), f"{path}: __metadata__ is not an object")
         self.data_start = 8 + n
         data_size = size - self.data_start
         self.entries = {}
@@ -3574,10 +3533,10 @@ def write_json(path, obj):
     atomic_write(path, lambda f: json.dump(obj, f, indent=2), "w")
 
 
-def save_safetensors(path, specs, get):
-    """Write tensors to `path` one at a time, atomically; specs: [(name, dtype, shape)]."""
-    # "pt" is what transformers' loader asks of a file.
-    header = {"__metadata__": {"format": "pt"}}
+def save_safetensors(path, specs, get, metadata=None):
+    """Write tensors to `path` one at a time, atomically; specs: [(name, dtype, shape)];
+    metadata: {str: str}, beside the "format" that transformers' loader asks of a file."""
+    header = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
     for name, dtype, shape in specs:
         nbytes = math.prod(shape) * dtype.itemsize
@@ -3745,16 +3704,9 @@ def _checkpoint_files(path):
     return list(dict.fromkeys(weight_map.values()))
 
 
-class Checkpoint(NamedTuple):
-    """A checkpoint's weights as a stream of (name, full tensor), and their bytes."""
-
-    tensors: object  # an iterator, read one tensor at a time
-    nbytes: int
-
-
 def load_checkpoint(path, config):
-    """The weights of a Hugging Face directory, read one at a time, every header checked against
-    config.json first: a mismatch is refused before anything of its size exists."""
+    """{name: (SafetensorsFile, its name there)} of a Hugging Face directory's weights, every
+    header checked against config.json first: a mismatch is refused before a tensor is read."""
     config = as_family(config)
     files = [SafetensorsFile(os.path.join(path, n)) for n in _checkpoint_files(path)]
     # name -> (file, its name there). Old checkpoints also store RoPE's constants.
@@ -3789,9 +3741,7 @@ def load_checkpoint(path, config):
         expected = (name for i in (None, *range(layers)) for name in hf_shapes(config, i))
         first = next(name for name in expected if name not in sources)
         raise UserError(f"{path}: {n:,} tensors missing from the checkpoint, e.g. {first}")
-    nbytes = sum(sf.entries[key].end - sf.entries[key].begin for sf, key in sources.values())
-    tensors = ((name, sf.get(key)) for name, (sf, key) in sources.items())
-    return Checkpoint(tensors, nbytes)
+    return sources
 
 
 def initial_weights(shapes, seed, device="cpu", magnitudes=None):
@@ -3877,24 +3827,28 @@ def progress(items, what, total, nbytes, compiling=False):
     )
 
 
-def load_model(make, seed, device, checkpoint=None, path=None, shard=None):
+def load_model(make, seed, device, sources=None, path=None, shard=None):
     """(model, fsdp): make() built on "meta", then filled one full tensor at a time, never a bf16
-    model: the base, `checkpoint`'s (load_checkpoint(path)'s) or drawn, then fresh adapters (after
-    it: DoRA's magnitudes start at its W's row norms). shard: FSDP's keywords; an FSDP made first
-    keeps this rank's pieces of each tensor. Without it the model is whole, and fsdp None."""
+    model: the base, the checkpoint's at `path` (sources: load_checkpoint(path)'s) or drawn, then
+    fresh adapters (after it: DoRA's magnitudes start at its W's row norms). shard: FSDP's
+    keywords; an FSDP made first keeps this rank's pieces of each tensor. Without it the model
+    is whole, and fsdp None."""
     with torch.device("meta"):
         model = make()
     params = dict(model.named_parameters())  # what each is to be, read before FSDP takes them
     fsdp = FSDP(model, model.units(), device, model.dtype, **shard) if shard else None
     put = functools.partial(_assign, model) if fsdp is None else fsdp.load_full
     shapes = {name: p.shape for name, p in params.items() if not p.requires_grad}
-    what = f"loading {path}" if checkpoint is not None else "drawing a random base"
-    if checkpoint is None:  # a random base, drawn in fp32
+    if sources is None:  # a random base, drawn in fp32
+        what = "drawing a random base"
         nbytes = 4 * sum(map(math.prod, shapes.values()))
-        checkpoint = Checkpoint(initial_weights(shapes, seed, device), nbytes)
+        tensors = initial_weights(shapes, seed, device)
+    else:  # read one tensor at a time
+        what = f"loading {path}"
+        nbytes = sum(sf.entries[key].end - sf.entries[key].begin for sf, key in sources.values())
+        tensors = _finite(((name, sf.get(key)) for name, (sf, key) in sources.items()), path)
     compiling = model.lm_head.compile_kernels  # the NF4 kernels compile as the first loads
-    items = _finite(checkpoint.tensors, path)
-    base = progress(items, what, len(shapes), checkpoint.nbytes, compiling)
+    base = progress(tensors, what, len(shapes), nbytes, compiling)
     load_weights(model, params, base, put, device)
     adapters = {name: p.shape for name, p in params.items() if p.requires_grad}
     adapters = initial_weights(adapters, seed, magnitudes=dora_magnitudes(model))
@@ -3917,10 +3871,10 @@ def from_pretrained(
     Hugging Face directory: load_model's, unsharded (memory stays near the NF4 size)."""
     config_path = os.path.join(path, "config.json")
     config = config_from_hf(read_json(config_path), config_path)
-    checkpoint = load_checkpoint(path, config)  # every header checked
+    sources = load_checkpoint(path, config)  # every header checked
     lora = (lora_rank, lora_alpha, lora_dropout)
     make = functools.partial(CausalLM, config, dtype, *lora, nf4_head=nf4_head, dora=dora)
-    return load_model(make, seed, device or "cpu", checkpoint, path)[0]
+    return load_model(make, seed, device or "cpu", sources, path)[0]
 
 
 # Llama's (section 7), as the API has it: registered here, where the reader is.
@@ -3931,9 +3885,26 @@ PEFT_PREFIX = "base_model.model."
 TARGET_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def save_adapters(out_dir, adapters, args):
+def peft_config(rank, alpha, dropout, dora, base=""):
+    """adapter_config.json, as PEFT reads it: the adapters' shape, on which base model."""
+    return {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": rank,
+        "lora_alpha": alpha,
+        "lora_dropout": dropout,
+        "target_modules": TARGET_MODULES,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "base_model_name_or_path": base,
+        "use_dora": dora,
+    }
+
+
+def save_adapters(out_dir, adapters, peft):
     """adapter_model.safetensors (keys base_model.model.<name>.lora_A.weight; DoRA's magnitude
-    has no .weight), its config."""
+    has no .weight), and peft (peft_config's) as adapter_config.json."""
     os.makedirs(out_dir, exist_ok=True)
     tensors = {}
     for name, t in adapters.items():
@@ -3941,20 +3912,7 @@ def save_adapters(out_dir, adapters, args):
         tensors[PEFT_PREFIX + name + suffix] = t.float()
     specs = [(key, torch.float32, tuple(t.shape)) for key, t in tensors.items()]
     save_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), specs, tensors.__getitem__)
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "r": args.lora_rank,
-        "lora_alpha": args.lora_alpha,
-        "lora_dropout": args.lora_dropout,
-        "target_modules": TARGET_MODULES,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "inference_mode": True,
-        "base_model_name_or_path": args.checkpoint or "",
-        "use_dora": args.dora,
-    }
-    write_json(os.path.join(out_dir, "adapter_config.json"), config)
+    write_json(os.path.join(out_dir, "adapter_config.json"), peft)
 
 
 def load_adapters(path):
@@ -3967,7 +3925,8 @@ def load_adapters(path):
 RESUME_MUST_MATCH = (
     "model checkpoint lora_rank lora_alpha lora_dropout seed nf4_head pack dora".split()
 )
-SAVED_BEFORE = {"dora": False}  # a flag added since: what a checkpoint without it ran with
+TRAINING_STATE = "training_state.safetensors"
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's, by torch's names
 
 
 def _moment(optimizer, key, p):
@@ -3975,11 +3934,12 @@ def _moment(optimizer, key, p):
     return optimizer.state[p].get(key, torch.zeros_like(p))
 
 
-def save_checkpoint(out_dir, step, fsdp, optimizer, args):
-    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (the adapters; training_state.pt:
-    the step, AdamW's counts and full moments, the flags --resume checks) under a temporary
-    name, renamed, then points out_dir/latest at it: a crash leaves the previous one whole.
-    No RNG state: each step seeds its dropout. The adapters also go in out_dir, for PEFT."""
+def save_checkpoint(out_dir, step, fsdp, optimizer, peft, flags):
+    """Collective. Rank 0 writes out_dir/checkpoint-<step>/ (the adapters, and
+    training_state.safetensors: AdamW's full moments, "exp_avg/<name>", and in its metadata the
+    step, AdamW's counts, the world size and `flags`, what --resume must match) under a
+    temporary name, renamed, then points out_dir/latest at it: a crash leaves the previous one
+    whole. No RNG state: each step seeds its dropout. The adapters also go in out_dir, for PEFT."""
     adapters = fsdp.full_adapters()
     kept = ""
     if os.path.isfile(os.path.join(out_dir, "latest")):
@@ -3989,80 +3949,72 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, args):
         finite, f"--out {out_dir}: the adapters hold inf or NaN after step {step}, not saved{kept}"
     )
     moments = {}
-    for key in ("exp_avg", "exp_avg_sq"):
-        moments[key] = fsdp.full_adapters(of=functools.partial(_moment, optimizer, key))
+    for key in MOMENTS:
+        full = fsdp.full_adapters(of=functools.partial(_moment, optimizer, key))
+        moments.update({f"{key}/{name}": t for name, t in full.items()})
     # A parameter that never had a gradient has no state: step 0.
     adam_steps = {n: int(optimizer.state[p].get("step", 0)) for n, p in fsdp.named_parameters()}
-    if world_and_rank()[1] == 0:
+    world, rank = world_and_rank()
+    if rank == 0:
         name = f"checkpoint-{step}"
         final = os.path.join(out_dir, name)
         tmp = os.path.join(out_dir, f".{name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_adapters(tmp, adapters, args)
-        state = dict(
-            step=step,
-            adam_steps=adam_steps,
-            moments=moments,
-            dtype=args.dtype,
-            world_size=world_and_rank()[0],
-            **{key: getattr(args, key) for key in RESUME_MUST_MATCH},
-        )
-        # Through a buffer, so that a full disk is an OSError of the write, not torch.save's
-        # RuntimeError.
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        atomic_write(os.path.join(tmp, "training_state.pt"), lambda f: f.write(buffer.getvalue()))
+        save_adapters(tmp, adapters, peft)
+        state = dict(step=step, adam_steps=adam_steps, world_size=world, flags=flags)
+        specs = [(n, torch.float32, tuple(t.shape)) for n, t in moments.items()]
+        metadata = {"training_state": json.dumps(state)}
+        save_safetensors(os.path.join(tmp, TRAINING_STATE), specs, moments.__getitem__, metadata)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         atomic_write(os.path.join(out_dir, "latest"), lambda f: f.write(name), "w")
         for old in os.listdir(out_dir):  # keep only the newest checkpoint
             if old.startswith("checkpoint-") and old != name:
                 shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
-        save_adapters(out_dir, adapters, args)
+        save_adapters(out_dir, adapters, peft)
     if dist.is_initialized():
         dist.barrier()
 
 
-def _read_training_state(args):
-    """(the checkpoint directory --out/latest names, its training state), checked."""
-    latest = os.path.join(args.out, "latest")  # parse_args: --resume needs --out
-    require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {args.out}")
+def _read_training_state(out_dir, flags):
+    """(the checkpoint directory out_dir/latest names, its training state, its moments'
+    SafetensorsFile), every header and flag checked."""
+    latest = os.path.join(out_dir, "latest")
+    require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {out_dir}")
     with open(latest) as f:
-        checkpoint_dir = os.path.join(args.out, f.read().strip())
-    path = os.path.join(checkpoint_dir, "training_state.pt")
-    try:
-        state = torch.load(path, weights_only=True)
-    except Exception as e:  # noqa: BLE001 -- any unreadable file is the same user error
-        raise UserError(f"{path}: cannot be read ({type(e).__name__})") from None
-    require(isinstance(state, dict), f"{path}: not a training state")
-    for key in RESUME_MUST_MATCH:
-        saved = state.get(key, SAVED_BEFORE.get(key))
-        mine = getattr(args, key)
+        checkpoint_dir = os.path.join(out_dir, f.read().strip())
+    path = os.path.join(checkpoint_dir, TRAINING_STATE)
+    older = os.path.join(checkpoint_dir, "training_state.pt")
+    require(
+        os.path.isfile(path) or not os.path.isfile(older),
+        f"{older}: saved by an older version of this file; resume it with that version",
+    )
+    sf = SafetensorsFile(path)
+    raw = sf.metadata.get("training_state", "")
+    state = read_json(path, raw.encode() if isinstance(raw, str) else b"", "its training_state")
+    saved = state.get("flags")
+    require(isinstance(saved, dict), f"{path}: not a training state (no flags)")
+    for key, mine in flags.items():
         require(
-            saved == mine,
-            f"--resume {checkpoint_dir}: saved with --{key} {saved}, this run has --{key} {mine}",
+            saved.get(key) == mine,
+            f"--resume {checkpoint_dir}: saved with --{key} {saved.get(key)}, this run has "
+            f"--{key} {mine}",
         )
-    return checkpoint_dir, state
+    return checkpoint_dir, state, sf
 
 
-def _fits_shapes(tensors, shapes):
-    """Whether tensors ({name: tensor}) has exactly the names and shapes of `shapes`."""
-    if not isinstance(tensors, dict) or tensors.keys() != shapes.keys():
-        return False
-    return all(tuple(tensors[n].shape) == tuple(shapes[n]) for n in shapes)
-
-
-def resume(args, fsdp, optimizer):
-    """Load the checkpoint that --out/latest names into the shards and AdamW; returns its step."""
-    checkpoint_dir, state = _read_training_state(args)
+def resume(out_dir, fsdp, optimizer, flags):
+    """Load the checkpoint that out_dir/latest names into the shards and AdamW; returns its
+    step. flags: this run's values of RESUME_MUST_MATCH."""
+    checkpoint_dir, state, sf = _read_training_state(out_dir, flags)
     adapters = load_adapters(checkpoint_dir)
-    moments = state.get("moments")
     steps = state.get("adam_steps")
+    step = state.get("step")
     shapes = fsdp.adapter_shapes()
-    ok = _fits_shapes(adapters, shapes) and isinstance(moments, dict)
-    ok = ok and moments.keys() == {"exp_avg", "exp_avg_sq"}
-    ok = ok and all(_fits_shapes(m, shapes) for m in moments.values())
-    ok = ok and isinstance(steps, dict) and steps.keys() == shapes.keys()
+    moments = {f"{key}/{name}": shape for key in MOMENTS for name, shape in shapes.items()}
+    ok = {n: tuple(t.shape) for n, t in adapters.items()} == shapes
+    ok = ok and {n: tuple(e.shape) for n, e in sf.entries.items()} == moments
+    ok = ok and isinstance(steps, dict) and steps.keys() == shapes.keys() and _is_count(step)
     require(
         ok,
         f"--resume {checkpoint_dir}: its adapters or AdamW moments are not this "
@@ -4074,13 +4026,13 @@ def resume(args, fsdp, optimizer):
         if not steps[name]:
             continue  # a parameter never stepped has no state yet
         zeros = torch.zeros_like(p)
-        optimizer.state[p] = dict(step=steps[name], exp_avg=zeros, exp_avg_sq=zeros.clone())
-        # moments: {"exp_avg": {name: full tensor}, "exp_avg_sq": ...}
-        for key, full in moments.items():
-            fsdp.load_full(name, full[name], of=functools.partial(_moment, optimizer, key))
-    world = state["world_size"]
-    print0(f"resumed from {args.out} at step {state['step']} (saved by world size {world})")
-    return state["step"]
+        optimizer.state[p] = dict(step=int(steps[name]), exp_avg=zeros, exp_avg_sq=zeros.clone())
+        for key in MOMENTS:
+            moment = functools.partial(_moment, optimizer, key)
+            fsdp.load_full(name, sf.get(f"{key}/{name}"), of=moment)
+    world = state.get("world_size")
+    print0(f"resumed from {out_dir} at step {step} (saved by world size {world})")
+    return step
 
 
 def shard_files(specs, max_bytes):
@@ -4118,7 +4070,7 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
     max_shard_bytes), and config.json (the `source`'s other keys kept) and its
     generation_config.json."""
     adapters = fsdp.full_adapters()
-    base = fsdp.full_base()  # (name, full tensor), unit by unit, in the order of base_shapes()
+    base = fsdp.full_base()  # (name, full tensor), unit by unit, in param_of's order
 
     def get(name):
         got, w = next(base)
@@ -4136,7 +4088,8 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 
     if world_and_rank()[1] == 0:
         os.makedirs(out_dir, exist_ok=True)
-        specs = [(name, model.dtype, shape) for name, shape in fsdp.base_shapes().items()]
+        frozen = [(fqn, p.shape) for fqn, (_, p) in fsdp.param_of.items() if not p.trainable]
+        specs = [(name, model.dtype, shape) for name, shape in frozen]
         files = shard_files(specs, max_shard_bytes)
         for name, file_specs in files.items():
             save_safetensors(os.path.join(out_dir, name), file_specs, get)
@@ -4160,11 +4113,11 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
 
 
 # -----------------------------------------------------------------------------
-# 15. Your data: text, JSONL and chats, tokenized by the checkpoint's own tokenizer
+# 15. Your data: files of ids, text, JSONL and chats, rows of documents, prompts
 # -----------------------------------------------------------------------------
-# Needs: import datetime, hashlib, json, os, re, time, numpy as np, torch; from
+# Needs: import bisect, datetime, hashlib, json, os, re, time, numpy as np, torch; from
 # typing import NamedTuple, Optional; from above: UserError, require, read_json, atomic_write,
-# get_batch, Batch, IGNORE_INDEX, PROGRESS_S.
+# get_batch, Batch, IGNORE_INDEX, PROGRESS_S, seeded.
 #
 # With --checkpoint, a data file is plain text (one example: the whole file) or .jsonl, one
 # example a line, as TRL's SFTTrainer, torchtune and axolotl take them:
@@ -4495,13 +4448,13 @@ class TokenData(NamedTuple):
     loss_mask: Optional[np.ndarray]
     starts: Optional[np.ndarray] = None
 
-    def batch(self, step, micro, args, world, rank):
+    def batch(self, step, micro, plan, world, rank):
         """get_batch's windows of the ids; with a loss mask, the same windows of it mask the
         targets (the same draws pick them)."""
-        inputs, targets, _ = get_batch(self.ids, step, micro, args, world, rank, None)
+        inputs, targets, _ = get_batch(self.ids, step, micro, plan, world, rank, None)
         if self.loss_mask is None:
             return Batch(inputs, targets)
-        _, counted, _ = get_batch(self.loss_mask, step, micro, args, world, rank, None)
+        _, counted, _ = get_batch(self.loss_mask, step, micro, plan, world, rank, None)
         return Batch(inputs, targets.masked_fill(~counted.bool(), IGNORE_INDEX))
 
     def rows(self, indices, seq_len):
@@ -4667,36 +4620,7 @@ def tokenize_file(path, tokenizer_dir, cache_dir, say=None):
     return data
 
 
-# -----------------------------------------------------------------------------
-# 16. A run: data files, evaluation, metrics, progress, set-up and summary
-# -----------------------------------------------------------------------------
-# Needs: import bisect, contextlib, functools, json, os, resource, shlex, signal, sys,
-# tempfile, threading, time, numpy as np, torch, torch.distributed as dist; from typing import
-# NamedTuple, Optional; from torch.distributed.device_mesh import init_device_mesh; from
-# above: GiB, sections 1-15.
-
-
-def eos_id(args):
-    """--pack's end of a document: --eos_id, else --checkpoint's config.json's eos_token_id."""
-    eos = args.eos_id
-    if eos is None and args.checkpoint:  # several: the first ends a document
-        eos = (eos_ids(args.checkpoint, "config.json") or [None])[0]
-    require(
-        type(eos) is int,
-        "--pack: documents end with an EOS token; give its id with --eos_id (config.json has "
-        "no eos_token_id)",
-    )
-    return eos
-
-
-def model_config(args):
-    """(name, FamilyConfig): --checkpoint's (named after its directory), else --model's."""
-    if not args.checkpoint:
-        return args.model, as_family(CONFIGS[args.model])
-    require(os.path.isdir(args.checkpoint), f"--checkpoint {args.checkpoint}: no such directory")
-    path = os.path.join(args.checkpoint, "config.json")
-    name = os.path.basename(os.path.normpath(args.checkpoint))
-    return name, config_from_hf(read_json(path), path)
+# A data file of ids, and rows of documents
 
 
 def is_text(path):
@@ -4721,9 +4645,26 @@ def _read_token_file(path, ext, where):
         raise UserError(f"{where}: cannot be read as {ext} ({type(e).__name__}: {why})") from None
 
 
-def load_tokens(path, vocab_size, seq_len, flag="--data"):
-    """TokenData from a --data (or --val_data) file of ids (formats: see --help), checked: at
-    least seq_len + 1 tokens, every id below vocab_size."""
+def check_ids(ids, vocab_size, where):
+    """Refuse ids outside [0, vocab_size) (a file's, or what a tokenizer made)."""
+    hi = int(ids.max())
+    require(hi < vocab_size, f"{where}: token id {hi} >= vocab_size {vocab_size} of this model")
+    if np.issubdtype(ids.dtype, np.signedinteger):  # a pass fewer if unsigned
+        lo = int(ids.min())
+        require(lo >= 0, f"{where}: negative token id {lo}")
+
+
+def check_length(ids, seq_len, where):
+    """Refuse a stream too short for one row of seq_len tokens and the one after them."""
+    require(
+        len(ids) > seq_len,
+        f"{where}: {len(ids)} tokens, fewer than --seq_len + 1 = {seq_len + 1}",
+    )
+
+
+def load_tokens(path, vocab_size, flag="--data"):
+    """TokenData from a --data (or --val_data) file of ids (formats: see --help), checked: a
+    1-D integer array, every id below vocab_size, a loss mask and example starts that fit."""
     where = f"{flag} {path}"
     require(os.path.isfile(path), f"{where}: no such file")
     # Text (anything but .npy, .npz and .bin) is raw bytes, one token each.
@@ -4738,15 +4679,8 @@ def load_tokens(path, vocab_size, seq_len, flag="--data"):
         tokens.ndim == 1 and np.issubdtype(tokens.dtype, np.integer),
         f"{where}: tokens must be a 1-D integer array, not {tokens.ndim}-D {tokens.dtype}",
     )
-    require(
-        len(tokens) > seq_len,
-        f"{where}: {len(tokens)} tokens, fewer than --seq_len + 1 = {seq_len + 1}",
-    )
-    hi = int(tokens.max())
-    require(hi < vocab_size, f"{where}: token id {hi} >= vocab_size {vocab_size} of this model")
-    if np.issubdtype(tokens.dtype, np.signedinteger):  # a pass fewer if unsigned
-        lo = int(tokens.min())
-        require(lo >= 0, f"{where}: negative token id {lo}")
+    require(len(tokens), f"{where}: no tokens")
+    check_ids(tokens, vocab_size, where)
     if mask is not None:
         require(
             mask.shape == tokens.shape,
@@ -4785,7 +4719,9 @@ class PackedDocuments:
     """Rows of seq_len tokens filled with whole documents (--pack; per_row=1: examples one a
     row), in an order drawn per epoch from the seed, or the file's; padding counts nothing.
     A document of n tokens gives n - 1 targets; row i depends only on the seed, so a step's
-    rows are get_batch's: the same at any split and after --resume."""
+    rows are get_batch's: the same at any split and after --resume. One document a row starts
+    at position 0 and the padding after it counts nothing: plain causal attention (the fused
+    kernel) then equals the document alone, and its rows carry no positions."""
 
     def __init__(self, data, eos_id, seq_len, seed, shuffle=True, per_row=None):
         self.data = data
@@ -4841,7 +4777,10 @@ class PackedDocuments:
                 positions[r, at : at + n] = np.arange(n)
                 at += n
             positions[r, at:] = np.arange(self.seq_len - at)
-        return Batch(*(torch.from_numpy(a) for a in (inputs, targets, positions)))
+        tensors = [torch.from_numpy(a) for a in (inputs, targets, positions)]
+        if self.per_row == 1:
+            tensors[2] = None  # 0, 1, ... in each row: causal, as for no positions
+        return Batch(*tensors)
 
     def rows(self, indices, seq_len):
         """The Batch of rows `indices` of the first epoch, in the file's order (None: a row
@@ -4853,11 +4792,15 @@ class PackedDocuments:
         self.row(0)  # packs the first epoch
         return self.first_row[1]
 
-    def batch(self, step, micro, args, world, rank):
-        """This rank's Batch of micro-batch `micro` of `step`, in get_batch's order."""
-        n = args.batch_size * args.grad_accum * world
-        first = step * n + (micro * world + rank) * args.batch_size
-        return self.tensors([self.row(i) for i in range(first, first + args.batch_size)])
+    def batch(self, step, micro, plan, world, rank):
+        """This rank's Batch of micro-batch `micro` of `step`, in get_batch's order (plan: its
+        batch_size and grad_accum)."""
+        n = plan.batch_size * plan.grad_accum * world
+        first = step * n + (micro * world + rank) * plan.batch_size
+        return self.tensors([self.row(i) for i in range(first, first + plan.batch_size)])
+
+
+# Prompts: what a sample continues
 
 
 def encode_prompt(text, vocab_size, tokenizer=None):
@@ -4891,31 +4834,19 @@ class Prompt(NamedTuple):
     reference: Optional[str] = None
 
 
-def read_prompts(args, config, tokenizer):
-    """--sample's prompts: --prompt (with --chat, one user turn in the chat template), or each
-    chat of --prompt_file (a last assistant turn held out as the reference)."""
-    prompts = _read_prompts(args, config, tokenizer)
-    window = config.sliding_window
-    longest = max(len(p.ids) for p in prompts) + args.sample
-    require(
-        window is None or longest <= window,
-        f"--sample {args.sample}: a prompt and its sample, {longest} tokens, exceed the "
-        f"model's sliding_window of {window}",
-    )
-    return prompts
-
-
-def _read_prompts(args, config, tokenizer):
-    if not (args.chat or args.prompt_file):
-        return [Prompt(encode_prompt(args.prompt, config.vocab_size, tokenizer))]
-    flag = "--prompt_file" if args.prompt_file else "--chat"
+def read_prompts(prompt, prompt_file, chat, vocab_size, tokenizer):
+    """--sample's prompts: the prompt (with chat, one user turn in the chat template), or each
+    chat of the prompt_file (a last assistant turn held out as the reference)."""
+    if not (chat or prompt_file):
+        return [Prompt(encode_prompt(prompt, vocab_size, tokenizer))]
+    flag = "--prompt_file" if prompt_file else "--chat"
     has_template = tokenizer is not None and tokenizer.chat_template is not None
-    require(has_template, f"{flag}: --checkpoint {args.checkpoint} has no chat template")
-    if not args.prompt_file:
-        messages = [{"role": "user", "content": args.prompt}]
+    require(has_template, f"{flag}: the checkpoint has no chat template")
+    if not prompt_file:
+        messages = [{"role": "user", "content": prompt}]
         return [Prompt(tokenizer.encode_chat(messages, "--chat"), messages)]
     prompts = []
-    for e in read_examples(args.prompt_file, to_learn=False):
+    for e in read_examples(prompt_file, to_learn=False):
         require(e.messages is not None, f'{e.where}: --prompt_file takes {{"messages": [...]}}')
         messages = e.messages
         reference = None
@@ -4927,138 +4858,64 @@ def _read_prompts(args, config, tokenizer):
     return prompts
 
 
-def stop_ids(args):
-    """The ids that end a sample, as transformers' generate reads them: generation_config.json's
-    eos_token_id (one id or a list), else config.json's; and --eos_id."""
+def stop_ids(checkpoint, eos_id=None):
+    """The ids that end a sample, as transformers' generate reads them: the checkpoint's
+    generation_config.json's eos_token_id (one id or a list), else config.json's; and eos_id."""
     files = ("generation_config.json", "config.json")
-    ids = eos_ids(args.checkpoint, *files) if args.checkpoint else []
-    return ids + ([] if args.eos_id is None else [args.eos_id])
+    ids = eos_ids(checkpoint, *files) if checkpoint else []
+    return ids + ([] if eos_id is None else [eos_id])
 
 
-def check_writable(args, rank):
-    """Refuse now, on every rank, an output path that cannot be written (its nearest existing
-    directory takes a temporary file), creating nothing, overwriting nothing: an --out with a
-    checkpoint needs --resume, a --merge_to with a model is refused."""
-    problem = None
-    holds_run = args.out and os.path.isfile(os.path.join(args.out, "latest"))
-    if rank == 0 and holds_run and not args.resume:
-        problem = (
-            f"--out {args.out}: holds a run's checkpoint; --resume continues it, "
-            f"or choose another --out"
-        )
-    model_files = ("config.json", "model.safetensors", "model.safetensors.index.json")
-    if rank == 0 and args.merge_to:
-        if any(os.path.exists(os.path.join(args.merge_to, n)) for n in model_files):
-            problem = f"--merge_to {args.merge_to}: holds a model already; choose a new directory"
-    outputs = (("--out", args.out), ("--merge_to", args.merge_to), ("--profile", args.profile))
-    for flag, path in outputs:
-        if not path or problem is not None or (rank != 0 and flag != "--profile"):
-            continue
-        existing = os.path.abspath(path)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
-        try:
-            tempfile.TemporaryFile(dir=existing).close()
-        except OSError as e:
-            problem = f"{flag} {path}: cannot be written ({e.strerror or e})"
-    require_on_all_ranks(problem)
+# -----------------------------------------------------------------------------
+# 16. A run: set up from the flags, the loop over steps, the end
+# -----------------------------------------------------------------------------
+# Needs: import contextlib, functools, json, os, re, resource, shlex, signal, sys, tempfile,
+# threading, time, numpy as np, torch, torch.distributed as dist; from typing import NamedTuple,
+# Optional; from torch.distributed.device_mesh import init_device_mesh; from above: GiB,
+# sections 1-15.
+#
+# A Run is one fine-tune, in the order it happens. Its set-up reads the flags (there, and
+# nowhere after) and every input, each checked before anything is built, then builds the model
+# and resumes it; train() is the loop over steps; finish() merges, samples and sums up. What
+# it hands the pieces above (long context, the estimate, the files, the data) is explicit: a
+# Plan, paths, numbers.
 
 
-def require_on_all_ranks(problem):
-    """Raise, on every rank, the first rank's problem (a message; None: none)."""
-    if dist.is_initialized():
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
-        problem = next((p for p in problems if p), None)
-    require(problem is None, problem)
+def model_config(checkpoint, model):
+    """(name, FamilyConfig): the checkpoint directory's (named after it), else CONFIGS[model]."""
+    if not checkpoint:
+        return model, as_family(CONFIGS[model])
+    require(os.path.isdir(checkpoint), f"--checkpoint {checkpoint}: no such directory")
+    path = os.path.join(checkpoint, "config.json")
+    name = os.path.basename(os.path.normpath(checkpoint))
+    return name, config_from_hf(read_json(path), path)
 
 
-def open_metrics(out, start):
-    """(--out's metrics.jsonl open to append, the records kept): those after `start`, and a
-    line a crash cut short, dropped."""
-    os.makedirs(out, exist_ok=True)
-    path = os.path.join(out, "metrics.jsonl")
-    kept = []
-    if start and os.path.isfile(path):
-        with open(path) as f:
-            for line in f:
-                line = line.rstrip()
-                if line.endswith("}") and json.loads(line)["step"] <= start:
-                    kept.append(line + "\n")
-    atomic_write(path, lambda f: f.writelines(kept), "w")
-    return open(path, "a"), [json.loads(line) for line in kept]
-
-
-@torch.no_grad()
-def evaluate(model, val, args, world, rank, device):
-    """(the mean loss over the counted targets, rows) of --val_data's first --eval_seqs rows:
-    tokens [i T, i T + T + 1), or the i-th packed row in the file's order (each document once at
-    most), in micro-batches of --batch_size per rank (of a context-parallel group), every rank
-    running each one."""
-    B = args.batch_size
-    n = min(args.eval_seqs, val.row_count(args.seq_len))
-    rows_world, rows_rank = data_parallel(args, world, rank)
-    pieces = args.context_parallel
-    # The loss's sum, and the count of its targets.
-    total = torch.zeros(2, dtype=torch.float64, device=device)
-    model.eval()
-    for g in range(-(-n // (rows_world * B))):  # global micro-batches: B rows of each a rank
-        first = (g * rows_world + rows_rank) * B
-        rows = [*range(first, min(first + B, n))]
-        rows += [None] * (B - len(rows))  # rows past the last: counting nothing
-        batch = piece_of(val.rows(rows, args.seq_len), pieces, rank % pieces)
-        x, y, positions = (None if t is None else t.to(device) for t in batch)
-        loss_sum = model(x, y, "sum", positions).double()
-        counted = (y != IGNORE_INDEX).sum().double()
-        total += torch.stack([loss_sum, counted])
-    model.train()
-    if dist.is_initialized():
-        dist.all_reduce(total)
-    return (total[0] / total[1].clamp(min=1)).item(), n
-
-
-def printable(text):
-    """text with each character that would not print (but newlines and tabs) as repr escapes."""
-    shown = "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text)
-    return shown.replace("\ufffd", "\\ufffd")  # invalid UTF-8, decoded: shown as an escape too
-
-
-def sparkline(values, width=40):
-    """values as one line of bars (ASCII where the terminal needs it), averaged to `width`."""
-    encoding = (getattr(sys.stdout, "encoding", "") or "").lower()
-    bars = "▁▂▃▄▅▆▇█" if "utf" in encoding else "_.-~=*#@"
-    chunks = np.array_split(np.asarray(values, dtype=float), min(width, len(values)))
-    means = [float(c.mean()) for c in chunks]
-    lo = min(means)
-    span = max(means) - lo or 1.0
-    return "".join(bars[min(7, int((v - lo) / span * 8))] for v in means)
-
-
-def build(args, config, device, checkpoint=None):
-    """(model, fsdp), as section 8's build_sharded, but load_model's (`checkpoint`: the base, or
-    None), sharded over an HSDP mesh where --shard_size asks; then the blocks set up to run."""
+def build(config, plan, device, sources=None, path=None):
+    """(model, fsdp), as section 8's build_sharded, but load_model's (sources: the base at `path`,
+    or None: drawn), sharded over an HSDP mesh where plan.shard is less than the world; then the
+    blocks set up to run as the plan says."""
     world = world_and_rank()[0]
-    shard = shard_size(args, world)
     mesh = None
-    if shard < world:  # HSDP: the groups of shard ranks replicate
-        shape = (world // shard, shard)
+    if plan.shard < world:  # HSDP: the groups of shard ranks replicate
+        shape = (world // plan.shard, plan.shard)
         names = ("dp_replicate", "dp_shard")
         mesh = init_device_mesh(device.type, shape, mesh_dim_names=names)
-    lora = (args.lora_rank, args.lora_alpha, args.lora_dropout)
-    kw = dict(compile=args.compile, nf4_head=args.nf4_head, dora=args.dora)
-    make = functools.partial(CausalLM, config, DTYPES[args.dtype], *lora, **kw)
-    sharding = dict(offload=args.cpu_offload, mesh=mesh)
-    model, fsdp = load_model(make, args.seed, device, checkpoint, args.checkpoint, sharding)
-    model.checkpointing = args.checkpointing
-    model.context_parallel = context_groups(args.context_parallel)
-    if args.offload_activations:
+    lora = (plan.lora_rank, plan.lora_alpha, plan.lora_dropout)
+    kw = dict(compile=plan.compile, nf4_head=plan.nf4_head, dora=plan.dora)
+    make = functools.partial(CausalLM, config, DTYPES[plan.dtype], *lora, **kw)
+    sharding = dict(offload=plan.cpu_offload, mesh=mesh)
+    model, fsdp = load_model(make, plan.seed, device, sources, path, sharding)
+    model.checkpointing = plan.checkpointing
+    model.context_parallel = context_groups(plan.context_parallel)
+    if plan.offload_activations:
         # A stream of its own: a wait for a collective (on FSDP's side stream) must not wait
         # for these copies too.
         side = torch.cuda.Stream(device) if device.type == "cuda" else None
         model.offload_activations = OffloadedInputs(side)
     for i, layer in enumerate(model.model.layers):
         forward = layer.forward
-        if args.compile:  # each block's forward, its checkpoint included; hooks stay eager
+        if plan.compile:  # each block's forward, its checkpoint included; hooks stay eager
             forward = torch.compile(forward)
             forward = _input_needs_grad(forward) if i == 0 else forward
         if model.offload_activations is not None:  # outside the compiled code
@@ -5089,6 +4946,33 @@ def configure_cuda_allocator():
     (settings or torch.cuda.memory._set_allocator_settings)("expandable_segments:True")
 
 
+WAIT_HINT_S = 60.0  # seconds the first collective may take before the hint below
+WAITING_FOR_RANKS = (
+    "still waiting for the other ranks after {seconds:.0f} s: did every rank start? NCCL "
+    "hangs here on GPUs whose PCIe peer-to-peer is broken (consumer boards, IOMMU/ACS): "
+    "NCCL_P2P_DISABLE=1; in Docker, /dev/shm too small for NCCL: docker run --shm-size=8g, or "
+    "NCCL_SHM_DISABLE=1"
+)
+
+
+def connect(device_flag):
+    """(device, world, rank): --device's (auto: CUDA if there is one), and under torchrun the
+    process group, every rank met once."""
+    cuda = torch.cuda.is_available() if device_flag == "auto" else device_flag == "cuda"
+    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
+    if cuda:
+        configure_cuda_allocator()
+    # A rank that never starts, or NCCL stuck on this machine, would wait here in silence.
+    waiting = heartbeat(WAITING_FOR_RANKS, every=WAIT_HINT_S)
+    try:
+        device, world, rank = init_distributed(cuda)
+        if world > 1:
+            dist.barrier()  # the first collective: every rank is here, and the transport works
+    finally:
+        waiting.set()
+    return device, world, rank
+
+
 def max_over_ranks(value, device):
     """A number's max over the ranks (as float32, on `device`, where the collective runs)."""
     t = torch.tensor(float(value), device=device)
@@ -5099,13 +4983,17 @@ def max_over_ranks(value, device):
 
 def peak_memory_gib(device):
     """The peak memory since reset_peak_memory, the max over ranks: the GPU memory
-    allocated, or on the CPU the resident set (Linux's VmHWM)."""
+    allocated, or on the CPU the resident set (Linux's VmHWM; elsewhere the process's)."""
     if device.type == "cuda":
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        with open("/proc/self/status") as f:
-            line = next(line for line in f if line.startswith("VmHWM:"))
-        peak = int(line.split()[1]) * 1024  # kB
+        try:
+            with open("/proc/self/status") as f:
+                line = next(line for line in f if line.startswith("VmHWM:"))
+            peak = int(line.split()[1]) * 1024  # kB
+        except (OSError, StopIteration):  # not Linux: the peak of the whole process
+            maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+            peak = maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes there
     return max_over_ranks(peak / GiB, device)
 
 
@@ -5132,61 +5020,408 @@ def compile_counts():
     return utils.counters["frames"]["ok"], recompiles
 
 
-class Run:
-    """A run's state and what fine_tune's loop asks of it: log lines with the memory,
-    metrics.jsonl, --profile's trace of steps 3-5, step 1's peaks apart, evaluations,
-    checkpoints, and the summary (with each step's times)."""
+def require_on_all_ranks(problem):
+    """Raise, on every rank, the first rank's problem (a message; None: none)."""
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+        problem = next((p for p in problems if p), None)
+    require(problem is None, problem)
 
-    def __init__(self, setup, model, fsdp, optimizer, start, end):
-        self.setup = setup  # the flags, the device, the data, the model's config
-        self.args = setup.args
-        self.device = setup.device
-        self.model = model
-        self.fsdp = fsdp
-        self.optimizer = optimizer
-        self.start = start
-        self.end = end
-        # The peak per GPU that --estimate predicts (GiB): the summary and an OOM quote it.
-        self.predicted = predicted_memory(setup.args, setup.world, setup.config).gpu_peak / GiB
-        self.step = start  # the last step done
-        self.records = []
+
+def check_writable(outputs, rank, resume=False):
+    """Refuse now, on every rank, an output path that cannot be written (its nearest existing
+    directory takes a temporary file), creating nothing, overwriting nothing: an --out with a
+    checkpoint needs --resume, a --merge_to with a model is refused. outputs: {flag: path}."""
+    problem = None
+    out = outputs.get("--out")
+    if rank == 0 and out and os.path.isfile(os.path.join(out, "latest")) and not resume:
+        problem = (
+            f"--out {out}: holds a run's checkpoint; --resume continues it, or choose another --out"
+        )
+    merge_to = outputs.get("--merge_to")
+    model_files = ("config.json", "model.safetensors", "model.safetensors.index.json")
+    if rank == 0 and merge_to:
+        if any(os.path.exists(os.path.join(merge_to, n)) for n in model_files):
+            problem = f"--merge_to {merge_to}: holds a model already; choose a new directory"
+    for flag, path in outputs.items():
+        if not path or problem is not None or (rank != 0 and flag != "--profile"):
+            continue
+        existing = os.path.abspath(path)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        try:
+            tempfile.TemporaryFile(dir=existing).close()
+        except OSError as e:
+            problem = f"{flag} {path}: cannot be written ({e.strerror or e})"
+    require_on_all_ranks(problem)
+
+
+def open_metrics(out, start):
+    """(--out's metrics.jsonl open to append, the records kept): those after `start`, and a
+    line a crash cut short, dropped."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, "metrics.jsonl")
+    kept = []
+    if start and os.path.isfile(path):
+        with open(path) as f:
+            for line in f:
+                line = line.rstrip()
+                if line.endswith("}") and json.loads(line)["step"] <= start:
+                    kept.append(line + "\n")
+    atomic_write(path, lambda f: f.writelines(kept), "w")
+    return open(path, "a"), [json.loads(line) for line in kept]
+
+
+@torch.no_grad()
+def evaluate(model, val, plan, n, world, rank, device):
+    """(the mean loss over the counted targets, rows) of val's first n rows (at most: tokens
+    [i T, i T + T + 1), or the i-th packed row in the file's order, each document once at
+    most), in micro-batches of plan.batch_size per rank (of a context-parallel group), every
+    rank running each one."""
+    B = plan.batch_size
+    n = min(n, val.row_count(plan.seq_len))
+    pieces = plan.context_parallel
+    rows_world, rows_rank = data_parallel(pieces, world, rank)
+    # The loss's sum, and the count of its targets.
+    total = torch.zeros(2, dtype=torch.float64, device=device)
+    model.eval()
+    for g in range(-(-n // (rows_world * B))):  # global micro-batches: B rows of each a rank
+        first = (g * rows_world + rows_rank) * B
+        rows = [*range(first, min(first + B, n))]
+        rows += [None] * (B - len(rows))  # rows past the last: counting nothing
+        batch = piece_of(val.rows(rows, plan.seq_len), pieces, rank % pieces)
+        x, y, positions = (None if t is None else t.to(device) for t in batch)
+        loss_sum = model(x, y, "sum", positions).double()
+        counted = (y != IGNORE_INDEX).sum().double()
+        total += torch.stack([loss_sum, counted])
+    model.train()
+    if dist.is_initialized():
+        dist.all_reduce(total)
+    return (total[0] / total[1].clamp(min=1)).item(), n
+
+
+def step_batches(data, step, plan, world, rank, vocab_size):
+    """This rank's micro-batches of `step`: rows of data (a TokenData's windows, or packed rows)
+    or random tokens (None); under context_parallel its pieces of its group's rows."""
+    n = plan.context_parallel
+    rows_world, rows_rank = data_parallel(n, world, rank)
+    get = functools.partial(get_batch, None, vocab_size=vocab_size)
+    if data is not None:
+        get = data.batch
+    batches = [get(step, m, plan, rows_world, rows_rank) for m in range(plan.grad_accum)]
+    return [piece_of(b, n, rank % n) for b in batches]
+
+
+def refuse_unfused_attention(plan, device):
+    """--pack on CUDA runs flex_attention, fused only when compiled: eager it materializes the
+    (B, heads, T, T) scores that the block mask exists to avoid."""
+    require(
+        not (plan.pack and device.type == "cuda" and not plan.compile),
+        "--pack with --no-compile on CUDA: flex_attention runs unfused, materializing (batch, "
+        "heads, seq_len, seq_len) scores; drop --no-compile",
+    )
+
+
+def printable(text):
+    """text with each character that would not print (but newlines and tabs) as repr escapes."""
+    shown = "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text)
+    return shown.replace("\ufffd", "\\ufffd")  # invalid UTF-8, decoded: shown as an escape too
+
+
+def sparkline(values, width=40):
+    """values as one line of bars (ASCII where the terminal needs it), averaged to `width`."""
+    encoding = (getattr(sys.stdout, "encoding", "") or "").lower()
+    bars = "▁▂▃▄▅▆▇█" if "utf" in encoding else "_.-~=*#@"
+    chunks = np.array_split(np.asarray(values, dtype=float), min(width, len(values)))
+    means = [float(c.mean()) for c in chunks]
+    lo = min(means)
+    span = max(means) - lo or 1.0
+    return "".join(bars[min(7, int((v - lo) / span * 8))] for v in means)
+
+
+class Interrupted(Exception):
+    """A SIGINT or SIGTERM that stopped the run; main() says where, in one line."""
+
+    def __init__(self, signum, where):
+        super().__init__(where)
+        self.signum = signum
+
+
+class Signals:
+    """SIGINT and SIGTERM (a scheduler's) while `with` lasts: before and after training they
+    interrupt at once; during it the loop stops after the step in progress, every rank at the
+    same step, saving it first with --out (Run.train): nothing is lost. A second signal while
+    the step finishes interrupts at once (the last checkpoint is as it was)."""
+
+    def __init__(self):
+        self.run = None  # the Run to tell, while it trains
+        self.where = "before training: nothing to save"  # what a signal outside training says
+        self.saved = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGINT, signal.SIGTERM):
+                self.saved[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(self, *exc):
+        for signum, handler in self.saved.items():
+            signal.signal(signum, handler)
+
+    def _handle(self, signum, frame):
+        if self.run is None:
+            raise Interrupted(signum, self.where)
+        if self.run.signal is not None:  # asked twice: now
+            step = self.run.step
+            raise Interrupted(signum, f"a second time during step {step + 1}: stopped at once")
+        self.run.signal = signum
+
+
+def heartbeat(line, every=None):
+    """Print `line` ({seconds}: the time so far) on rank 0 every `every` s (PROGRESS_S), from a
+    thread, until the returned Event is set: for what runs long (step 1's compile)."""
+    every = every or PROGRESS_S
+    start = time.perf_counter()
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(every):
+            if not dist.is_initialized() and os.environ.get("RANK", "0") != "0":
+                continue  # before the process group too, rank 0 alone speaks
+            print0(line.format(seconds=time.perf_counter() - start))
+
+    threading.Thread(target=beat, daemon=True).start()
+    return stop
+
+
+def continue_command(argv):
+    """The command that continues a run from its checkpoint: the same, with --resume, under
+    torchrun as this one was (on each machine, the same but --node_rank)."""
+    argv = list(argv)
+    if "--resume" not in argv:
+        argv.append("--resume")
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    launcher = ["python"]
+    if world > 1:
+        launcher = ["torchrun", "--nproc_per_node", str(local)]
+    if world > local:  # several machines: the rendezvous they met at
+        nodes = world // local
+        address = f"{os.environ.get('MASTER_ADDR', 'HOST')}"
+        port = os.environ.get("MASTER_PORT", "29500")
+        node = os.environ.get("GROUP_RANK", "0")
+        launcher += ["--nnodes", str(nodes), "--node_rank", node, "--master_addr", address]
+        launcher += ["--master_port", port]
+    script = shlex.quote(os.path.relpath(__file__))
+    return " ".join([*launcher, script, *map(shlex.quote, argv)])
+
+
+def cache_dir():
+    """Where tokenized files are kept: $XDG_CACHE_HOME/qlora_fsdp (~/.cache by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return os.path.join(base, "qlora_fsdp")
+
+
+def tokenized(path, checkpoint, flag):
+    """TokenData of a text or .jsonl file, tokenized by the checkpoint's tokenizer once per
+    machine: its local rank 0 tokenizes (or finds the cache), then the others read the cache."""
+    require(os.path.isfile(path), f"{flag} {path}: no such file")
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    problem = None
+    if first:
+        try:
+            data = tokenize_file(path, checkpoint, cache_dir(), say=print0)
+        except UserError as e:
+            problem = str(e)
+    require_on_all_ranks(problem)  # one rank's error is every rank's
+    return data if first else tokenize_file(path, checkpoint, cache_dir())
+
+
+def due(step, every):
+    """Whether `step` is one of every --eval_every / --save_every steps (0: none)."""
+    return every > 0 and step % every == 0
+
+
+class Run:
+    """One fine-tune as the flags say: Run(args) sets it up (every input read and checked, in
+    order, before the model is built and resumed), train() runs the loop over steps, finish()
+    merges, samples and returns the summary."""
+
+    def __init__(self, args):
+        self.args = args
+        self.device, self.world, self.rank = connect(args.device)
+        self.name, self.config = model_config(args.checkpoint, args.model)
+        self.plan = self._plan()
+        self.tokenizer = self._tokenizer()
+        require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
+        self.data = None  # random tokens
+        if args.data != "dummy":  # without --data, this file's bytes
+            self.data = self._read("--data", args.data or __file__)
+        self.val = self._read("--val_data", args.val_data) if args.val_data else None
+        self.prompts = self._prompts() if args.sample else None
+        check_window(self.config, self.plan.seq_len, f"--seq_len {self.plan.seq_len}")
+        sources = load_checkpoint(args.checkpoint, self.config) if args.checkpoint else None
+        self._check_memory()
+        outputs = {"--out": args.out, "--merge_to": args.merge_to, "--profile": args.profile}
+        check_writable(outputs, self.rank, args.resume)
+        self._build(sources)
+        self.step = self.start  # the last step done
+        self.records = []  # each step's StepRecord
+        self.seconds = []  # each step's time
         self.val_losses = []
         self.first_peaks = None  # step 1's peaks: compiling, autotuning, first allocations
         self.metrics = None
         self.history = []  # after --resume, the records of the steps before, from metrics.jsonl
-        if self.args.out and world_and_rank()[1] == 0:
-            self.metrics, self.history = open_metrics(self.args.out, start)
-        self.profiler = self._start_profiler() if self.args.profile else None
-        # Each step's seconds: in all, waiting for collectives, in the optimizer.
-        self.times = []
-        self.optimizer_seconds = 0.0  # of the step in progress
-        fsdp.time_waits = True
-        optimizer.register_step_pre_hook(self._optimizer_starts)
-        optimizer.register_step_post_hook(self._optimizer_ends)
+        if args.out and self.rank == 0:
+            self.metrics, self.history = open_metrics(args.out, self.start)
+        self.profiler = self._start_profiler() if args.profile else None
         self.signal = None  # SIGINT or SIGTERM, once received (Signals sets it)
         self.interrupted = None  # the signal all ranks stopped for
         self.compiling = None  # the Event that stops step 1's "still compiling" lines
 
-    def _optimizer_starts(self, optimizer, args, kwargs):
-        self.optimizer_seconds = -time.perf_counter()
+    # The set-up, in the order __init__ calls it.
 
-    def _optimizer_ends(self, optimizer, args, kwargs):
+    def _plan(self):
+        """The flags' Plan, its state sharded over --shard_size's groups (or all ranks), its
+        --context_parallel checked; then --fit's choice where asked."""
+        args = self.args
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
+        shard = shard_size(args.shard_size, self.world, local)
+        if local % shard:
+            print0(
+                f"warning: --shard_size {shard} makes groups that span machines of {local} "
+                f"ranks: their all-gathers cross the network (it works, slower)"
+            )
+        plan = Plan.of(args, shard)
+        check_context_parallel(plan.context_parallel, plan.seq_len, self.world, shard, self.config)
+        if args.fit is not None:
+            plan = fit(self.config, plan, budget_of(self.device, args.fit, local))
+        return plan
+
+    def _tokenizer(self):
+        """--checkpoint's Tokenizer, where its text data or --prompt need one; else None (a
+        sample is then shown as ids when the tokenizers package is missing)."""
+        args = self.args
+        if not args.checkpoint:
+            return None
+        files = [f for f in (args.data or __file__, args.val_data) if f and f != "dummy"]
+        if any(is_text(f) for f in files) or args.chat or args.prompt_file:
+            return Tokenizer.load(args.checkpoint)
+        with contextlib.suppress(UserError):
+            return Tokenizer.load(args.checkpoint) if args.sample else None
+        return None
+
+    def _read(self, flag, path):
+        """A data file as the loop takes it: windows of one token stream; rows of examples, one
+        a row (a longer one cut into pieces of --seq_len); with --pack, rows packed with
+        documents."""
+        plan = self.plan
+        vocab_size = self.config.vocab_size
+        where = f"{flag} {path}"
+        checkpoint = self.args.checkpoint
+        if is_text(path) and self.tokenizer is not None:
+            data = tokenized(path, checkpoint, flag)
+            check_ids(data.ids, vocab_size, where)
+        else:  # ids; text as bytes, for a byte-level model only
+            require(
+                not (is_text(path) and checkpoint and vocab_size != 256),
+                f"{where}: text needs --checkpoint's tokenizer, and {checkpoint} has no "
+                f"tokenizer.json; pass token ids as .npy",
+            )
+            data = load_tokens(path, vocab_size, flag)
+        examples = data.starts is not None and len(data.starts) > 1
+        shuffle = flag == "--data"  # --val_data in the file's order
+        if plan.pack or examples:
+            eos = self._eos() if data.starts is None else None
+            per_row = None if plan.pack else 1
+            rows = PackedDocuments(data, eos, plan.seq_len, plan.seed, shuffle, per_row)
+            long = len(rows.starts) - len(data.starts) if examples and not plan.pack else 0
+            if long:
+                print0(
+                    f"{where}: {len(data.starts):,} examples, {long:,} pieces beyond --seq_len "
+                    f"{plan.seq_len} (a longer example is cut into pieces, a row each; --pack "
+                    f"packs)"
+                )
+            return rows
+        check_length(data.ids, plan.seq_len, where)
+        return data
+
+    def _eos(self):
+        """--pack's end of a document: --eos_id, else --checkpoint's config.json's eos_token_id."""
+        eos = self.args.eos_id
+        if eos is None and self.args.checkpoint:  # several: the first ends a document
+            eos = (eos_ids(self.args.checkpoint, "config.json") or [None])[0]
+        require(
+            type(eos) is int,
+            "--pack: documents end with an EOS token; give its id with --eos_id (config.json "
+            "has no eos_token_id)",
+        )
+        require(0 <= eos < self.config.vocab_size, f"--eos_id {eos}: not a token of this model")
+        return eos
+
+    def _prompts(self):
+        """--sample's prompts, each with its sample within the model's window."""
+        args = self.args
+        where = "--prompt_file" if args.prompt_file else "--chat" if args.chat else "--prompt"
+        vocab_size = self.config.vocab_size
+        prompts = read_prompts(args.prompt, args.prompt_file, args.chat, vocab_size, self.tokenizer)
+        longest = max(len(p.ids) for p in prompts) + args.sample
+        check_window(self.config, longest, f"--sample {args.sample}: {where} and its sample")
+        return prompts
+
+    def _check_memory(self):
+        """Refuse, before anything is allocated, a model whose sharded state would not fit on
+        the GPU or in this machine's available memory (offloaded, or on a CPU; its ranks share
+        it). Keeps the step's predicted peak, which the summary and an OOM quote."""
+        cuda = self.device.type == "cuda"
+        capability = torch.cuda.get_device_capability(self.device) if cuda else None
+        est = estimate_memory(self.config, self.plan, capability)
+        self.predicted = est.gpu_peak / GiB
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        why = shortfall(est, budget_of(self.device, local_ranks=local), whole_step=False)
+        require(
+            why is None,
+            f"the model's shards need {why} (--estimate): more ranks, --cpu_offload, or --fit to "
+            f"choose the settings",
+        )
+
+    def _build(self, sources):
+        """The model, its AdamW, the checkpoint --resume continues, and the steps to run."""
+        args = self.args
+        counts = count_family_params(self.config, args.lora_rank, args.nf4_head, args.dora)
+        print0(format_budget(self.name, memory_budget(counts)))
+        path = args.checkpoint
+        self.model, self.fsdp = build(self.config, self.plan, self.device, sources, path)
+        # The peaks of training, not of loading (--estimate has both): what loading left cached
+        # goes back first.
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        self.optimizer_seconds += time.perf_counter()
-
-    def peaks(self):
-        """(allocated, reserved) peaks since the last reset, in GiB (on a CPU: the RSS, twice)."""
-        allocated = peak_memory_gib(self.device)
-        if self.device.type != "cuda":
-            return allocated, allocated
-        reserved = torch.cuda.max_memory_reserved(self.device) / GiB
-        return allocated, max_over_ranks(reserved, self.device)
-
-    def record(self, **fields):
-        """A line of metrics.jsonl, on disk at once (a crashed run keeps what it logged)."""
-        if self.metrics:
-            print(json.dumps(fields), file=self.metrics, flush=True)
+            torch.cuda.empty_cache()
+        reset_peak_memory(self.device)
+        hyper = dict(lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
+        self.optimizer = AdamW(self.fsdp.parameters(), **hyper)
+        self.flags = {key: getattr(args, key) for key in RESUME_MUST_MATCH}
+        self.peft = peft_config(args.lora_rank, args.lora_alpha, args.lora_dropout, args.dora)
+        self.peft["base_model_name_or_path"] = args.checkpoint or ""
+        self.start = 0
+        if args.resume:
+            self.start = resume(args.out, self.fsdp, self.optimizer, self.flags)
+        self.end = min(args.steps, args.stop_at or args.steps)
+        require(
+            self.start < self.end,
+            f"nothing to do: --resume is at step {self.start}, the run ends at step {self.end} "
+            f"(--steps {args.steps}, --stop_at {args.stop_at})",
+        )
+        require(
+            not args.profile or self.end - self.start >= 3,
+            f"--profile traces steps 3-5: this run has {self.end - self.start}",
+        )
+        mib = self.fsdp.local_bytes() / 2**20
+        print0(
+            f"model {self.name}: {mib:.1f} MiB of weights on this rank, world {self.world}, "
+            f"{self.device}, {self.plan.dtype}, compile {self.plan.compile}, checkpointing "
+            f"{self.plan.checkpointing}, offload {self.plan.cpu_offload}"
+        )
 
     def _start_profiler(self):
         """A trace of steps 3-5, after compilation and warm-up."""
@@ -5202,30 +5437,98 @@ class Run:
 
     def _export_profile(self, profiler):
         """After step 5, or at the end of a shorter run."""
-        rank = world_and_rank()[1]
-        trace = os.path.join(self.args.profile, f"trace_rank{rank}.json")
+        trace = os.path.join(self.args.profile, f"trace_rank{self.rank}.json")
         profiler.export_chrome_trace(trace)
         print0(f"profile: {trace} (open in https://ui.perfetto.dev or chrome://tracing)")
         if self.device.type == "cuda":
             # The allocator's history recorded so far; then no more recording.
-            path = os.path.join(self.args.profile, f"memory_rank{rank}.pickle")
+            path = os.path.join(self.args.profile, f"memory_rank{self.rank}.pickle")
             torch.cuda.memory._dump_snapshot(path)
             torch.cuda.memory._record_memory_history(enabled=None)
             print0(f"memory snapshot: {path} (drag into https://pytorch.org/memory_viz)")
 
-    def after_step(self, r):
-        """What each step leaves: its record, its times, the profiler's step."""
+    # The loop.
+
+    def train(self):
+        """The loop over steps: a line every --log_every steps, an evaluation at the end (not
+        --stop_at's) and when due, a save at the end (--stop_at's too) and when due; on a
+        signal, after the step, a save first, then stop."""
+        args = self.args
+        if self.val and self.start == 0:  # what the fine-tune starts from (not after --resume)
+            self.evaluate(0)
+        if self.plan.compile:
+            print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
+            self.compiling = heartbeat("still compiling the first step: {seconds:.0f} s so far")
+        try:
+            for step in range(self.start, self.end):
+                r = self.run_step(step)
+                if (r.step - 1) % args.log_every == 0 or r.step == self.end:
+                    self.log(r)
+                if r.step == self.start + 1:
+                    self.first_step_done()
+                if self.val and (r.step == args.steps or due(r.step, args.eval_every)):
+                    self.evaluate(r.step)
+                saved = bool(args.out) and (r.step == self.end or due(r.step, args.save_every))
+                if saved:
+                    self.save(r.step)
+                if self.stop_requested():
+                    if args.out and not saved:
+                        self.save(r.step)
+                    break
+        finally:
+            if self.compiling is not None:
+                self.compiling.set()
+
+    def run_step(self, step):
+        """Section 8's run_step over this rank's batches of `step`; out of memory and a
+        non-finite loss are one line each."""
+        plan = self.plan
+        vocab_size = self.config.vocab_size
+        batches = step_batches(self.data, step, plan, self.world, self.rank, vocab_size)
+        try:
+            r = run_step(
+                self.model, self.fsdp, self.optimizer, batches, self.args, self.device, step
+            )
+        except torch.OutOfMemoryError:
+            raise UserError(self.out_of_memory()) from None
+        except FloatingPointError as e:  # no save since
+            out = self.args.out
+            intact = f"; the last checkpoint in {out} is intact" if out else ""
+            raise UserError(f"{e}{intact}") from None
         self.step = r.step
         self.records.append(r)
-        # The step is done: so are its collectives' events.
-        waits = self.fsdp.take_comm_wait_s()
-        self.times.append((r.seconds, waits, self.optimizer_seconds))
-        self.optimizer_seconds = 0.0
+        self.seconds.append(r.seconds)
         if self.profiler is not None:
             self.profiler.step()
             # On CUDA, the allocator's history over steps 3-5 (Python stacks only: cheap).
             if self.profiler.step_num == 2 and self.device.type == "cuda":
                 torch.cuda.memory._record_memory_history(stacks="python", max_entries=1_000_000)
+        return r
+
+    def out_of_memory(self):
+        """The line for a step out of memory (on one rank: it exits, and torchrun ends the rest)."""
+        if self.device.type == "cuda":
+            total = torch.cuda.mem_get_info(self.device)[1]
+        else:
+            total = os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
+        return (
+            f"out of memory on {self.device} at step {self.step + 1}: --estimate predicted a peak "
+            f"of {self.predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit "
+            f"chooses settings that fit"
+        )
+
+    def peaks(self):
+        """(allocated, reserved) peaks since the last reset, in GiB (on a CPU: the RSS, twice)."""
+        allocated = peak_memory_gib(self.device)
+        if self.device.type != "cuda":
+            return allocated, allocated
+        reserved = torch.cuda.max_memory_reserved(self.device) / GiB
+        return allocated, max_over_ranks(reserved, self.device)
+
+    def record(self, **fields):
+        """A line of metrics.jsonl, on disk at once (a crashed run keeps what it logged)."""
+        if self.metrics:
+            print(json.dumps(fields), file=self.metrics, flush=True)
 
     def log(self, r):
         """The step's line, with the peak memory (a collective), and its metrics record."""
@@ -5248,6 +5551,24 @@ class Run:
         self.first_peaks = self.peaks()
         reset_peak_memory(self.device)
 
+    def evaluate(self, step):
+        """The held-out loss after `step` steps (0: the base, before training), logged."""
+        n = self.args.eval_seqs
+        val_loss, n = evaluate(
+            self.model, self.val, self.plan, n, self.world, self.rank, self.device
+        )
+        self.val_losses.append(val_loss)
+        what = "packed rows" if self.plan.pack else "sequences"
+        print0(f"eval step {step} | val_loss {val_loss:.4f} | {n} {what} of --val_data")
+        self.record(step=step, val_loss=val_loss)
+
+    def save(self, step):
+        start = time.perf_counter()
+        out = self.args.out
+        save_checkpoint(out, step, self.fsdp, self.optimizer, self.peft, self.flags)
+        seconds = time.perf_counter() - start
+        print0(f"saved {os.path.join(out, f'checkpoint-{step}')} (step {step}) in {seconds:.1f} s")
+
     def stop_requested(self):
         """Whether any rank received SIGINT or SIGTERM: all stop at the same step."""
         signum = max_over_ranks(self.signal or 0, self.device)
@@ -5255,22 +5576,18 @@ class Run:
             self.interrupted = int(signum)
         return self.interrupted is not None
 
-    def save(self, step):
-        start = time.perf_counter()
-        save_checkpoint(self.args.out, step, self.fsdp, self.optimizer, self.args)
-        seconds = time.perf_counter() - start
-        path = os.path.join(self.args.out, f"checkpoint-{step}")
-        print0(f"saved {path} (step {step}) in {seconds:.1f} s")
+    def where_stopped(self):
+        """Where a stopped run is: its step, the checkpoint saved, the command that continues it."""
+        args = self.args
+        where = f"after step {self.step} of {args.steps}"
+        if not args.out:
+            return f"{where}; nothing is saved without --out"
+        where += f"; {os.path.join(args.out, f'checkpoint-{self.step}')} is saved"
+        if self.step < args.steps:
+            where += f"; continue it with: {continue_command(args.argv)}"
+        return where
 
-    def evaluate(self, step):
-        """The held-out loss after `step` steps (0: the base, before training), logged."""
-        val_loss, n = evaluate(
-            self.model, self.setup.val, self.args, *world_and_rank(), self.device
-        )
-        self.val_losses.append(val_loss)
-        what = "packed rows" if self.args.pack else "sequences"
-        print0(f"eval step {step} | val_loss {val_loss:.4f} | {n} {what} of --val_data")
-        self.record(step=step, val_loss=val_loss)
+    # The end.
 
     def finish(self):
         """After the loop: merge, sample, print the loss curve; returns the summary dict."""
@@ -5311,9 +5628,9 @@ class Run:
     def _text(self, ids):
         """ids as a sample shows them: text, special tokens and all (a byte-level model's
         UTF-8, invalid bytes as U+FFFD), or the ids where there is no tokenizer."""
-        if self.setup.tokenizer is not None:
-            return self.setup.tokenizer.decode(ids)
-        if self.setup.config.vocab_size == 256:
+        if self.tokenizer is not None:
+            return self.tokenizer.decode(ids)
+        if self.config.vocab_size == 256:
             return bytes(ids).decode("utf-8", errors="replace")
         return list(ids)
 
@@ -5321,8 +5638,8 @@ class Run:
         """A reply to each prompt, printed (the stop token not), and with --out written to
         OUT/samples.jsonl, an object a line; -> the summary's fields."""
         args = self.args
-        stop = stop_ids(args)
-        prompts = self.setup.prompts
+        stop = stop_ids(args.checkpoint, args.eos_id)
+        prompts = self.prompts
         records = []
         for i, prompt in enumerate(prompts, 1):
             kw = dict(stop=stop, seed=args.seed, device=self.device)
@@ -5341,7 +5658,7 @@ class Run:
                 record["reference"] = prompt.reference
             records.append(record)
         self.fsdp.reshard()  # the last forward left its last unit gathered
-        if args.out and self.setup.rank == 0:
+        if args.out and self.rank == 0:
             lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
             path = os.path.join(args.out, "samples.jsonl")
             atomic_write(path, lambda f: f.write(lines.encode("utf-8")))
@@ -5350,14 +5667,12 @@ class Run:
         return dict(samples=len(records), samples_stopped=sum(r["stopped"] for r in records))
 
     def _summary(self, steady, samples):
-        args = self.args
-        # Medians over the steps after the first (which compiles), in ms.
-        medians = np.median(self.times[1:] or self.times, axis=0)
-        step_ms, wait_ms, optim_ms = (float(m) * 1000 for m in medians)
+        # The median over the steps after the first (which compiles), in ms.
+        step_ms = float(np.median(self.seconds[1:] or self.seconds)) * 1000
         tokens = self.records[-1].tokens
         losses, val_losses = self.curves()
         summary = dict(
-            model=self.setup.name,
+            model=self.name,
             world_size=world_and_rank()[0],
             steps=self.step,
             final_loss=losses[-1],
@@ -5367,13 +5682,10 @@ class Run:
             peak_mem_gib=round(steady[0], 4),
             step1_peak_mem_gib=round(self.first_peaks[0], 4),
             predicted_peak_gib=round(self.predicted, 4),
-            seq_len=args.seq_len,
-            **{key: getattr(args, key) for key in FIT_FLAGS},
-            dtype=args.dtype,
+            seq_len=self.plan.seq_len,
+            **{key: getattr(self.plan, key) for key in FIT_FLAGS},
+            dtype=self.plan.dtype,
             device=self.device.type,
-            compute_ms=round(step_ms - wait_ms - optim_ms, 2),
-            comm_wait_ms=round(wait_ms, 2),
-            optimizer_ms=round(optim_ms, 2),
         )
         summary["compiles"], summary["recompiles"] = compile_counts()
         if self.device.type == "cuda":
@@ -5389,374 +5701,19 @@ class Run:
         return summary
 
 
-class Setup(NamedTuple):
-    """What fine_tune reads and checks before building anything."""
-
-    args: object  # after --fit
-    device: torch.device
-    world: int
-    rank: int
-    name: str
-    config: object
-    data: Optional[TokenData]  # None: random tokens
-    val: Optional[TokenData]
-    prompts: Optional[list]  # read_prompts', where --sample samples
-    checkpoint: object  # load_checkpoint's, or None
-    tokenizer: object  # --checkpoint's Tokenizer, or None
-
-
-WAIT_HINT_S = 60.0  # seconds the first collective may take before the hint below
-WAITING_FOR_RANKS = (
-    "still waiting for the other ranks after {seconds:.0f} s: did every rank start? NCCL "
-    "hangs here on GPUs whose PCIe peer-to-peer is broken (consumer boards, IOMMU/ACS): "
-    "NCCL_P2P_DISABLE=1; in Docker, /dev/shm too small for NCCL: docker run --shm-size=8g, or "
-    "NCCL_SHM_DISABLE=1"
-)
-
-
-def cache_dir():
-    """Where tokenized files are kept: $XDG_CACHE_HOME/qlora_fsdp (~/.cache by default)."""
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
-    return os.path.join(base, "qlora_fsdp")
-
-
-def tokenized(path, args, flag):
-    """TokenData of a text or .jsonl file, tokenized by --checkpoint's tokenizer once per
-    machine: its local rank 0 tokenizes (or finds the cache), then the others read the cache."""
-    require(os.path.isfile(path), f"{flag} {path}: no such file")
-    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-    problem = None
-    if first:
-        try:
-            data = tokenize_file(path, args.checkpoint, cache_dir(), say=print0)
-        except UserError as e:
-            problem = str(e)
-    require_on_all_ranks(problem)  # one rank's error is every rank's
-    return data if first else tokenize_file(path, args.checkpoint, cache_dir())
-
-
-def read_tokens(path, args, config, tokenizer, flag="--data"):
-    """A data file as get_batch takes it: windows of one token stream; rows of examples, one a
-    row (a longer one cut into pieces of --seq_len); with --pack, rows packed with documents."""
-    where = f"{flag} {path}"
-    if is_text(path) and tokenizer is None:  # bytes, for a byte-level model only
-        require(
-            not args.checkpoint or config.vocab_size == 256,
-            f"{where}: text needs --checkpoint's tokenizer, and {args.checkpoint} has no "
-            f"tokenizer.json; pass token ids as .npy",
-        )
-    if is_text(path) and tokenizer is not None:
-        data = tokenized(path, args, flag)
-        hi = int(data.ids.max())
-        require(hi < config.vocab_size, f"{where}: token id {hi} >= vocab_size {config.vocab_size}")
-    else:
-        data = load_tokens(path, config.vocab_size, 1, flag)
-    examples = data.starts is not None and len(data.starts) > 1
-    shuffle = flag == "--data"  # --val_data in the file's order
-    if examples and not args.pack:
-        rows = PackedDocuments(data, None, args.seq_len, args.seed, shuffle, per_row=1)
-        long = len(rows.starts) - len(data.starts)  # the pieces beyond each example's first
-        if long:
-            print0(
-                f"{where}: {len(data.starts):,} examples, {long:,} pieces beyond --seq_len "
-                f"{args.seq_len} (a longer example is cut into pieces, a row each; --pack packs)"
-            )
-        return rows
-    if args.pack:
-        eos = None if data.starts is not None else eos_id(args)
-        ok = eos is None or 0 <= eos < config.vocab_size
-        require(ok, f"--eos_id {eos}: not a token of this model")
-        return PackedDocuments(data, eos, args.seq_len, args.seed, shuffle)
-    require(
-        len(data.ids) > args.seq_len,
-        f"{where}: {len(data.ids)} tokens, fewer than --seq_len + 1 = {args.seq_len + 1}",
-    )
-    return data
-
-
-def checkpoint_tokenizer(args):
-    """--checkpoint's Tokenizer, where its text data or --prompt need one; else None (a
-    sample is then shown as ids when the tokenizers package is missing)."""
-    if not args.checkpoint:
-        return None
-    files = [f for f in (args.data or __file__, args.val_data) if f and f != "dummy"]
-    if any(is_text(f) for f in files) or args.chat or args.prompt_file:
-        return Tokenizer.load(args.checkpoint)
-    with contextlib.suppress(UserError):
-        return Tokenizer.load(args.checkpoint) if args.sample else None
-    return None
-
-
-def tokenize_to(args):
-    """--tokenize_to: --data tokenized by --checkpoint's tokenizer (tokenize_file's, so once)
-    into an .npz (tokens, loss_mask, starts: what --data takes), as axolotl preprocess does;
-    nothing is built."""
-    require(args.checkpoint and args.data, "--tokenize_to needs --checkpoint and --data")
-    data = tokenize_file(args.data, args.checkpoint, cache_dir(), say=print0)
-    arrays = dict(tokens=data.ids, loss_mask=data.loss_mask, starts=data.starts)
-    atomic_write(args.tokenize_to, lambda f: np.savez(f, **arrays))
-    targets = int(data.loss_mask.sum())
-    print0(
-        f"wrote {args.tokenize_to}: {len(data.starts):,} examples, {len(data.ids):,} tokens, "
-        f"{targets:,} targets"
-    )
-    return dict(tokenize_to=args.tokenize_to, examples=len(data.starts), tokens=len(data.ids))
-
-
-def refuse_unfused_attention(args, device):
-    """--pack on CUDA runs flex_attention, fused only when compiled: eager it materializes the
-    (B, heads, T, T) scores that the block mask exists to avoid."""
-    require(
-        not (args.pack and device.type == "cuda" and not args.compile),
-        "--pack with --no-compile on CUDA: flex_attention runs unfused, materializing (batch, "
-        "heads, seq_len, seq_len) scores; drop --no-compile",
-    )
-
-
-def set_up(args):
-    """The device and process group, then every input read and checked, in order."""
-    cuda = torch.cuda.is_available() if args.device == "auto" else args.device == "cuda"
-    require(torch.cuda.is_available() or not cuda, "--device cuda: no CUDA GPU is available")
-    if cuda:
-        configure_cuda_allocator()
-    # A rank that never starts, or NCCL stuck on this machine, would wait here in silence.
-    waiting = heartbeat(WAITING_FOR_RANKS, every=WAIT_HINT_S)
-    try:
-        device, world, rank = init_distributed(cuda)
-        if world > 1:
-            dist.barrier()  # the first collective: every rank is here, and the transport works
-    finally:
-        waiting.set()
-    args.shard_size = shard_size(args, world)  # checked before anything is built
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    if local % args.shard_size:
-        print0(
-            f"warning: --shard_size {args.shard_size} makes groups that span machines of "
-            f"{local} ranks: their all-gathers cross the network (it works, slower)"
-        )
-    name, config = model_config(args)
-    check_context_parallel(args, world, config)
-    if args.fit is not None:  # before anything reads the flags it sets
-        args = fit(args, world, config, device)
-    tokenizer = checkpoint_tokenizer(args)
-    # --data (by default this file's bytes; None: random tokens) and --val_data, read.
-    require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
-    data = None
-    if args.data != "dummy":
-        data = read_tokens(args.data or __file__, args, config, tokenizer)
-    val = None
-    if args.val_data:
-        val = read_tokens(args.val_data, args, config, tokenizer, "--val_data")
-    prompts = read_prompts(args, config, tokenizer) if args.sample else None
-    checkpoint = None
-    if args.checkpoint:
-        checkpoint = load_checkpoint(args.checkpoint, config)  # every header checked
-    window = config.sliding_window
-    require(
-        window is None or window >= args.seq_len,
-        f"--checkpoint {args.checkpoint}: sliding_window {window} is shorter than --seq_len "
-        f"{args.seq_len}; sliding-window attention is not followed by this file",
-    )
-    check_fits(args, config, world, device)
-    refuse_unfused_attention(args, device)
-    return Setup(args, device, world, rank, name, config, data, val, prompts, checkpoint, tokenizer)
-
-
-class Interrupted(Exception):
-    """A SIGINT or SIGTERM that stopped the run; main() says where, in one line."""
-
-    def __init__(self, signum, where):
-        super().__init__(where)
-        self.signum = signum
-
-
-class Signals:
-    """SIGINT and SIGTERM (a scheduler's) while `with` lasts: before and after training they
-    interrupt at once; during it the loop stops after the step in progress, every rank at the
-    same step, saving it first with --out (fine_tune's loop): nothing is lost."""
-
-    def __init__(self):
-        self.run = None  # the Run to tell, while it trains
-        self.where = "before training: nothing to save"  # what a signal outside training says
-        self.saved = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for signum in (signal.SIGINT, signal.SIGTERM):
-                self.saved[signum] = signal.signal(signum, self._handle)
-        return self
-
-    def __exit__(self, *exc):
-        for signum, handler in self.saved.items():
-            signal.signal(signum, handler)
-
-    def _handle(self, signum, frame):
-        if self.run is None:
-            raise Interrupted(signum, self.where)
-        if self.run.signal is None:
-            self.run.signal = signum
-
-
-def heartbeat(line, every=None):
-    """Print `line` ({seconds}: the time so far) on rank 0 every `every` s (PROGRESS_S), from a
-    thread, until the returned Event is set: for what runs long (step 1's compile)."""
-    every = every or PROGRESS_S
-    start = time.perf_counter()
-    stop = threading.Event()
-
-    def beat():
-        while not stop.wait(every):
-            if not dist.is_initialized() and os.environ.get("RANK", "0") != "0":
-                continue  # before the process group too, rank 0 alone speaks
-            print0(line.format(seconds=time.perf_counter() - start))
-
-    threading.Thread(target=beat, daemon=True).start()
-    return stop
-
-
-def continue_command(args):
-    """The command that continues this run from its checkpoint: the same, with --resume."""
-    argv = list(args.argv)
-    if "--resume" not in argv:
-        argv.append("--resume")
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    launcher = f"torchrun --nproc_per_node {world}" if world > 1 else "python"
-    return " ".join([launcher, shlex.quote(os.path.relpath(__file__)), *map(shlex.quote, argv)])
-
-
-def prepare(args):
-    """Everything up to the first step: the Run, its model built, its optimizer resumed."""
-    s = set_up(args)
-    args = s.args
-    check_writable(args, s.rank)
-    counts = count_family_params(s.config, args.lora_rank, args.nf4_head, args.dora)
-    print0(format_budget(s.name, memory_budget(counts)))
-    model, fsdp = build(args, s.config, s.device, s.checkpoint)
-    # The peaks of training, not of loading (--estimate has both): what loading left cached
-    # goes back first.
-    if s.device.type == "cuda":
-        torch.cuda.empty_cache()
-    reset_peak_memory(s.device)
-    optimizer = AdamW(
-        fsdp.parameters(), lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay
-    )
-    start = resume(args, fsdp, optimizer) if args.resume else 0
-    end = min(args.steps, args.stop_at or args.steps)
-    require(
-        start < end,
-        f"nothing to do: --resume is at step {start}, the run ends at step {end} "
-        f"(--steps {args.steps}, --stop_at {args.stop_at})",
-    )
-    require(
-        not args.profile or end - start >= 3,
-        f"--profile traces steps 3-5: this run has {end - start}",
-    )
-    return Run(s, model, fsdp, optimizer, start, end)
-
-
-def out_of_memory(run):
-    """The line for a step out of memory (on one rank: it exits, and torchrun ends the rest)."""
-    device = run.device
-    if device.type == "cuda":
-        total = torch.cuda.mem_get_info(device)[1]
-    else:
-        total = os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
-    return (
-        f"out of memory on {device} at step {run.step + 1}: --estimate predicted a peak of "
-        f"{run.predicted:.2f} GiB per GPU, the device has {total / GiB:.2f} GiB; --fit chooses "
-        f"settings that fit"
-    )
-
-
-def where_stopped(run):
-    """Where a stopped run is: its step, the checkpoint saved, the command that continues it."""
-    args = run.args
-    where = f"after step {run.step} of {args.steps}"
-    if not args.out:
-        return f"{where}; nothing is saved without --out"
-    path = os.path.join(args.out, f"checkpoint-{run.step}")
-    where += f"; {path} is saved"
-    if run.step < args.steps:
-        where += f"; continue it with: {continue_command(args)}"
-    return where
-
-
-def step_batches(data, step, args, world, rank, vocab_size):
-    """This rank's micro-batches of `step`: rows of --data (read_tokens'), or random tokens;
-    under --context_parallel its pieces of its group's rows."""
-    rows_world, rows_rank = data_parallel(args, world, rank)
-    get = functools.partial(get_batch, None, vocab_size=vocab_size)
-    if data is not None:
-        get = data.batch
-    batches = [get(step, m, args, rows_world, rows_rank) for m in range(args.grad_accum)]
-    n = args.context_parallel
-    return [piece_of(b, n, rank % n) for b in batches]
-
-
-def due(step, every):
-    """Whether `step` is one of every --eval_every / --save_every steps (0: none)."""
-    return every > 0 and step % every == 0
-
-
-def stepped(run, step):
-    """run_step for the loop below, its out-of-memory and non-finite loss one line each."""
-    s = run.setup
-    batches = step_batches(s.data, step, s.args, s.world, s.rank, s.config.vocab_size)
-    try:
-        return run_step(run.model, run.fsdp, run.optimizer, batches, s.args, s.device, step)
-    except torch.OutOfMemoryError:
-        raise UserError(out_of_memory(run)) from None
-    except FloatingPointError as e:  # no save since
-        out = s.args.out
-        intact = f"; the last checkpoint in {out} is intact" if out else ""
-        raise UserError(f"{e}{intact}") from None
-
-
 def fine_tune(args):
     """Train as the flags say: set up, the loop over steps, finish. -> (summary dict, losses,
     fsdp)."""
     with Signals() as signals:
-        run = prepare(args)
-        s = run.setup
-        args = s.args
-        mib = run.fsdp.local_bytes() / 2**20
-        print0(
-            f"model {s.name}: {mib:.1f} MiB of weights on this rank, world {s.world}, "
-            f"{s.device}, {args.dtype}, compile {args.compile}, checkpointing "
-            f"{args.checkpointing}, offload {args.cpu_offload}"
-        )
-        if s.val and run.start == 0:  # what the fine-tune starts from (not again after --resume)
-            run.evaluate(0)
-        if args.compile:
-            print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
-            run.compiling = heartbeat("still compiling the first step: {seconds:.0f} s so far")
+        run = Run(args)
         signals.run = run  # a signal now stops the loop after its step
         try:
-            for step in range(run.start, run.end):
-                r = stepped(run, step)
-                run.after_step(r)
-                if (r.step - 1) % args.log_every == 0 or r.step == run.end:
-                    run.log(r)
-                if r.step == run.start + 1:
-                    run.first_step_done()
-                # An evaluation at the end (not --stop_at's) and when due; a save at the end
-                # (--stop_at's too) and when due; on a signal after the step, a save first.
-                if s.val and (r.step == args.steps or due(r.step, args.eval_every)):
-                    run.evaluate(r.step)
-                saved = bool(args.out) and (r.step == run.end or due(r.step, args.save_every))
-                if saved:
-                    run.save(r.step)
-                if run.stop_requested():
-                    if args.out and not saved:
-                        run.save(r.step)
-                    break
+            run.train()
         finally:
             signals.run = None
-            if run.compiling is not None:
-                run.compiling.set()
         if run.interrupted:
-            raise Interrupted(run.interrupted, where_stopped(run))
-        signals.where = f"{where_stopped(run)}; the --merge_to or --sample after it was cut short"
+            raise Interrupted(run.interrupted, run.where_stopped())
+        signals.where = f"{run.where_stopped()}; the --merge_to or --sample after it was cut short"
         summary = run.finish()
     return summary, [r.loss for r in run.records], run.fsdp
 
@@ -5764,7 +5721,7 @@ def fine_tune(args):
 # -----------------------------------------------------------------------------
 # 17. The command line
 # -----------------------------------------------------------------------------
-# Needs: import argparse, json, logging, math, os, signal, sys, time, torch,
+# Needs: import argparse, json, logging, math, os, signal, sys, time, numpy as np, torch,
 # torch.distributed as dist; from above: GiB, sections 1-16.
 
 
@@ -5921,24 +5878,43 @@ def parse_args(argv=None):
 def estimate(args):
     """--estimate: the memory tables, from the config alone (nothing is allocated)."""
     world = int(os.environ.get("WORLD_SIZE", 1))
-    name, config = model_config(args)
-    check_context_parallel(args, world, config)
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    name, config = model_config(args.checkpoint, args.model)
+    plan = Plan.of(args, shard_size(args.shard_size, world, local))
+    check_context_parallel(plan.context_parallel, plan.seq_len, world, plan.shard, config)
+    cuda = torch.cuda.is_available() and args.device != "cpu"
+    device = torch.device("cuda" if cuda else "cpu")
     if args.fit is not None:  # the plan --fit would run
-        cuda = torch.cuda.is_available() and args.device != "cpu"
-        args = fit(args, world, config, torch.device("cuda" if cuda else "cpu"))
-    est = predicted_memory(args, world, config)
+        plan = fit(config, plan, budget_of(device, args.fit, local))
+    est = estimate_memory(config, plan, torch.cuda.get_device_capability() if cuda else None)
     counts = count_family_params(config, args.lora_rank, args.nf4_head, args.dora)
     print0(format_budget(name, memory_budget(counts)))
-    print0(format_estimate(name, est, shard_size(args, world)))
-    print0(format_traffic(config, args, world))
-    within, across = step_traffic(config, args, world)
-    summary = dict(model=name, world_size=world, shard_size=shard_size(args, world))
-    summary.update(bytes_within_groups=round(within), bytes_across_groups=round(across))
+    print0(format_estimate(name, est))
+    t = traffic(config, plan, world)
+    print0(format_traffic(t, plan, world, local))
+    summary = dict(model=name, world_size=world, shard_size=plan.shard)
+    summary.update(bytes_within_groups=round(t.within), bytes_across_groups=round(t.across))
     for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):
-        summary[key] = getattr(args, key)
+        summary[key] = getattr(plan, key)
     summary["predicted_peak_gib"] = round(est.gpu_peak / GiB, 3)
     summary["predicted_host_gib"] = round(est.host_state / GiB, 3)
     return summary
+
+
+def tokenize_to(args):
+    """--tokenize_to: --data tokenized by --checkpoint's tokenizer (tokenize_file's, so once)
+    into an .npz (tokens, loss_mask, starts: what --data takes), as axolotl preprocess does;
+    nothing is built."""
+    require(args.checkpoint and args.data, "--tokenize_to needs --checkpoint and --data")
+    data = tokenize_file(args.data, args.checkpoint, cache_dir(), say=print0)
+    arrays = dict(tokens=data.ids, loss_mask=data.loss_mask, starts=data.starts)
+    atomic_write(args.tokenize_to, lambda f: np.savez(f, **arrays))
+    targets = int(data.loss_mask.sum())
+    print0(
+        f"wrote {args.tokenize_to}: {len(data.starts):,} examples, {len(data.ids):,} tokens, "
+        f"{targets:,} targets"
+    )
+    return dict(tokenize_to=args.tokenize_to, examples=len(data.starts), tokens=len(data.ids))
 
 
 def first_to_say(rank):

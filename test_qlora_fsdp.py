@@ -49,6 +49,12 @@ def micro_config(monkeypatch):
     monkeypatch.setitem(qf.CONFIGS, "micro", MICRO)
 
 
+def build(args, config, device="cpu"):
+    """qf.build as a run builds from the flags `args` (the state sharded over all ranks)."""
+    plan = qf.Plan.of(args, qf.world_and_rank()[0])
+    return qf.build(config, plan, torch.device(device), None, args.checkpoint)
+
+
 def unpack_codes(packed):
     return torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).long()
 
@@ -2190,7 +2196,7 @@ def test_ranks_split_the_global_batch(tmp_path):
     out (micro, rank, row): 1 rank's batch of 8 is 2 ranks' batches of 4 side by side, and 2 ranks'
     2 micro-batches of 2 each -- random (dummy) tokens and a file's."""
     np.save(tmp_path / "ids.npy", random_ids())
-    for data in (None, qf.load_tokens(str(tmp_path / "ids.npy"), 256, 32)):
+    for data in (None, qf.load_tokens(str(tmp_path / "ids.npy"), 256)):
         one = batch_of(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "8"]), 1, 0, 256)
         two = [
             batch_of(data, 3, 0, qf.parse_args(BASE + ["--batch_size", "4"]), 2, r, 256)
@@ -2240,7 +2246,7 @@ def test_masked_loss_is_the_global_mean_at_any_world_size(tmp_path):
     argv = BASE + ["--data", str(tmp_path / "masked.npz"), "--grad_accum", "2", "--steps", "2"]
     single = run_single(argv + ["--batch_size", "3"])
     args = qf.parse_args(BASE + ["--batch_size", "3", "--grad_accum", "2"])
-    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))  # the untrained model
+    model, _ = build(args, qf.CONFIGS["tiny"])  # the untrained model
     bare = qf.TokenData(np.load(tmp_path / "bare.npy"), None)
     x, y = map(
         torch.cat, zip(*[batch_of(bare, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
@@ -2279,14 +2285,12 @@ def test_accumulated_step_equals_torch_adamw_on_the_whole_batch(compile, tmp_pat
     ]
     args = qf.parse_args(argv)
     trained = run_single(argv)["adapters"]
-    _, fsdp = qf.build(
-        qf.parse_args(argv + ["--no-compile"]), qf.CONFIGS["tiny"], torch.device("cpu")
-    )
+    _, fsdp = build(qf.parse_args(argv + ["--no-compile"]), qf.CONFIGS["tiny"])
     model = make_model()  # the run's starting weights, in full, unsharded:
     # each valid until the next unit is gathered
     base = {name: t.clone() for name, t in fsdp.full_base()}
     model.load_state_dict({**base, **fsdp.full_adapters()})
-    data = qf.load_tokens(str(tmp_path / "masked.npz"), 256, args.seq_len)
+    data = qf.load_tokens(str(tmp_path / "masked.npz"), 256)
     x, y = map(
         torch.cat, zip(*[batch_of(data, 0, micro, args, 1, 0, 256)[:2] for micro in range(2)])
     )
@@ -2309,7 +2313,7 @@ def test_batch_counting_nothing_gives_zero_loss_and_no_update(tmp_path):
     path = str(tmp_path / "rare.npz")
     np.savez(path, tokens=random_ids(), loss_mask=mask)
     args = qf.parse_args(BASE + ["--data", path, "--batch_size", "2", "--steps", "2"])
-    data = qf.load_tokens(path, 256, 32)
+    data = qf.load_tokens(path, 256)
     assert all((batch_of(data, step, 0, args, 1, 0, 256)[1] == -100).all() for step in range(2))
     _, losses, fsdp = qf.fine_tune(args)
     assert losses == [0.0, 0.0]
@@ -2337,7 +2341,7 @@ def test_step_gradient_is_the_summed_loss_gradient_over_the_count_in_fp32():
     fp32 by the number of counted targets (63: its inverse is no bf16 number), the reference taken
     by a plain backward of the summed loss through the same sharded model."""
     args = qf.parse_args(["bf16" if a == "fp32" else a for a in BASE] + ["--batch_size", "2"])
-    model, fsdp = qf.build(args, qf.CONFIGS[args.model], torch.device("cpu"))
+    model, fsdp = build(args, qf.CONFIGS[args.model])
     x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, qf.CONFIGS[args.model].vocab_size)
     y = y.clone()  # a view of the tokens x holds too
     y[0, 0] = qf.IGNORE_INDEX
@@ -2356,7 +2360,7 @@ def test_skipped_step_updates_nothing_and_leaves_no_gradient():
     which the next step would otherwise add its own to."""
     args = qf.parse_args(BASE + ["--batch_size", "2"])
     config = qf.CONFIGS[args.model]
-    model, fsdp = qf.build(args, config, torch.device("cpu"))
+    model, fsdp = build(args, config)
     before = fsdp.full_adapters()
     fsdp.load_full("model.norm.weight", torch.full((config.hidden_size,), float("nan")))
     batch = qf.get_batch(None, 0, 0, args, 1, 0, config.vocab_size)
@@ -3415,7 +3419,7 @@ def test_sample_equals_stepwise_reference(temperature, monkeypatch):
     ]
     sample = ["--sample", "8", "--prompt", "5, 17,300", "--temperature", str(temperature)]
     summary, _, fsdp = qf.fine_tune(qf.parse_args(argv + sample))
-    model, ref = qf.build(qf.parse_args(argv), qf.CONFIGS["micro-ids"], torch.device("cpu"))
+    model, ref = build(qf.parse_args(argv), qf.CONFIGS["micro-ids"])
     for name, t in fsdp.full_adapters().items():
         ref.load_full(name, t)
     ids, g = [5, 17, 300], qf.seeded(qf.parse_args(argv).seed, "sample")
@@ -3472,17 +3476,16 @@ def test_cached_logits_equal_the_whole_sequences(family):
     model.eval()
     ids = torch.randint(256, (1, 12), generator=torch.Generator().manual_seed(1))
     cache = qf.KVCache(12)
-    lm = qf.causal_lm_of(model)  # Part I's Llama: a CausalLM over its own tensors
     with torch.no_grad():
-        got = [lm(ids[:, :7], cache=cache)]
+        got = [model(ids[:, :7], positions=torch.arange(7), mask=cache)]
+        cache.filled = 7
         for i in range(7, 12):
-            got.append(lm(ids[:, i : i + 1], cache=cache))
+            got.append(model(ids[:, i : i + 1], positions=torch.arange(i, i + 1), mask=cache))
+            cache.filled += 1
         want = model(ids)
     got = torch.cat(got, dim=1)
     scale = want.abs().max().item()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5 * scale)
-    shared = dict(lm.named_parameters())
-    assert all(p is shared[n] for n, p in model.named_parameters())
 
 
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
@@ -3683,19 +3686,25 @@ def test_context_parallel_divides_the_activations():
     the whole rows), the state unchanged; --estimate prints the bytes each layer's all-to-alls
     move."""
     config = qf.CONFIGS["llama3-8b"]
-    split = qf.estimate_memory(config, 2, 1, 65536, context_parallel=4)
-    piece = qf.estimate_memory(config, 2, 1, 16384)
+    split = qf.estimate_memory(
+        config, qf.Plan(shard=2, batch_size=1, seq_len=65536, context_parallel=4)
+    )
+    piece = qf.estimate_memory(config, qf.Plan(shard=2, batch_size=1, seq_len=16384))
     copies = 16384 * 2 * (4096 + 2 * 1024)  # bf16 q, k and v of the piece's tokens
     assert split.activation_peak == piece.activation_peak + copies
     assert split.state == piece.state
-    packed = qf.estimate_memory(config, 2, 1, 65536, context_parallel=4, pack=True)
+    packed = qf.estimate_memory(
+        config, qf.Plan(shard=2, batch_size=1, seq_len=65536, context_parallel=4, pack=True)
+    )
     assert packed.activation_peak > split.activation_peak + 65536**2  # the whole rows' mask
     args = qf.parse_args(["--seq_len", "65536", "--batch_size", "1", "--context_parallel", "4"])
     # (N - 1) / N of q, k, v and the output (32 + 8 + 8 + 32 heads of 128) of 16k tokens, 3
     # times (forward, its recompute, backward), in bf16.
     want = 3 * 3 / 4 * 16384 * 128 * (32 + 8 + 8 + 32) * 2
-    assert qf.context_traffic(config, args) == want
-    assert "MB per layer in the all-to-alls of 4 ranks" in qf.format_traffic(config, args, 4)
+    plan = qf.Plan.of(args, 4)
+    traffic = qf.traffic(config, plan, 4)
+    assert traffic.per_layer == want
+    assert "MB per layer in the all-to-alls of 4 ranks" in qf.format_traffic(traffic, plan, 4, 4)
 
 
 class _GPTAttention(torch.nn.Module):
@@ -3858,9 +3867,9 @@ def _saved_for_backward(args):
     the shapes of all it saved, whether every master has a gradient). With eager checkpointing, what
     each block's recompute saves is recorded too (compiled, the recompute is part of the block's
     backward graph, which test_compiled_block_is_one_graph_holding_no_dense_weight reads)."""
-    model, fsdp = qf.build(args, MEM, torch.device("cpu"))
+    model, fsdp = build(args, MEM)
     # RMSNorm's 1-D weights are dense
-    shapes = {s for s in fsdp.base_shapes().values() if len(s) == 2}
+    shapes = {p.shape for _, p in fsdp.param_of.values() if not p.trainable and len(p.shape) == 2}
     shapes |= {s[::-1] for s in shapes} | {(math.prod(s),) for s in shapes}  # transposed or flat
     found, seen = [], []
 
@@ -3892,12 +3901,12 @@ def _saved_for_backward(args):
 
 def _step_memory(args):
     """(bytes the allocator peaks at in a step after a first one, bytes the estimate predicts)."""
-    model, fsdp = qf.build(args, MEM, torch.device("cpu"))
+    model, fsdp = build(args, MEM)
     x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
     model(x, y).backward()
     loss, forward_peak, forward_end = _allocated_peak(lambda: model(x, y))
     _, backward_peak, _ = _allocated_peak(loss.backward)
-    est = qf.predicted_memory(args, 1, MEM)
+    est = qf.estimate_memory(MEM, qf.Plan.of(args, 1))
     return max(forward_peak, forward_end + backward_peak), est.activation_peak + est.gathers
 
 
@@ -3923,8 +3932,8 @@ def _packed_step_memory(folder, dtype, checkpointing):
         argv = MEM_ARGV[:-2] + ["--data", path, "--dtype", dtype, "--no-compile"]
         argv.append("--checkpointing" if checkpointing else "--no-checkpointing")
         args = qf.parse_args(argv + (["--pack", "--eos_id", "8191"] if pack else []))
-        model, _ = qf.build(args, MEM, torch.device("cpu"))
-        data = qf.load_tokens(path, MEM.vocab_size, 1 if pack else args.seq_len)
+        model, _ = build(args, MEM)
+        data = qf.load_tokens(path, MEM.vocab_size)
         if pack:
             data = qf.PackedDocuments(data, 8191, args.seq_len, 0)
         b = batch_of(data, 0, 0, args, 1, 0, MEM.vocab_size)
@@ -3932,7 +3941,7 @@ def _packed_step_memory(folder, dtype, checkpointing):
         step = functools.partial(model, b.inputs, b.targets, positions=b.positions)
         loss, forward_peak, forward_end = _allocated_peak(step)
         _, backward_peak, _ = _allocated_peak(loss.backward)
-        est = qf.predicted_memory(args, 1, MEM)
+        est = qf.estimate_memory(MEM, qf.Plan.of(args, 1))
         measured.append(
             (max(forward_peak, forward_end + backward_peak), est.activation_peak + est.gathers)
         )
@@ -4068,12 +4077,12 @@ def test_estimate_counts_the_real_all_gather_buffers():
     FSDP actually lays out for the unit (within the NF4 scale factors and mean per tensor); its
     sharded rows at world 2 are half of world 1's."""
     args = qf.parse_args(BASE + ["--batch_size", "2"])  # fp32
-    _, fsdp = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
+    _, fsdp = build(args, qf.CONFIGS["tiny"])
     unit = fsdp.units[1]  # a block
-    est = qf.estimate_memory(qf.CONFIGS["tiny"], world=1, dtype_bytes=4)
+    est = qf.estimate_memory(qf.CONFIGS["tiny"], qf.Plan(dtype="fp32"))
     # NF4's scale factors and mean
     assert abs(est.gathers / 2 - unit.unit_bytes) <= len(unit.slots) * 8
-    half = qf.estimate_memory(qf.CONFIGS["tiny"], world=2, dtype_bytes=4)
+    half = qf.estimate_memory(qf.CONFIGS["tiny"], qf.Plan(dtype="fp32", shard=2))
     for row, v in est.state.items():
         assert half.state[row] == pytest.approx(v / 2), row
 
@@ -4111,7 +4120,7 @@ def test_estimate_cli_and_resident_weights(monkeypatch, capsys):
     assert s["world_size"] == 2 and 4 < s["predicted_peak_gib"] < 16
     assert "checkpointed block inputs" in out and "predicted peak per GPU" in out
     monkeypatch.setenv("WORLD_SIZE", "1")
-    est = qf.estimate_memory(qf.CONFIGS["tiny"], world=1, dtype_bytes=4)
+    est = qf.estimate_memory(qf.CONFIGS["tiny"], qf.Plan(dtype="fp32"))
     weights = sum(v for k, v in est.state.items() if "gradients" not in k and "AdamW" not in k)
     run = run_single(BASE + ["--batch_size", "2", "--steps", "1"])
     assert abs(weights - run["local_bytes"]) < 0.05 * run["local_bytes"]
@@ -4126,13 +4135,13 @@ def test_estimate_counts_each_familys_weights(family, nf4_head, monkeypatch):
     the dense weights exactly."""
     monkeypatch.setitem(qf.CONFIGS, "fam", family_config(family))
     args = qf.parse_args(BASE + ["--model", "fam"] + ["--nf4_head"] * nf4_head)
-    _, fsdp = qf.build(args, qf.CONFIGS["fam"], torch.device("cpu"))
+    _, fsdp = build(args, qf.CONFIGS["fam"])
     kept = {"nf4": 0, "dense": 0}
     for unit in fsdp.all_units:
         for p in unit.params:
             if not p.trainable:
                 kept["nf4" if p.subclass else "dense"] += sum(s.nbytes for s in p.slots)
-    est = qf.predicted_memory(args, 1, qf.CONFIGS["fam"]).state
+    est = qf.estimate_memory(qf.CONFIGS["fam"], qf.Plan.of(args, 1)).state
     assert est["NF4 weights (shard)"] == pytest.approx(kept["nf4"], rel=0.01)
     assert est["frozen dense weights (shard)"] == kept["dense"]
 
@@ -4157,7 +4166,7 @@ def test_fit_plans_fit_keep_the_batch_and_never_get_slower_with_more_memory(
     # the host's memory: test_fit_weighs_the_host_memory_too
     monkeypatch.setattr(qf, "host_available", lambda: None)
     argv = ["--model", model, "--batch_size", "4", "--grad_accum", "2", "--seq_len", "2048"]
-    plans = qf.fit_plans(qf.parse_args(argv))
+    plans = qf.fit_plans(qf.Plan.of(qf.parse_args(argv), 1))
     peaks = {}
     for world in (1, 2, 8):
         for i, plan in enumerate(plans):
@@ -4218,7 +4227,7 @@ def test_fit_weighs_the_host_memory_too(capsys, monkeypatch):
             monkeypatch,
         )
     out, err = capsys.readouterr()
-    assert "its host memory is not available" in out and "of host memory are not available" in err
+    assert "its host memory is not available" in out and "GiB of host memory for 1 rank(s)" in err
 
 
 def test_fit_needs_a_number_on_a_cpu(capsys):
@@ -4238,8 +4247,8 @@ def test_fit_runs_the_plan_it_prints(capsys, dora):
     rows: any split of the batch); with LoRA and with DoRA."""
     argv = BASE + dora + ["--batch_size", "4", "--steps", "2"]
     args = qf.parse_args(argv)
-    plans = qf.fit_plans(args)
-    peaks = [qf.predicted_memory(p, 1, qf.CONFIGS[p.model]).gpu_peak for p in plans]
+    plans = qf.fit_plans(qf.Plan.of(args, 1))
+    peaks = [qf.estimate_memory(qf.CONFIGS[args.model], p).gpu_peak for p in plans]
     assert peaks[1] < peaks[0]  # micro-batch 2 x 2 without checkpointing: the second plan
     budget = peaks[1] / qf.GiB * (1 + 1e-9)
     fitted = train_run(argv + ["--fit", repr(budget)])
@@ -4539,7 +4548,7 @@ def test_dora_sharded_equals_single_process(case, tmp_path):
     argv = BASE + ["--dora"] + both
     single = run_single(argv + ["--batch_size", str(batch)])
     assert single["losses"][0] == pytest.approx(lora["losses"][0], rel=1e-6)
-    _, fsdp = qf.build(qf.parse_args(argv), qf.CONFIGS["tiny"], torch.device("cpu"))
+    _, fsdp = build(qf.parse_args(argv), qf.CONFIGS["tiny"])
     start = fsdp.full_adapters()
     argv += sharded + ["--batch_size", str(batch // world)]
     for r in run_sharded(world, argv, tmp_path):
@@ -4692,11 +4701,10 @@ def test_shard_size_is_checked_and_a_group_across_machines_is_warned(monkeypatch
     """A --shard_size that does not divide the world is one error line before anything is built;
     by default a run over several machines shards within each (torchrun's LOCAL_WORLD_SIZE);
     groups that span machines are a warning, not a refusal."""
-    args = qf.parse_args(["--shard_size", "3"])
     with pytest.raises(qf.UserError, match="--shard_size 3: does not divide the 4 ranks"):
-        qf.shard_size(args, 4)
+        qf.shard_size(3, 4, 4)
+    assert qf.shard_size(0, 16, 8) == 8 and qf.shard_size(0, 8, 8) == 8
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
-    assert qf.shard_size(qf.parse_args([]), 16) == 8 and qf.shard_size(qf.parse_args([]), 8) == 8
     monkeypatch.setenv("WORLD_SIZE", "16")
     said = qf.estimate(qf.parse_args(["--model", "llama2-70b", "--shard_size", "16"]))
     assert "(spanning machines)" in capsys.readouterr().out and said["shard_size"] == 16
@@ -4845,8 +4853,8 @@ def test_sharded_export_round_trips_bit_for_bit(tmp_path):
         assert all(index["weight_map"][name] == f for name in sf.entries)
     assert index["metadata"]["total_size"] == sum(e - b for _, _, b, e in whole.entries.values())
     config = qf.config_from_hf(json.load(open(os.path.join(sharded, "config.json"))))
-    tensors, _ = qf.load_checkpoint(sharded, config)
-    loaded = dict(tensors)
+    sources = qf.load_checkpoint(sharded, config)
+    loaded = {name: sf.get(key) for name, (sf, key) in sources.items()}
     assert loaded.keys() == whole.entries.keys()
     for name, t in loaded.items():
         assert torch.equal(t, whole.get(name)), name
@@ -4944,12 +4952,12 @@ def _bad(tmp_path, hf_dir, case):
         return ckpt(cfg=qwen), "use_sliding_window True: sliding-window attention is not followed"
     if case == "mistral window shorter":
         return ckpt(cfg={**cfg, "model_type": "mistral", "sliding_window": 16}), (
-            "sliding_window 16 is shorter than --seq_len 32"
+            "--seq_len 32: 32 tokens exceed the model's sliding_window of 16"
         )
     if case == "sample past the sliding window":  # --seq_len 32 fits, the prompt and sample not
         mistral = ckpt(cfg={**cfg, "model_type": "mistral", "sliding_window": 40})
         return mistral + ["--prompt", "1,2,3", "--sample", "38"], (
-            "--sample 38: a prompt and its sample, 41 tokens, exceed the model's sliding_window"
+            "--sample 38: --prompt and its sample: 41 tokens exceed the model's sliding_window"
         )
     if case == "gelu":
         return ckpt(cfg={**cfg, "hidden_act": "gelu"}), "hidden_act 'gelu' is not supported"
@@ -5163,26 +5171,23 @@ def _bad(tmp_path, hf_dir, case):
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out, "--dora"])
         return ["--out", out, "--resume"], "saved with --dora True, this run has --dora False"
-    if case == "resume a checkpoint older than --dora with it":  # one that has no "dora" key
+    if case == "resume an older version's checkpoint":  # its state was a torch.save
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
-        path = os.path.join(out, "checkpoint-1", "training_state.pt")
-        state = torch.load(path)
-        del state["dora"]
-        torch.save(state, path)
-        return ["--out", out, "--resume", "--dora"], "saved with --dora False, this run has --dora"
-    # the moments as an older version saved them: {name: {exp_avg, ...}}
-    if case == "resume another layout":
+        os.remove(os.path.join(out, "checkpoint-1", "training_state.safetensors"))
+        torch.save({"step": 1}, os.path.join(out, "checkpoint-1", "training_state.pt"))
+        return ["--out", out, "--resume"], "training_state.pt: saved by an older version"
+    if case == "resume another layout":  # the moments under other names
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
-        path = os.path.join(out, "checkpoint-1", "training_state.pt")
-        state = torch.load(path)
-        names = state["moments"]["exp_avg"].keys()
-        state["moments"] = {
-            n: {k: state["moments"][k][n] for k in ("exp_avg", "exp_avg_sq")} for n in names
-        }
-        torch.save(state, path)
+        rewrite_state(out, lambda name, t: (name.replace("/", "."), t))
         return ["--out", out, "--resume"], "its adapters or AdamW moments are not this model's"
+    if case == "truncated training state":
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
+        path = os.path.join(out, "checkpoint-1", "training_state.safetensors")
+        os.truncate(path, os.path.getsize(path) - 100)
+        return ["--out", out, "--resume"], "training_state.safetensors: tensor"
     if case == "out holds a checkpoint":  # a new run there, without --resume, would replace it
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
@@ -5203,17 +5208,15 @@ def _bad(tmp_path, hf_dir, case):
     if case == "resume other shapes":
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
-        path = os.path.join(out, "checkpoint-1", "training_state.pt")
-        state = torch.load(path)
-        name = next(iter(state["moments"]["exp_avg"]))
-        state["moments"]["exp_avg"][name] = torch.zeros(3)
-        torch.save(state, path)
+        rewrite_state(
+            out, lambda name, t: (name, torch.zeros(3) if name.startswith("exp_avg/") else t)
+        )
         return ["--out", out, "--resume"], "its adapters or AdamW moments are not this model's"
-    if case == "training state not a dict":
+    if case == "training state not an object":
         out = str(tmp_path / "out")
         train_run(BASE + ["--steps", "1", "--batch_size", "2", "--out", out])
-        torch.save([1, 2], os.path.join(out, "checkpoint-1", "training_state.pt"))
-        return ["--out", out, "--resume"], "training_state.pt: not a training state"
+        rewrite_state(out, lambda name, t: (name, t), "[1, 2]")
+        return ["--out", out, "--resume"], "its training_state is not a JSON object"
     if case == "save blocked":  # a directory where the checkpoint's pointer goes
         os.makedirs(tmp_path / "out" / "latest")
         return ["--out", str(tmp_path / "out")], "latest: cannot be written (Is a directory)"
@@ -5281,14 +5284,26 @@ BAD_CHECKPOINT_CASES = [  # section 9: checkpoints, their config.json, resuming,
     "resume other rank",
     "resume LoRA with --dora",
     "resume DoRA without --dora",
-    "resume a checkpoint older than --dora with it",
+    "resume an older version's checkpoint",
     "resume another layout",
+    "truncated training state",
     "resume other seed",
     "resume other shapes",
-    "training state not a dict",
+    "training state not an object",
     "save blocked",
     "non-finite update",
 ]
+
+
+def rewrite_state(out, change, state=None):
+    """out's checkpoint-1 training state written again, each (name, tensor) as change(name, tensor)
+    gives it, its training_state metadata as `state` (None: as it was)."""
+    path = os.path.join(out, "checkpoint-1", "training_state.safetensors")
+    sf = qf.SafetensorsFile(path)
+    tensors = dict(change(name, sf.get(name)) for name in sf.entries)
+    specs = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    metadata = {"training_state": state or sf.metadata["training_state"]}
+    qf.save_safetensors(path, specs, tensors.__getitem__, metadata)
 
 
 def assert_one_line_error(case, tmp_path, hf_dir, capsys):
@@ -5335,7 +5350,7 @@ def test_sharded_loading_keeps_only_the_shard(tmp_path, hf_dir):
     argv = BASE + ["--checkpoint", path]
     single = run_single(argv + ["--batch_size", "4"])
     results = run_sharded(2, argv + ["--batch_size", "2"], tmp_path)
-    est = qf.estimate_memory(qf.CONFIGS["tiny"], world=2, dtype_bytes=4)
+    est = qf.estimate_memory(qf.CONFIGS["tiny"], qf.Plan(dtype="fp32", shard=2))
     weights = sum(v for k, v in est.state.items() if "gradients" not in k and "AdamW" not in k)
     for r in results:
         assert_same_run(r, single)
@@ -6304,13 +6319,12 @@ def test_stop_ids_are_generation_configs_else_config_jsons_and_eos_id(tmp_path):
     d = tmp_path / "ckpt"
     d.mkdir()
     (d / "config.json").write_text(json.dumps({"eos_token_id": 2}))
-    args = qf.parse_args(["--checkpoint", str(d)])
-    assert qf.stop_ids(args) == [2]
+    assert qf.stop_ids(str(d)) == [2]
     (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [128001, 128009]}))
-    assert qf.stop_ids(args) == [128001, 128009]
-    assert qf.stop_ids(qf.parse_args(["--checkpoint", str(d), "--eos_id", "7"]))[-1] == 7
-    assert qf.stop_ids(qf.parse_args(["--eos_id", "10"])) == [10]
-    assert qf.stop_ids(qf.parse_args([])) == []
+    assert qf.stop_ids(str(d)) == [128001, 128009]
+    assert qf.stop_ids(str(d), 7)[-1] == 7
+    assert qf.stop_ids(None, 10) == [10]
+    assert qf.stop_ids(None) == []
 
 
 def test_text_with_a_checkpoint_without_a_tokenizer_is_refused(tmp_path, capsys):
@@ -6345,8 +6359,7 @@ def _tokenize_worker(rank, world, port, path, ckpt, cache, out):
     calls = []
     real = qf.tokenize
     qf.tokenize = lambda *a, **k: (calls.append(1), real(*a, **k))[1]  # noqa: E731
-    args = qf.parse_args(["--checkpoint", ckpt, "--data", path])
-    data = qf.tokenized(path, args, "--data")
+    data = qf.tokenized(path, ckpt, "--data")
     torch.save((len(calls), data.ids.tolist()), f"{out}.{rank}")
     torch.distributed.destroy_process_group()
 
@@ -6454,8 +6467,8 @@ def test_val_loss_is_the_masked_cross_entropy_of_the_first_sequences(tmp_path):
     # lr 0: the untrained model
     argv = BASE + ["--val_data", path, "--eval_seqs", "5", "--lr", "0", "--steps", "1"]
     args = qf.parse_args(argv + ["--batch_size", "2"])
-    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
-    val = qf.load_tokens(path, 256, 32, "--val_data")
+    model, _ = build(args, qf.CONFIGS["tiny"])
+    val = qf.load_tokens(path, 256, "--val_data")
     want = {}
     for k in (5, 64):
         n = min(k, (len(ids) - 1) // 32)
@@ -6469,14 +6482,7 @@ def test_val_loss_is_the_masked_cross_entropy_of_the_first_sequences(tmp_path):
             want[k] = F.cross_entropy(
                 model(seqs[:, :-1]).flatten(0, 1), y.flatten(), ignore_index=-100
             ).item()
-        got, got_n = qf.evaluate(
-            model,
-            val,
-            qf.parse_args(argv + ["--batch_size", "2", "--eval_seqs", str(k)]),
-            1,
-            0,
-            torch.device("cpu"),
-        )
+        got, got_n = qf.evaluate(model, val, args, k, 1, 0, torch.device("cpu"))
         assert got_n == n == (5 if k == 5 else 9) and got == pytest.approx(want[k], rel=1e-6)
     assert want[5] != pytest.approx(want[64], rel=1e-3)
     sharded = [
@@ -6492,16 +6498,17 @@ def test_evaluation_stays_inside_the_training_step_peak(tmp_path):
     keeps every block's activations), and less than the step's predicted activation peak."""
     path, _ = val_file(tmp_path)
     args = qf.parse_args(BASE + ["--batch_size", "8", "--eval_seqs", "8", "--no-checkpointing"])
-    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
-    val, cpu = qf.load_tokens(path, 256, 32, "--val_data"), torch.device("cpu")
+    model, _ = build(args, qf.CONFIGS["tiny"])
+    val, cpu = qf.load_tokens(path, 256, "--val_data"), torch.device("cpu")
     x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, 256)
     # the first backward's one-time allocations (the masters' gradients) made
     model(x, y).backward()
     _, forward_peak, _ = _allocated_peak(lambda: model(x, y))
-    _, eval_peak, _ = _allocated_peak(lambda: qf.evaluate(model, val, args, 1, 0, cpu))
+    _, eval_peak, _ = _allocated_peak(lambda: qf.evaluate(model, val, args, 8, 1, 0, cpu))
     assert (
         0 < eval_peak < 0.5 * forward_peak
-        and eval_peak < qf.predicted_memory(args, 1, qf.CONFIGS[args.model]).activation_peak
+        and eval_peak
+        < qf.estimate_memory(qf.CONFIGS[args.model], qf.Plan.of(args, 1)).activation_peak
     )
 
 
@@ -6683,7 +6690,7 @@ def test_a_signal_after_training_says_what_is_saved(tmp_path, monkeypatch, capsy
         f"interrupted (SIGINT) after step 2 of 2; {out}/checkpoint-2 is saved; the --merge_to or "
         "--sample after it was cut short"
     )
-    assert (out / "checkpoint-2" / "training_state.pt").is_file()
+    assert (out / "checkpoint-2" / "training_state.safetensors").is_file()
 
 
 def test_a_resumed_summary_covers_the_whole_run(tmp_path, capsys):
@@ -6792,12 +6799,12 @@ def test_data_formats_read_the_same_ids(tmp_path):
     }
     for name, write in writers.items():
         write(str(tmp_path / name))
-        tokens, mask, _ = qf.load_tokens(str(tmp_path / name), 256, 32)
+        tokens, mask, _ = qf.load_tokens(str(tmp_path / name), 256)
         assert np.array_equal(tokens, ids), name
         assert (mask is not None) == name.endswith(".npz"), name
     llama3 = np.array([0, 128000, 128255] * 20, dtype=np.uint32)
     np.save(tmp_path / "llama3.npy", llama3)
-    tokens, _, _ = qf.load_tokens(str(tmp_path / "llama3.npy"), 128256, 32)
+    tokens, _, _ = qf.load_tokens(str(tmp_path / "llama3.npy"), 128256)
     assert isinstance(tokens, np.memmap) and np.array_equal(tokens, llama3)
 
 
@@ -6832,9 +6839,7 @@ def test_output_paths_checked_without_creating_them(tmp_path):
     directory, no file left behind; the run makes its directories when it writes them."""
     (tmp_path / "kept").mkdir()
     dirs = [str(tmp_path / name / "deeper") for name in ("out", "merged", "kept")]
-    qf.check_writable(
-        qf.parse_args(["--out", dirs[0], "--merge_to", dirs[1], "--profile", dirs[2]]), rank=0
-    )
+    qf.check_writable({"--out": dirs[0], "--merge_to": dirs[1], "--profile": dirs[2]}, rank=0)
     assert sorted(os.listdir(tmp_path)) == ["kept"] and os.listdir(tmp_path / "kept") == []
 
 
@@ -6954,12 +6959,12 @@ def test_packed_batch_equals_its_documents_run_alone(flags, tmp_path, monkeypatc
     argv = [a for a in BASE if a != "--no-compile"] + flags + PACK + ["--data", path]
     args = qf.parse_args(argv + ["--batch_size", "2"])
     monkeypatch.setattr(qf, "COMPILE", args.compile)
-    model, fsdp = qf.build(args, MICRO, torch.device("cpu"))
+    model, fsdp = build(args, MICRO)
     with torch.no_grad():  # adapters that move the logits, so that their gradients are general
         for name, p in fsdp.named_parameters():
             if name.endswith("lora_B"):
                 p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-    data = qf.PackedDocuments(qf.load_tokens(path, 256, 1), EOS, 32, args.seed)
+    data = qf.PackedDocuments(qf.load_tokens(path, 256), EOS, 32, args.seed)
     batch = data.batch(0, 0, args, 1, 0)
     rows = [data.row(i) for i in range(2)]
     padding = any(sum(data.lengths[i] for i in row) < 32 for row in rows)
@@ -6967,7 +6972,7 @@ def test_packed_batch_equals_its_documents_run_alone(flags, tmp_path, monkeypatc
     loss, grads = packed_loss_and_grads(model, fsdp, batch)
     if args.compile:  # the reference: the same weights, eager blocks
         eager_args = qf.parse_args([a for a in argv if a != "--compile"] + ["--no-compile"])
-        model, fsdp = qf.build(eager_args, MICRO, torch.device("cpu"))
+        model, fsdp = build(eager_args, MICRO)
         with torch.no_grad():
             for name, p in fsdp.named_parameters():
                 if name.endswith("lora_B"):
@@ -6994,7 +6999,7 @@ def test_packing_keeps_documents_whole_and_draws_them_per_epoch(tmp_path):
     seq_len, and no other is split; rows hold at most seq_len tokens, in an order drawn per epoch
     from the seed (another seed, another order); a global batch is the same rows at any split (1
     rank x 4 rows, 2 ranks x 2, 2 micro-batches x 2)."""
-    data = qf.load_tokens(packed_file(tmp_path), 256, 1)
+    data = qf.load_tokens(packed_file(tmp_path), 256)
     packed = qf.PackedDocuments(data, EOS, 32, seed=1)
     ends = np.flatnonzero(np.asarray(data.ids) == EOS) + 1
     spans = list(zip(packed.starts.tolist(), (packed.starts + packed.lengths).tolist()))
@@ -7025,7 +7030,7 @@ def test_packed_loss_mask_counts_only_responses(tmp_path):
     """.npz's loss_mask applies to packed rows: a target counts where the mask at the token it
     predicts is 1 (here every other document), never across a border, never on padding."""
     path = packed_file(tmp_path, name="sft.npz", mask=True)
-    data = qf.load_tokens(path, 256, 1)
+    data = qf.load_tokens(path, 256)
     packed = qf.PackedDocuments(data, EOS, 32, seed=0, shuffle=False)
     batch = packed.tensors([packed.row(i) for i in range(3)])
     for r in range(3):
@@ -7049,9 +7054,9 @@ def test_packed_val_loss_counts_every_document_once(tmp_path):
     path = packed_file(tmp_path)
     argv = BASE + PACK + ["--val_data", path, "--eval_seqs", "1000", "--lr", "0", "--steps", "1"]
     args = qf.parse_args(argv + ["--data", path, "--batch_size", "3"])
-    model, _ = qf.build(args, qf.CONFIGS["tiny"], torch.device("cpu"))
-    val = qf.PackedDocuments(qf.load_tokens(path, 256, 1), EOS, 32, args.seed, shuffle=False)
-    got, rows = qf.evaluate(model, val, args, 1, 0, torch.device("cpu"))
+    model, _ = build(args, qf.CONFIGS["tiny"])
+    val = qf.PackedDocuments(qf.load_tokens(path, 256), EOS, 32, args.seed, shuffle=False)
+    got, rows = qf.evaluate(model, val, args, args.eval_seqs, 1, 0, torch.device("cpu"))
     assert rows == val.first_row[1] < 1000
     loss_sum, count = 0.0, 0
     with torch.no_grad():

@@ -71,9 +71,10 @@ def worker(mine):
     args = qf.parse_args(flags)
     qf.COMPILE = args.compile
     device, world, rank = qf.init_distributed(False)
-    model, fsdp = qf.build(args, MEM, device)
+    plan = qf.Plan.of(args, world)
+    model, fsdp = qf.build(MEM, plan, device)
     optimizer = qf.AdamW(fsdp.parameters(), lr=1e-4)
-    batches = qf.step_batches(None, 0, args, world, rank, MEM.vocab_size)
+    batches = qf.step_batches(None, 0, plan, world, rank, MEM.vocab_size)
     b = batches[0]
 
     def forward_backward():
@@ -84,7 +85,7 @@ def worker(mine):
     optimizer.zero_grad(set_to_none=True)
     _, peak = allocated_peak(forward_backward)
     optimizer.zero_grad(set_to_none=True)
-    est = qf.predicted_memory(args, world, MEM)
+    est = qf.estimate_memory(MEM, plan)
     predicted = est.activation_peak + est.gathers
     seconds = []
     for step in range(mine.steps):

@@ -143,7 +143,8 @@ def estimate(flags, world, capability):
     this compute capability (its function, in this process: no time out of the budget, and no CUDA
     context)."""
     args = qf.parse_args([str(f) for f in flags])
-    return qf.predicted_memory(args, world, qf.CONFIGS[args.model], capability).gpu_peak / qf.GiB
+    plan = qf.Plan.of(args, world)
+    return qf.estimate_memory(qf.CONFIGS[args.model], plan, capability).gpu_peak / qf.GiB
 
 
 def step_flops(config, batch, seq):

@@ -10,6 +10,7 @@ estimate grows with the sequence length). A prediction, as --estimate's is.
 """
 
 import argparse
+import dataclasses
 import os
 import sys
 
@@ -24,9 +25,8 @@ def longest(plan, world, config, budget):
     lo, hi = 0, (1 << 24) // n
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        trial = argparse.Namespace(**vars(plan))
-        trial.seq_len = mid * n
-        if qf.check_plan(trial, world, config, budget).fits:
+        trial = dataclasses.replace(plan, seq_len=mid * n)
+        if qf.shortfall(qf.estimate_memory(config, trial), budget) is None:
             lo = mid
         else:
             hi = mid - 1
@@ -36,19 +36,19 @@ def longest(plan, world, config, budget):
 def best(model, world, gib, host, say=None):
     """(tokens, plan's name, its host GiB per rank) of the longest context over every plan."""
     config = qf.CONFIGS[model]
-    budget = qf.FitBudget(gib * qf.GiB, host)
+    budget = qf.Budget(gib * qf.GiB, host)
     argv = ["--model", model, "--batch_size", "1", "--device", "cuda"]
     found = (0, "nothing fits", 0.0)
     heads = config.num_attention_heads
     for n in [n for n in range(1, world + 1) if world % n == 0 and heads % n == 0]:
         args = qf.parse_args(argv + ["--context_parallel", str(n)])
-        for plan in qf.fit_plans(args, rows=1):
+        for plan in qf.fit_plans(qf.Plan.of(args, world), rows=1):
             tokens = longest(plan, world, config, budget)
             if say:
                 say(f"  {qf.plan_name(plan):<96} {tokens:>10,} tokens")
             if tokens > found[0]:
-                plan.seq_len = tokens
-                host_gib = qf.predicted_memory(plan, world, config).host_state / qf.GiB
+                plan = dataclasses.replace(plan, seq_len=tokens)
+                host_gib = qf.estimate_memory(config, plan).host_state / qf.GiB
                 found = (tokens, qf.plan_name(plan), host_gib)
     return found
 

@@ -79,8 +79,7 @@ def main(argv=None):
             layer.compile()
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
-    data = None if args.data == "dummy" else qf.load_tokens(args.data or qf.__file__, config.vocab_size,
-                                                            args.seq_len)
+    data = None if args.data == "dummy" else qf.load_tokens(args.data or qf.__file__, config.vocab_size)
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     times = []
     for step in range(args.steps):
