@@ -743,7 +743,7 @@ def _side(stream):
 
 
 def _to_host(t, stream):
-    """A host copy of t, pinned and on the side stream (t recorded there: not reused early)."""
+    """A host copy of t, pinned, made on `stream` (t recorded there: not reused early)."""
     with _side(stream):
         if t.is_cuda:
             t.record_stream(stream)
@@ -1056,8 +1056,13 @@ class FullyShard:
         self.pending = None  # the reduce-scatter in flight, a _Reduction
         self.arrived = []  # reduced gradient pieces to add at the end of backward
         self.task = None  # the backward pass whose end is queued
-        # On CUDA the all-gathers and host copies go on a side stream, to overlap compute.
-        self.side_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # On CUDA the all-gathers (offloaded: after the shards' copies to the GPU) go on a side
+        # stream, to overlap compute.
+        cuda = self.device.type == "cuda"
+        self.side_stream = torch.cuda.Stream(self.device) if cuda else None
+        # Offloaded gradients go to the host on a stream of their own: queued behind them, the
+        # next unit's all-gather would wait for the copy.
+        self.offload_stream = torch.cuda.Stream(self.device) if cuda and offload else None
         groups = [[u] if isinstance(u, nn.Module) else list(u) for u in units]
         names = {m: name for name, m in model.named_modules()}
         outside = [type(m).__name__ for group in groups for m in group if m not in names]
@@ -1112,8 +1117,8 @@ class FullyShard:
                 unit.post_backward()
             unit.state = State.IDLE
         self._finish_reduction()
-        if self.offload and self.side_stream is not None:
-            self.side_stream.synchronize()  # the host reads these gradients next
+        if self.offload_stream is not None:
+            self.offload_stream.synchronize()  # the host reads these gradients next
         for arrived in self.arrived:
             for slot in arrived.reached:
                 grad = arrived.output[slot.start : slot.start + slot.shard_numel]
@@ -1147,7 +1152,7 @@ class FullyShard:
         self.wait(pending.work, "fsdp::wait_reduce_scatter")
         grad = self.reduced(pending.output)
         if self.offload and grad.is_cuda:  # to the host as soon as it is reduced
-            grad = _to_host(grad, self.side_stream)
+            grad = _to_host(grad, self.offload_stream)
         self.arrived.append(pending._replace(work=None, output=grad, input=None))
 
     def reduced(self, grad):

@@ -3548,6 +3548,24 @@ def test_generate_on_the_compiled_path_runs_blocks_eagerly_and_kernels_compiled(
     assert len(calls) >= 7 * 4 * 12 and stances == []  # every projection, every token
 
 
+@pytest.mark.parametrize("shard", ["FullyShard", "FSDP"])
+def test_generate_on_part_ones_llama_sharded_equals_it_whole(shard):
+    """Llama.generate with the KV cache on Part I's Llama sharded by FullyShard or FSDP (world 1)
+    gives the tokens of the same model whole, with the cache and without (it used to copy the
+    sharded state dict into a whole model, and fail on its shapes)."""
+    models = []
+    for _ in range(2):
+        model = make_model(compile=False)
+        randomize_dense(model)
+        models.append(model)
+    whole, sharded = models
+    cls = qf.FullyShard if shard == "FullyShard" else qf.FSDP
+    cls(sharded, sharded.units(), "cpu", torch.float32)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = whole.generate(prompt, 12)
+    assert sharded.generate(prompt, 12) == want == sharded.generate(prompt, 12, cache=False)
+
+
 def test_generate_refuses_more_than_a_sliding_window():
     """A prompt and new tokens beyond Mistral v0.1's sliding_window are refused, not attended
     past the window without a word."""
@@ -4708,6 +4726,15 @@ def test_shard_size_is_checked_and_a_group_across_machines_is_warned(monkeypatch
     monkeypatch.setenv("WORLD_SIZE", "16")
     said = qf.estimate(qf.parse_args(["--model", "llama2-70b", "--shard_size", "16"]))
     assert "(spanning machines)" in capsys.readouterr().out and said["shard_size"] == 16
+
+
+def test_the_estimates_title_names_the_ranks_that_shard_the_state(monkeypatch, capsys):
+    """--estimate's table names what divides its rows: the ranks that shard the state (2 for
+    --shard_size 2 in a world of 4; it used to call them the world)."""
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    qf.estimate(qf.parse_args(["--model", "llama2-7b", "--shard_size", "2", "--estimate"]))
+    out = capsys.readouterr().out
+    assert "the state sharded over 2 ranks:" in out and "world 2" not in out
 
 
 def test_estimate_hybrid_70b_on_two_machines(monkeypatch, capsys):
@@ -6228,6 +6255,32 @@ def test_chats_fine_tune_from_jsonl_and_from_its_tokenize_to(tmp_path, monkeypat
     assert first["final_loss"] == again["final_loss"] == from_npz["final_loss"]
 
 
+def test_examples_one_a_row_attend_causally_without_a_mask(tmp_path, monkeypatch):
+    """Examples without --pack go one a row, padded: a row carries no positions, so attention is
+    causal with no mask (on CUDA the fused kernel, not flex_attention: the common fine-tune) and
+    the loss is the one a document mask of the row gives (the padding's targets count nothing);
+    a run of such a file builds no document mask (it used to)."""
+    path = str(tmp_path / "examples.npz")
+    ids = (np.arange(200) * 7) % 250
+    np.savez(path, tokens=ids, loss_mask=np.ones(200, bool), starts=np.array([0, 30, 90, 150]))
+    rows = qf.PackedDocuments(qf.load_tokens(path, 256), None, 32, seed=0, per_row=1)
+    plan = qf.Plan(batch_size=4, seq_len=32)
+    x, y, positions = rows.batch(0, 0, plan, 1, 0)
+    assert positions is None
+    lengths = [
+        len(rows.data.ids[rows.starts[i] :][: rows.lengths[i]])
+        for r in range(4)
+        for i in rows.row(r)
+    ]
+    documents = torch.stack([torch.cat([torch.arange(n), torch.arange(32 - n)]) for n in lengths])
+    torch.manual_seed(0)
+    model = qf.CausalLM(qf.CONFIGS["tiny"], dtype=torch.float32, compile=False)
+    with torch.no_grad():
+        torch.testing.assert_close(model(x, y, "sum"), model(x, y, "sum", documents))
+    monkeypatch.setattr(qf, "document_mask", lambda *a: pytest.fail("a document mask was built"))
+    qf.main(BASE + ["--data", path, "--seq_len", "32", "--batch_size", "2", "--steps", "1"])
+
+
 def chat_stops(ckpt, prompt):
     """A generation_config.json for ckpt whose eos_token_id list holds an id that is no token
     and the 4th token of the base's greedy reply to `prompt` (ids; --lr 0 keeps B at 0, so a run
@@ -6691,6 +6744,52 @@ def test_a_signal_after_training_says_what_is_saved(tmp_path, monkeypatch, capsy
         "--sample after it was cut short"
     )
     assert (out / "checkpoint-2" / "training_state.safetensors").is_file()
+
+
+def test_a_second_signal_during_the_step_stops_at_once():
+    """A first SIGINT (or SIGTERM) during training asks the loop to stop after the step in
+    progress; a second one stops at once (it used to be ignored), naming the step it cut."""
+    signals = qf.Signals()
+    signals.run = types.SimpleNamespace(signal=None, step=4)
+    signals._handle(signal.SIGINT, None)
+    assert signals.run.signal == signal.SIGINT
+    with pytest.raises(qf.Interrupted, match="a second time during step 5: stopped at once"):
+        signals._handle(signal.SIGTERM, None)
+
+
+def test_the_continue_command_is_torchruns_on_each_machine(monkeypatch):
+    """The command that continues a run repeats its flags with --resume, under torchrun with a
+    machine's ranks per node and, across machines, the rendezvous each joins (it used to give
+    --nproc_per_node the whole world)."""
+    argv = ["--steps", "9", "--out", "runs/a"]
+    for key in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)
+    assert qf.continue_command(argv).startswith("python ")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert qf.continue_command(argv).startswith("torchrun --nproc_per_node 2 ")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    monkeypatch.setenv("GROUP_RANK", "1")
+    monkeypatch.setenv("MASTER_ADDR", "node0")
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    said = qf.continue_command(argv)
+    launcher = "torchrun --nproc_per_node 8 --nnodes 2 --node_rank 1 --master_addr node0"
+    assert said.startswith(launcher + " --master_port 29500 ")
+    assert said.endswith("--steps 9 --out runs/a --resume")
+
+
+def test_peak_memory_off_linux_reads_the_process_peak(monkeypatch):
+    """Where /proc/self/status cannot be read (a CPU run off Linux), the peak memory is the
+    process's own (getrusage), not an error at the first log line."""
+    real = open
+
+    def no_proc(path, *args, **kwargs):
+        if str(path).startswith("/proc/"):
+            raise FileNotFoundError(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr("builtins.open", no_proc)
+    assert 0 < qf.peak_memory_gib(torch.device("cpu")) < 1024
 
 
 def test_a_resumed_summary_covers_the_whole_run(tmp_path, capsys):
@@ -7378,6 +7477,27 @@ def test_two_nodes_equal_one_process(single_run_tiny):
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@cuda
+def test_cuda_offloaded_gradients_go_to_the_host_on_a_stream_of_their_own(monkeypatch):
+    """With offload, each reduced gradient is copied to the host on a stream that is not the
+    all-gathers' side stream (queued behind the copy, the next unit's all-gather would wait), and
+    the gradients equal those of the model kept on the GPU."""
+    streams = []
+    real = qf._to_host
+    monkeypatch.setattr(qf, "_to_host", lambda t, s: (streams.append(s), real(t, s))[1])
+    x, y = torch.randint(256, (2, 16)), torch.randint(256, (2, 16))
+    grads = []
+    for offload in (True, False):
+        model = make_model()
+        fsdp = qf.FSDP(model, model.units(), "cuda", torch.float32, offload=offload)
+        model(x.cuda(), y.cuda()).backward()
+        grads.append({n: p.grad.cpu() for n, p in fsdp.named_parameters()})
+        if offload:
+            assert streams and all(s is not fsdp.side_stream for s in streams)
+    for name, g in grads[1].items():
+        torch.testing.assert_close(grads[0][name], g, rtol=1e-5, atol=1e-7, msg=name)
 
 
 @cuda
