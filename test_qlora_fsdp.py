@@ -1067,9 +1067,8 @@ def batch_of(data, step, micro, args, world, rank, vocab_size):
     return qf.step_batches(data, step, args, world, rank, vocab_size)[micro]
 
 
-def _lesson_worker(rank, world, port, argv, out_path):
-    """A rank that trains with Part I alone: its text run as a module of its own."""
-    _become_rank(rank, world, port)
+def train_lesson(argv):
+    """The losses of Part I alone (its text run as a module of its own) training by `argv`."""
     lesson = exec_module("qlora_lesson", part_one())
     assert not hasattr(lesson, "FSDP") and not hasattr(lesson, "CausalLM")
     args = qf.parse_args(argv)  # any object with the fields the lesson reads
@@ -1084,27 +1083,37 @@ def _lesson_worker(rank, world, port, argv, out_path):
     )
     data = np.memmap(qf.__file__, dtype=np.uint8, mode="r")  # the default data: the file's bytes
     records = lesson.train(model, fsdp, optimizer, data, args, device)
-    torch.save([r.loss for r in records], f"{out_path}.{rank}")
+    return [r.loss for r in records]
+
+
+def _lesson_worker(rank, world, port, argv, out_path):
+    """A rank that trains with Part I alone."""
+    _become_rank(rank, world, port)
+    torch.save(train_lesson(argv), f"{out_path}.{rank}")
     torch.distributed.destroy_process_group()
 
 
-@pytest.mark.parametrize("compile", ["--no-compile", "--compile"])
-def test_part_one_runs_alone_and_equals_the_whole_file(compile, whole_file_micro, tmp_path):
+def test_part_one_runs_alone_and_equals_the_whole_file(whole_file_micro, tmp_path):
     """Part I's text, run as a module of its own in which no Part II name exists, trains a small
-    Llama on 2 gloo ranks (its FullyShard, ForeachAdamW, plain kernels, eager or compiled), with
-    the losses of the whole file's default path (FSDP, AdamW, q, k and v sharing x A^T; eager:
-    compiled blocks equal eager ones to fp32's rounding, tested on their own) on the same
-    weights, seed and data, to fp32's rounding (1e-5; Adam's eps of 1, as BASE's, keeps rounding
-    noise from being amplified into a different update)."""
-    argv = [a for a in LESSON if a != "--no-compile"] + [compile]
+    Llama on 2 gloo ranks (its FullyShard, ForeachAdamW, plain kernels), with the losses of the
+    whole file's default path (FSDP, AdamW, q, k and v sharing x A^T) on the same weights, seed
+    and data, to fp32's rounding (1e-5; Adam's eps of 1, as BASE's, keeps rounding noise from
+    being amplified into a different update)."""
     out = str(tmp_path / "lesson")
-    spawn(_lesson_worker, (2, free_port(), argv, out), 2)
+    spawn(_lesson_worker, (2, free_port(), LESSON, out), 2)
     lesson = [torch.load(f"{out}.{r}") for r in range(2)]
-    whole = whole_file_micro
     assert lesson[0] == lesson[1]
-    torch.testing.assert_close(
-        torch.tensor(lesson[0]), torch.tensor(whole[0]["losses"]), rtol=1e-5, atol=1e-5
-    )
+    want = torch.tensor(whole_file_micro[0]["losses"])
+    torch.testing.assert_close(torch.tensor(lesson[0]), want, rtol=1e-5, atol=1e-5)
+
+
+def test_part_one_compiled_runs_alone_and_equals_the_whole_file(whole_file_micro):
+    """Part I alone, compiled (its blocks, and its NF4 and loss kernels as custom ops in a
+    namespace of their own), trains in one process with the losses of the whole file's eager run
+    on 2 ranks of half the batch (compiled blocks equal eager ones to fp32's rounding)."""
+    argv = [a for a in LESSON if a != "--no-compile"] + ["--compile", "--batch_size", "4"]
+    want = torch.tensor(whole_file_micro[0]["losses"])
+    torch.testing.assert_close(torch.tensor(train_lesson(argv)), want, rtol=1e-5, atol=1e-5)
 
 
 # Adam divides each gradient by its own magnitude, so an element whose gradient is rounding noise
@@ -4646,30 +4655,18 @@ def _traffic_worker(rank, world, port, argv, out_path):
 HSDP = BASE + ["--steps", "4", "--batch_size", "1", "--seq_len", "32"]
 
 
-@pytest.mark.parametrize(
-    "shape,compile",
-    [((2, 2), False), ((2, 3), False), ((3, 2), False), ((2, 2), True)],
-    ids=["2x2", "2x3", "3x2", "2x2-compiled"],
-)
-def test_hybrid_sharding_equals_one_process_and_only_gradients_cross(shape, compile, tmp_path):
+@pytest.mark.parametrize("shape", [(2, 2), (2, 3), (3, 2)], ids=["2x2", "2x3", "3x2"])
+def test_hybrid_sharding_equals_one_process_and_only_gradients_cross(shape, tmp_path):
     """--shard_size S at world R x S (groups of S consecutive ranks shard, R groups replicate):
-    the losses and adapters of one process with the same global batch (eager; at 2 x 2 also with
-    compiled blocks); at 2 x 2 those of full sharding too. All-gathers and reduce-scatters stay
-    within a rank's group; all that crosses between groups is the all-reduce of its fp32
-    adapter-gradient pieces (once per unit per backward), besides the step's few scalars (the
-    loss, the count of targets)."""
+    the losses and adapters of one process with the same global batch; at 2 x 2 those of full
+    sharding too. All-gathers and reduce-scatters stay within a rank's group; all that crosses
+    between groups is the all-reduce of its fp32 adapter-gradient pieces (once per unit per
+    backward), besides the step's few scalars (the loss, the count of targets). (Eager blocks:
+    HSDP lives in the unit's hooks, which stay eager under compiled blocks.)"""
     replicas, shard = shape
     world = replicas * shard
     argv = HSDP + ["--shard_size", str(shard)]
-    rows = 1
-    if compile:
-        # 2 rows a rank, as in test_compiled_blocks_equal_eager: the same block graphs, which
-        # the compile cache (shared by processes) then holds for whichever test runs second.
-        rows = 2
-        argv += ["--compile", "--batch_size", "2"]
-    single = run_single(
-        BASE + ["--steps", "4", "--batch_size", str(rows * world), "--seq_len", "32"]
-    )
+    single = run_single(BASE + ["--steps", "4", "--batch_size", str(world), "--seq_len", "32"])
     out = str(tmp_path / "hsdp")
     spawn(_traffic_worker, (world, free_port(), argv, out), world)
     for rank in range(world):
@@ -4686,7 +4683,7 @@ def test_hybrid_sharding_equals_one_process_and_only_gradients_cross(shape, comp
                 assert nbytes <= 16, (kind, nbytes)  # a scalar of the step
         masters = torch.load(f"{out}.{rank}")["local_master_bytes"]
         assert across == masters * 4, (across, masters)  # 4 steps, each unit once
-    if shape == (2, 2) and not compile:
+    if shape == (2, 2):
         full = run_sharded(world, HSDP, tmp_path)
         assert_same_run(torch.load(f"{out}.0"), full[0])
 
@@ -6683,11 +6680,11 @@ def test_gpu_check_dry_run_walks_the_plan_in_order():
 
 
 def test_gpu_check_limit_binds():
-    """--limit binds: stubbed parts that hang (--dry-run --stall 60) under --limit 45 end by
-    it, by this test's clock: the first 7B row killed at its budget (what was left), the parts
-    after it skipped in rows that say so."""
-    rc, out, wall = _gpu_check("--dry-run", "--stall", "60", "--limit", "45")
-    assert rc == 0 and wall <= 45, (wall, "\n".join(out))
+    """--limit binds: stubbed parts that hang (--dry-run --stall 60) under --limit 24 end by
+    it, by this test's clock: the first 7B row killed at its budget (what was left; --min_part 12:
+    a part needs 12 s), the parts after it skipped in rows that say so."""
+    rc, out, wall = _gpu_check("--dry-run", "--stall", "60", "--limit", "24", "--min_part", "12")
+    assert rc == 0 and wall <= 24, (wall, "\n".join(out))
     rows = {line.split("  ")[0]: line for line in out if line.startswith(("llama2", "CUDA tests"))}
     assert "killed" in rows["llama2-7b"], out
     assert "skipped" in rows["llama2-7b --offload_activations"]

@@ -7,7 +7,7 @@ Its first line says what the run depends on: torch, CUDA and Triton versions, th
 compiler and Python's headers are there (Triton builds its kernels with both; without them the 7B
 rows run --no-compile and say so) and whether pytest is. Then the plan: each part's budget in
 seconds, inside --limit (default 480 s), which binds: each part is killed at its budget, a part
-that would get less than MIN_PART_S is skipped with a row that says so, and nothing runs past the
+that would get less than --min_part (30 s) is skipped with a row that says so, and nothing runs past the
 limit. In this order:
 1. The talk's benchmark: Llama-2-7B's shape with a random NF4 base (drawn and quantized on the GPU),
    LoRA rank 8 on all 7 projections, batch 8 x 2048 per GPU, dummy data, activation checkpointing,
@@ -222,7 +222,7 @@ class Check:
         """A part's seconds: its plan, or what is left of the limit, if less; None: not enough."""
         left = self.args.limit - elapsed() - TAIL_S
         budget = left if planned is None else min(planned, left)
-        return budget if budget >= MIN_PART_S else None
+        return budget if budget >= self.args.min_part else None
 
     def command(self, cmd):
         """cmd as this run starts it: under --dry-run --stall S, after S s of hanging (the stub
@@ -241,7 +241,7 @@ class Check:
 
     def skipped(self, label, planned):
         left = max(0.0, self.args.limit - elapsed() - TAIL_S)
-        why = f"skipped: {left:.0f} s left of --limit {self.args.limit:.0f}, under {MIN_PART_S} s"
+        why = f"skipped: {left:.0f} s left of --limit {self.args.limit:.0f}, under {self.args.min_part:g} s"
         self.errors.append((label, why))
         self.print_row((label, "skipped") + ("",) * 10, [why])
 
@@ -326,9 +326,12 @@ def main():
                         "their budgets, no training, no CUDA (the tests collected, not run)")
     p.add_argument("--stall", type=float, default=0,
                    help="with --dry-run: each stubbed part hangs this many seconds first (the limit binds)")
+    p.add_argument("--min_part", type=float, default=MIN_PART_S, metavar="S",
+                   help="a part that would get less than S s is skipped (with --dry-run --stall, a small S "
+                        "sees the budgets bind in seconds)")
     args = p.parse_args()
-    if args.limit <= TAIL_S + MIN_PART_S:
-        p.error(f"--limit {args.limit:g}: at least {TAIL_S + MIN_PART_S} s are needed for one part")
+    if args.limit <= TAIL_S + args.min_part:
+        p.error(f"--limit {args.limit:g}: at least {TAIL_S + args.min_part:g} s are needed for one part")
     if args.stall and not args.dry_run:
         p.error("--stall is for --dry-run only")
     check = Check(args)
@@ -358,11 +361,11 @@ def main():
     rows = [" ".join([args.model] + extra) for extra in ([], ["--offload_activations"])]
     tests_s = args.limit - TAIL_S - 2 * planned - elapsed()
     print(f"plan, inside --limit {args.limit:.0f} s (each part killed at its budget; a part left under "
-          f"{MIN_PART_S} s is skipped):", flush=True)
+          f"{args.min_part:g} s is skipped):", flush=True)
     for i, row in enumerate(rows, 1):
         print(f"  {i}. {row:<34} {planned:5.0f} s  ({how})", flush=True)
     print(f"  3. {'CUDA tests (pytest -k cuda)':<34} {max(0, tests_s):5.0f} s  (what is left"
-          + (f", under the {MIN_PART_S} s a part needs: skipped" if tests_s < MIN_PART_S else "") + ")", flush=True)
+          + (f", under the {args.min_part:g} s a part needs: skipped" if tests_s < args.min_part else "") + ")", flush=True)
     print(f"training rows: world {world}, batch {args.batch_size} x {args.seq_len} per rank, dummy data, "
           f"checkpointing, {'eager' if '--no-compile' in flags else 'compiled'}, {args.steps} steps; "
           f"'predicted' is --estimate's at world {world}, '2x3090 pred.' on the talk's 2 x RTX 3090", flush=True)
