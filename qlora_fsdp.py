@@ -2619,13 +2619,16 @@ def model_device(model):
 
 
 @torch.no_grad()
-def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache=True, device=None):
+def generate(
+    model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache=True, device=None, each=None
+):
     """New token ids after `ids` (a list, or (1, T)), at most max_new_tokens, ending at the
     first id in `stop` (returned last): greedy at temperature 0, else drawn from softmax(logits
     / T), seeded by `seed`. With the KV cache the prompt is one forward and each new token one
     more; cache=False reruns the whole sequence for each (the reference). Under FSDP every rank
     calls it and rank 0's tokens are every rank's. device: where ids go (None: model_device's).
-    The model runs in eval mode (no dropout), and is then put back in the mode it was in."""
+    each(ids so far): called as each token comes (to stream the reply). The model runs in eval
+    mode (no dropout), and is then put back in the mode it was in."""
     ids = torch.as_tensor(ids, device=device or model_device(model)).view(1, -1)
     length = ids.shape[1] + max_new_tokens
     check_window(model.config, length, "a prompt and its new tokens")
@@ -2655,6 +2658,8 @@ def generate(model, ids, max_new_tokens, temperature=0.0, stop=(), seed=0, cache
             if dist.is_initialized():
                 dist.broadcast(token, src=0)
             new.append(token.item())
+            if each is not None:
+                each(new)
             if new[-1] in stop:
                 break
             step = token.view(1, 1)
