@@ -5129,17 +5129,6 @@ def printable(text):
     return shown.replace("\ufffd", "\\ufffd")  # invalid UTF-8, decoded: shown as an escape too
 
 
-def sparkline(values, width=40):
-    """values as one line of bars (ASCII where the terminal needs it), averaged to `width`."""
-    encoding = (getattr(sys.stdout, "encoding", "") or "").lower()
-    bars = "▁▂▃▄▅▆▇█" if "utf" in encoding else "_.-~=*#@"
-    chunks = np.array_split(np.asarray(values, dtype=float), min(width, len(values)))
-    means = [float(c.mean()) for c in chunks]
-    lo = min(means)
-    span = max(means) - lo or 1.0
-    return "".join(bars[min(7, int((v - lo) / span * 8))] for v in means)
-
-
 class Interrupted(Exception):
     """A SIGINT or SIGTERM that stopped the run; main() says where, in one line."""
 
@@ -5590,7 +5579,8 @@ class Run:
     # The end.
 
     def finish(self):
-        """After the loop: merge, sample, print the loss curve; returns the summary dict."""
+        """After the loop: merge, sample, print the losses' first and last; returns the summary
+        dict."""
         args = self.args
         if self.profiler is not None:
             self.profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
@@ -5604,26 +5594,18 @@ class Run:
         samples = {}
         if args.sample:  # after the saves: what was trained is on disk whatever happens here
             samples = self._sample()
-        self._print_curves()
-        return self._summary(steady, samples)
-
-    def curves(self):
-        """(losses, val losses) of the whole run: after --resume, the earlier steps' records."""
+        # The whole run's losses: after --resume, the earlier steps' read back first.
         losses = [r["loss"] for r in self.history if "loss" in r]
         losses += [r.loss for r in self.records]
         val_losses = [r["val_loss"] for r in self.history if "val_loss" in r]
-        return losses, val_losses + self.val_losses
-
-    def _print_curves(self):
-        losses, val_losses = self.curves()
-        curve = f"loss {sparkline(losses)} {losses[0]:.3f} -> {losses[-1]:.3f}"
+        val_losses += self.val_losses
+        line = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
         if val_losses:
-            first = val_losses[0]
-            last = val_losses[-1]
-            curve += f" | val_loss {sparkline(val_losses)} {first:.3f} -> {last:.3f}"
+            line += f" | val_loss {val_losses[0]:.3f} -> {val_losses[-1]:.3f}"
         if self.history:
-            curve += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
-        print0(curve)
+            line += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
+        print0(line)
+        return self._summary(steady, samples, losses, val_losses)
 
     def _text(self, ids):
         """ids as a sample shows them: text, special tokens and all (a byte-level model's
@@ -5666,11 +5648,10 @@ class Run:
             return dict(sample=records[0]["reply"], sample_stopped=records[0]["stopped"])
         return dict(samples=len(records), samples_stopped=sum(r["stopped"] for r in records))
 
-    def _summary(self, steady, samples):
+    def _summary(self, steady, samples, losses, val_losses):
         # The median over the steps after the first (which compiles), in ms.
         step_ms = float(np.median(self.seconds[1:] or self.seconds)) * 1000
         tokens = self.records[-1].tokens
-        losses, val_losses = self.curves()
         summary = dict(
             model=self.name,
             world_size=world_and_rank()[0],
