@@ -4861,10 +4861,9 @@ def stop_ids(checkpoint, eos_id=None):
 # -----------------------------------------------------------------------------
 # 16. A run: set up from the flags, the loop over steps, the end
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, functools, json, os, re, resource, shlex, signal, sys, tempfile,
-# threading, time, numpy as np, torch, torch.distributed as dist; from typing import NamedTuple,
-# Optional; from torch.distributed.device_mesh import init_device_mesh; from above: GiB,
-# sections 1-15.
+# Needs: import contextlib, functools, json, os, resource, shlex, signal, sys, tempfile,
+# threading, time, numpy as np, torch, torch.distributed as dist; from
+# torch.distributed.device_mesh import init_device_mesh; from above: GiB, sections 1-15.
 #
 # A Run is one fine-tune, in the order it happens. Its set-up reads the flags (there, and
 # nowhere after) and every input, each checked before anything is built, then builds the model
