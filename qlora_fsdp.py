@@ -5568,8 +5568,7 @@ class Run:
     # The end.
 
     def finish(self):
-        """After the loop: merge, sample, print the losses' first and last; returns the summary
-        dict."""
+        """After the loop: merge, sample, the closing line of losses; -> the summary dict."""
         args = self.args
         if self.profiler is not None:
             self.profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
