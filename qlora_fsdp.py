@@ -4664,14 +4664,6 @@ def check_ids(ids, vocab_size, where):
         require(lo >= 0, f"{where}: negative token id {lo}")
 
 
-def check_length(ids, seq_len, where):
-    """Refuse a stream too short for one row of seq_len tokens and the one after them."""
-    require(
-        len(ids) > seq_len,
-        f"{where}: {len(ids)} tokens, fewer than --seq_len + 1 = {seq_len + 1}",
-    )
-
-
 def load_tokens(path, vocab_size, flag="--data"):
     """TokenData from a --data (or --val_data) file of ids (formats: see --help), checked: a
     1-D integer array, every id below vocab_size, a loss mask and example starts that fit."""
@@ -4879,10 +4871,9 @@ def stop_ids(checkpoint, eos_id=None):
 # -----------------------------------------------------------------------------
 # 16. A run: set up from the flags, the loop over steps, the end
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, functools, json, os, re, resource, shlex, signal, sys, tempfile,
-# threading, time, numpy as np, torch, torch.distributed as dist; from typing import NamedTuple,
-# Optional; from torch.distributed.device_mesh import init_device_mesh; from above: GiB,
-# sections 1-15.
+# Needs: import contextlib, functools, json, os, resource, shlex, signal, sys, tempfile,
+# threading, time, numpy as np, torch, torch.distributed as dist; from
+# torch.distributed.device_mesh import init_device_mesh; from above: GiB, sections 1-15.
 #
 # A Run is one fine-tune, in the order it happens. Its set-up reads the flags (there, and
 # nowhere after) and every input, each checked before anything is built, then builds the model
@@ -4899,6 +4890,17 @@ def model_config(checkpoint, model):
     path = os.path.join(checkpoint, "config.json")
     name = os.path.basename(os.path.normpath(checkpoint))
     return name, config_from_hf(read_json(path), path)
+
+
+def plan_of(args, config, world, local, device):
+    """The flags' Plan for `world` ranks (`local` of them on this machine), its state sharded
+    over --shard_size's groups (or all ranks), its --context_parallel checked; then --fit's
+    choice where asked, in the Budget of `device`: what a run follows and --estimate shows."""
+    plan = Plan.of(args, shard_size(args.shard_size, world, local))
+    check_context_parallel(plan.context_parallel, plan.seq_len, world, plan.shard, config)
+    if args.fit is not None:
+        plan = fit(config, plan, budget_of(device, args.fit, local))
+    return plan
 
 
 def build(config, plan, device, sources=None, path=None):
@@ -5139,17 +5141,6 @@ def printable(text):
     return shown.replace("\ufffd", "\\ufffd")  # invalid UTF-8, decoded: shown as an escape too
 
 
-def sparkline(values, width=40):
-    """values as one line of bars (ASCII where the terminal needs it), averaged to `width`."""
-    encoding = (getattr(sys.stdout, "encoding", "") or "").lower()
-    bars = "▁▂▃▄▅▆▇█" if "utf" in encoding else "_.-~=*#@"
-    chunks = np.array_split(np.asarray(values, dtype=float), min(width, len(values)))
-    means = [float(c.mean()) for c in chunks]
-    lo = min(means)
-    span = max(means) - lo or 1.0
-    return "".join(bars[min(7, int((v - lo) / span * 8))] for v in means)
-
-
 class Interrupted(Exception):
     """A SIGINT or SIGTERM that stopped the run; main() says where, in one line."""
 
@@ -5272,13 +5263,13 @@ class Run:
         self.prompts = self._prompts() if args.sample else None
         check_window(self.config, self.plan.seq_len, f"--seq_len {self.plan.seq_len}")
         sources = load_checkpoint(args.checkpoint, self.config) if args.checkpoint else None
-        self._check_memory()
+        self.predicted = self._check_memory()  # the step's peak, GiB per GPU: an OOM quotes it
+        refuse_unfused_attention(self.plan, self.device)
         outputs = {"--out": args.out, "--merge_to": args.merge_to, "--profile": args.profile}
         check_writable(outputs, self.rank, args.resume)
         self._build(sources)
         self.step = self.start  # the last step done
         self.records = []  # each step's StepRecord
-        self.seconds = []  # each step's time
         self.val_losses = []
         self.first_peaks = None  # step 1's peaks: compiling, autotuning, first allocations
         self.metrics = None
@@ -5287,26 +5278,18 @@ class Run:
             self.metrics, self.history = open_metrics(args.out, self.start)
         self.profiler = self._start_profiler() if args.profile else None
         self.signal = None  # SIGINT or SIGTERM, once received (Signals sets it)
-        self.interrupted = None  # the signal all ranks stopped for
-        self.compiling = None  # the Event that stops step 1's "still compiling" lines
 
     # The set-up, in the order __init__ calls it.
 
     def _plan(self):
-        """The flags' Plan, its state sharded over --shard_size's groups (or all ranks), its
-        --context_parallel checked; then --fit's choice where asked."""
-        args = self.args
+        """plan_of's, and a warning where its shard groups span machines."""
         local = int(os.environ.get("LOCAL_WORLD_SIZE", self.world))
-        shard = shard_size(args.shard_size, self.world, local)
-        if local % shard:
+        plan = plan_of(self.args, self.config, self.world, local, self.device)
+        if local % plan.shard:
             print0(
-                f"warning: --shard_size {shard} makes groups that span machines of {local} "
+                f"warning: --shard_size {plan.shard} makes groups that span machines of {local} "
                 f"ranks: their all-gathers cross the network (it works, slower)"
             )
-        plan = Plan.of(args, shard)
-        check_context_parallel(plan.context_parallel, plan.seq_len, self.world, shard, self.config)
-        if args.fit is not None:
-            plan = fit(self.config, plan, budget_of(self.device, args.fit, local))
         return plan
 
     def _tokenizer(self):
@@ -5354,7 +5337,10 @@ class Run:
                     f"packs)"
                 )
             return rows
-        check_length(data.ids, plan.seq_len, where)
+        n = len(data.ids)  # a row is seq_len tokens and the one after them
+        require(
+            n > plan.seq_len, f"{where}: {n} tokens, fewer than --seq_len + 1 = {plan.seq_len + 1}"
+        )
         return data
 
     def _eos(self):
@@ -5383,11 +5369,10 @@ class Run:
     def _check_memory(self):
         """Refuse, before anything is allocated, a model whose sharded state would not fit on
         the GPU or in this machine's available memory (offloaded, or on a CPU; its ranks share
-        it). Keeps the step's predicted peak, which the summary and an OOM quote."""
+        it). -> the step's predicted peak, GiB per GPU."""
         cuda = self.device.type == "cuda"
         capability = torch.cuda.get_device_capability(self.device) if cuda else None
         est = estimate_memory(self.config, self.plan, capability)
-        self.predicted = est.gpu_peak / GiB
         local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
         why = shortfall(est, budget_of(self.device, local_ranks=local), whole_step=False)
         require(
@@ -5395,6 +5380,7 @@ class Run:
             f"the model's shards need {why} (--estimate): more ranks, --cpu_offload, or --fit to "
             f"choose the settings",
         )
+        return est.gpu_peak / GiB
 
     def _build(self, sources):
         """The model, its AdamW, the checkpoint --resume continues, and the steps to run."""
@@ -5411,8 +5397,8 @@ class Run:
         hyper = dict(lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
         self.optimizer = AdamW(self.fsdp.parameters(), **hyper)
         self.flags = {key: getattr(args, key) for key in RESUME_MUST_MATCH}
-        self.peft = peft_config(args.lora_rank, args.lora_alpha, args.lora_dropout, args.dora)
-        self.peft["base_model_name_or_path"] = args.checkpoint or ""
+        lora = (args.lora_rank, args.lora_alpha, args.lora_dropout, args.dora)
+        self.peft = peft_config(*lora, base=args.checkpoint or "")
         self.start = 0
         if args.resume:
             self.start = resume(args.out, self.fsdp, self.optimizer, self.flags)
@@ -5462,32 +5448,39 @@ class Run:
     def train(self):
         """The loop over steps: a line every --log_every steps, an evaluation at the end (not
         --stop_at's) and when due, a save at the end (--stop_at's too) and when due; on a
-        signal, after the step, a save first, then stop."""
+        signal, after the step, a save first, then stop. -> the signal all ranks stopped for
+        (None: none)."""
         args = self.args
         if self.val and self.start == 0:  # what the fine-tune starts from (not after --resume)
             self.evaluate(0)
+        compiling = threading.Event()  # once set, no "still compiling" lines
         if self.plan.compile:
             print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
-            self.compiling = heartbeat("still compiling the first step: {seconds:.0f} s so far")
+            compiling = heartbeat("still compiling the first step: {seconds:.0f} s so far")
         try:
             for step in range(self.start, self.end):
                 r = self.run_step(step)
                 if (r.step - 1) % args.log_every == 0 or r.step == self.end:
                     self.log(r)
                 if r.step == self.start + 1:
-                    self.first_step_done()
+                    # Step 1's peaks (compiling, autotuning, first allocations) apart from the rest.
+                    compiling.set()
+                    self.first_peaks = self.peaks()
+                    reset_peak_memory(self.device)
                 if self.val and (r.step == args.steps or due(r.step, args.eval_every)):
                     self.evaluate(r.step)
                 saved = bool(args.out) and (r.step == self.end or due(r.step, args.save_every))
                 if saved:
                     self.save(r.step)
-                if self.stop_requested():
+                # Any rank's SIGINT or SIGTERM stops every rank at this step.
+                signum = int(max_over_ranks(self.signal or 0, self.device))
+                if signum:
                     if args.out and not saved:
                         self.save(r.step)
-                    break
+                    return signum
         finally:
-            if self.compiling is not None:
-                self.compiling.set()
+            compiling.set()
+        return None
 
     def run_step(self, step):
         """Section 8's run_step over this rank's batches of `step`; out of memory and a
@@ -5507,7 +5500,6 @@ class Run:
             raise UserError(f"{e}{intact}") from None
         self.step = r.step
         self.records.append(r)
-        self.seconds.append(r.seconds)
         if self.profiler is not None:
             self.profiler.step()
             # On CUDA, the allocator's history over steps 3-5 (Python stacks only: cheap).
@@ -5554,13 +5546,6 @@ class Run:
             mem_gib=round(mem, 4),
         )
 
-    def first_step_done(self):
-        """Step 1's peaks (compiling, autotuning, first allocations) apart from the rest."""
-        if self.compiling is not None:
-            self.compiling.set()
-        self.first_peaks = self.peaks()
-        reset_peak_memory(self.device)
-
     def evaluate(self, step):
         """The held-out loss after `step` steps (0: the base, before training), logged."""
         n = self.args.eval_seqs
@@ -5579,13 +5564,6 @@ class Run:
         seconds = time.perf_counter() - start
         print0(f"saved {os.path.join(out, f'checkpoint-{step}')} (step {step}) in {seconds:.1f} s")
 
-    def stop_requested(self):
-        """Whether any rank received SIGINT or SIGTERM: all stop at the same step."""
-        signum = max_over_ranks(self.signal or 0, self.device)
-        if signum:
-            self.interrupted = int(signum)
-        return self.interrupted is not None
-
     def where_stopped(self):
         """Where a stopped run is: its step, the checkpoint saved, the command that continues it."""
         args = self.args
@@ -5600,7 +5578,7 @@ class Run:
     # The end.
 
     def finish(self):
-        """After the loop: merge, sample, print the loss curve; returns the summary dict."""
+        """After the loop: merge, sample, the closing line of losses; -> the summary dict."""
         args = self.args
         if self.profiler is not None:
             self.profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
@@ -5614,26 +5592,18 @@ class Run:
         samples = {}
         if args.sample:  # after the saves: what was trained is on disk whatever happens here
             samples = self._sample()
-        self._print_curves()
-        return self._summary(steady, samples)
-
-    def curves(self):
-        """(losses, val losses) of the whole run: after --resume, the earlier steps' records."""
+        # The whole run's losses: after --resume, the earlier steps' read back first.
         losses = [r["loss"] for r in self.history if "loss" in r]
         losses += [r.loss for r in self.records]
         val_losses = [r["val_loss"] for r in self.history if "val_loss" in r]
-        return losses, val_losses + self.val_losses
-
-    def _print_curves(self):
-        losses, val_losses = self.curves()
-        curve = f"loss {sparkline(losses)} {losses[0]:.3f} -> {losses[-1]:.3f}"
+        val_losses += self.val_losses
+        line = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
         if val_losses:
-            first = val_losses[0]
-            last = val_losses[-1]
-            curve += f" | val_loss {sparkline(val_losses)} {first:.3f} -> {last:.3f}"
+            line += f" | val_loss {val_losses[0]:.3f} -> {val_losses[-1]:.3f}"
         if self.history:
-            curve += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
-        print0(curve)
+            line += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
+        print0(line)
+        return self._summary(steady, samples, losses, val_losses)
 
     def _text(self, ids):
         """ids as a sample shows them: text, special tokens and all (a byte-level model's
@@ -5676,11 +5646,11 @@ class Run:
             return dict(sample=records[0]["reply"], sample_stopped=records[0]["stopped"])
         return dict(samples=len(records), samples_stopped=sum(r["stopped"] for r in records))
 
-    def _summary(self, steady, samples):
+    def _summary(self, steady, samples, losses, val_losses):
         # The median over the steps after the first (which compiles), in ms.
-        step_ms = float(np.median(self.seconds[1:] or self.seconds)) * 1000
+        seconds = [r.seconds for r in self.records]
+        step_ms = float(np.median(seconds[1:] or seconds)) * 1000
         tokens = self.records[-1].tokens
-        losses, val_losses = self.curves()
         summary = dict(
             model=self.name,
             world_size=world_and_rank()[0],
@@ -5718,11 +5688,11 @@ def fine_tune(args):
         run = Run(args)
         signals.run = run  # a signal now stops the loop after its step
         try:
-            run.train()
+            stopped_by = run.train()
         finally:
             signals.run = None
-        if run.interrupted:
-            raise Interrupted(run.interrupted, run.where_stopped())
+        if stopped_by:
+            raise Interrupted(stopped_by, run.where_stopped())
         signals.where = f"{run.where_stopped()}; the --merge_to or --sample after it was cut short"
         summary = run.finish()
     return summary, [r.loss for r in run.records], run.fsdp
@@ -5890,12 +5860,9 @@ def estimate(args):
     world = int(os.environ.get("WORLD_SIZE", 1))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     name, config = model_config(args.checkpoint, args.model)
-    plan = Plan.of(args, shard_size(args.shard_size, world, local))
-    check_context_parallel(plan.context_parallel, plan.seq_len, world, plan.shard, config)
     cuda = torch.cuda.is_available() and args.device != "cpu"
     device = torch.device("cuda" if cuda else "cpu")
-    if args.fit is not None:  # the plan --fit would run
-        plan = fit(config, plan, budget_of(device, args.fit, local))
+    plan = plan_of(args, config, world, local, device)  # with --fit, the plan it would run
     est = estimate_memory(config, plan, torch.cuda.get_device_capability() if cuda else None)
     counts = count_family_params(config, args.lora_rank, args.nf4_head, args.dora)
     print0(format_budget(name, memory_budget(counts)))

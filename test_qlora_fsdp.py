@@ -7,7 +7,6 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import io
 import json
 import math
 import os
@@ -6790,8 +6789,8 @@ def test_peak_memory_off_linux_reads_the_process_peak(monkeypatch):
 
 
 def test_a_resumed_summary_covers_the_whole_run(tmp_path, capsys):
-    """After --resume the summary's curves, first_loss and first val_loss cover the whole run,
-    read back from metrics.jsonl (and the line says so): they equal the one-shot run's."""
+    """After --resume the closing line's losses, first_loss and first val_loss cover the whole
+    run, read back from metrics.jsonl (and the line says so): they equal the one-shot run's."""
     path, _ = val_file(tmp_path)
     argv = BASE + ["--batch_size", "2", "--steps", "5", "--val_data", path, "--eval_every", "2"]
     argv += ["--log_every", "1"]  # metrics.jsonl then has every step
@@ -6799,8 +6798,8 @@ def test_a_resumed_summary_covers_the_whole_run(tmp_path, capsys):
     one_shot = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loss ")]
     train_run(argv + ["--out", str(tmp_path / "b"), "--stop_at", "3"])
     resumed = train_run(argv + ["--out", str(tmp_path / "b"), "--resume"])["summary"]
-    curves = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loss ")]
-    assert curves[-1] == one_shot[0] + " (steps 1-5; 1-3 read back from metrics.jsonl)"
+    closing = [line for line in capsys.readouterr().out.splitlines() if line.startswith("loss ")]
+    assert closing[-1] == one_shot[0] + " (steps 1-5; 1-3 read back from metrics.jsonl)"
     for key in ("first_loss", "final_loss", "first_val_loss", "val_loss"):
         assert resumed[key] == whole[key], key
 
@@ -6843,16 +6842,6 @@ def test_cpu_memory_is_named_rss(capsys):
     assert " | rss " in capsys.readouterr().out
     assert summary["peak_rss_gib"] == summary["peak_mem_gib"]
     assert summary["predicted_gpu_peak_gib"] == summary["predicted_peak_gib"]
-
-
-def test_sparkline_draws_low_to_high(monkeypatch):
-    """sparkline puts values on eight bars from the lowest to the highest, averaged down to its
-    width, in block characters, or ASCII where the terminal cannot show them."""
-    assert qf.sparkline([1.0, 2.0, 3.0, 4.0]) == "▁▃▆█" and qf.sparkline([5.0, 5.0]) == "▁▁"
-    line = qf.sparkline([float(i) for i in range(80)], width=40)
-    assert len(line) == 40 and list(line) == sorted(line, key="▁▂▃▄▅▆▇█".index)
-    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(io.BytesIO(), encoding="ascii"))
-    assert qf.sparkline([1.0, 2.0, 3.0, 4.0]) == "_-*@"
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="Linux's VmHWM")
