@@ -3232,53 +3232,6 @@ def shard_size(size, world, local):
     return size
 
 
-class Traffic(NamedTuple):
-    """Bytes one rank sends a step."""
-
-    within: float  # in its shard group: all-gathers, the reduce-scatter, the all-to-alls
-    across: float  # to the other groups: the all-reduce of its gradient pieces
-    per_layer: float  # of `within`, in each layer's all-to-alls under --context_parallel
-
-
-def traffic(config, plan, world):
-    """Within its group of S: the all-gathers ((S - 1) / S of the embeddings, norm + head, each
-    block twice) and the fp32 gradient reduce-scatter; under --context_parallel N, (N - 1) / N
-    of its piece's q, k, v and output per layer, forward, backward and the recompute; to the R
-    groups, the all-reduce of its gradient pieces (2 (R - 1) / R of them)."""
-    shard = plan.shard
-    replicas = world // shard
-    elt = plan.element_bytes()
-    counts = count_family_params(config, plan.lora_rank, dora=plan.dora)
-    layers = config.num_hidden_layers
-    head = _nf4_bytes(counts.head) if plan.nf4_head else counts.head * elt
-    once = (counts.dense - layers * 2 * config.hidden_size) * elt + head
-    gathered = once + 2 * layers * _block_unit_bytes(config, counts, elt)
-    grads = 4 * counts.lora
-    n = plan.context_parallel
-    kv = math.lcm(config.num_key_value_heads, n)  # kv heads repeated to a multiple of N
-    heads = 2 * config.num_attention_heads + 2 * kv  # q and the output, k and v
-    piece = plan.tokens() * config.head_dim * heads * elt
-    passes = 3 if plan.checkpointing else 2
-    per_layer = plan.grad_accum * passes * (n - 1) / n * piece
-    within = plan.grad_accum * (shard - 1) / shard * (gathered + grads) + layers * per_layer
-    across = plan.grad_accum * 2 * (replicas - 1) / replicas * grads / shard
-    return Traffic(within, across, per_layer)
-
-
-def format_traffic(t, plan, world, local):
-    spans = "within a machine" if local % plan.shard == 0 else "spanning machines"
-    line = (
-        f"collectives per step, per rank: {t.within / 1e9:.2f} GB in shard groups of "
-        f"{plan.shard} ranks ({spans}), {t.across / 1e9:.4f} GB between the "
-        f"{world // plan.shard} groups"
-    )
-    n = plan.context_parallel
-    if n > 1:
-        layer = t.per_layer / 1e6
-        line += f"; of the first, {layer:.1f} MB per layer in the all-to-alls of {n} ranks"
-    return line
-
-
 # --fit: the fastest setting that the estimate says fits. What it tries, fastest first on a GPU
 # (the README says what each costs), each with every micro-batch that divides this rank's
 # batch, the largest first. --grad_accum makes up a smaller micro-batch: the same batch, the
@@ -5890,10 +5843,7 @@ def estimate(args):
     counts = count_family_params(config, args.lora_rank, args.nf4_head, args.dora)
     print0(format_budget(name, memory_budget(counts)))
     print0(format_estimate(name, est))
-    t = traffic(config, plan, world)
-    print0(format_traffic(t, plan, world, local))
     summary = dict(model=name, world_size=world, shard_size=plan.shard)
-    summary.update(bytes_within_groups=round(t.within), bytes_across_groups=round(t.across))
     for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):
         summary[key] = getattr(plan, key)
     summary["predicted_peak_gib"] = round(est.gpu_peak / GiB, 3)
