@@ -3140,7 +3140,7 @@ def _activation_rows(config, counts, plan):
             block += additive
         else:
             mask += layers * additive
-        row = mask + additive if plan.checkpointing else mask
+        row = mask + (additive if plan.checkpointing else 0)
         rows["document mask, positions, RoPE per token (--pack)"] = row
         kept += mask
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient
@@ -3253,13 +3253,12 @@ def fit_plans(plan, rows=None):
     """Every plan --fit tries, in order: `plan` with FIT_FLAGS set, each keeping `rows` of this
     rank per step (batch_size x grad_accum)."""
     rows = rows or plan.batch_size * plan.grad_accum
-    plans = []
-    for tier in FIT_TIERS:
-        for micro in range(rows, 0, -1):
-            if rows % micro == 0:
-                split = dict(batch_size=micro, grad_accum=rows // micro)
-                plans.append(dataclasses.replace(plan, **split, **tier))
-    return plans
+    micro_batches = [micro for micro in range(rows, 0, -1) if rows % micro == 0]
+    return [
+        dataclasses.replace(plan, batch_size=micro, grad_accum=rows // micro, **tier)
+        for tier in FIT_TIERS
+        for micro in micro_batches
+    ]
 
 
 def plan_name(plan):
@@ -3279,12 +3278,10 @@ def host_available():
     """Bytes of memory this machine can still give (Linux's MemAvailable); None where unknown."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError):
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024  # kB
+    except (OSError, KeyError, ValueError):
         return None
-    return None
 
 
 class Budget(NamedTuple):
