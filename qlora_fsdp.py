@@ -3891,9 +3891,8 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, peft, flags):
     temporary name, renamed, then points out_dir/latest at it: a crash leaves the previous one
     whole. No RNG state: each step seeds its dropout. The adapters also go in out_dir, for PEFT."""
     adapters = fsdp.full_adapters()
-    kept = ""
-    if os.path.isfile(os.path.join(out_dir, "latest")):
-        kept = "; its last checkpoint is intact"
+    latest = os.path.join(out_dir, "latest")
+    kept = "; its last checkpoint is intact" if os.path.isfile(latest) else ""
     finite = all(t.isfinite().all() for t in adapters.values())
     require(
         finite, f"--out {out_dir}: the adapters hold inf or NaN after step {step}, not saved{kept}"
@@ -3917,7 +3916,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, peft, flags):
         save_safetensors(os.path.join(tmp, TRAINING_STATE), specs, moments.__getitem__, metadata)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        atomic_write(os.path.join(out_dir, "latest"), lambda f: f.write(name), "w")
+        atomic_write(latest, lambda f: f.write(name), "w")
         for old in os.listdir(out_dir):  # keep only the newest checkpoint
             if old.startswith("checkpoint-") and old != name:
                 shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
