@@ -2817,8 +2817,8 @@ def check_context_parallel(n, seq_len, world, shard, config):
 # -----------------------------------------------------------------------------
 # 13. Fitting in memory: parked activations, the predicted peak, --fit
 # -----------------------------------------------------------------------------
-# Needs: import argparse, math, os, re, torch, torch.distributed as dist; from dataclasses import
-# dataclass; from typing import NamedTuple, Optional; from above: GiB, section 1, section 5,
+# Needs: import dataclasses, math, os, re, torch, torch.distributed as dist; from dataclasses
+# import dataclass; from typing import NamedTuple; from above: GiB, section 1, section 5,
 # section 7, section 8, section 10, section 11.
 #
 
@@ -3358,9 +3358,9 @@ def fit(config, plan, budget):
 # -----------------------------------------------------------------------------
 # 14. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
 # -----------------------------------------------------------------------------
-# Needs: import io, json, math, os, re, shutil, functools, time, numpy as np, torch,
-# torch.distributed as dist, torch.nn as nn; from dataclasses import fields; from typing import
-# NamedTuple; from above: sections 1-13.
+# Needs: import dataclasses, functools, json, math, os, re, shutil, time, numpy as np, torch,
+# torch.distributed as dist, torch.nn as nn; from typing import NamedTuple; from above:
+# sections 1-13.
 #
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]},
