@@ -3024,21 +3024,6 @@ def _pinned(n):
     return 2 ** math.ceil(math.log2(n)) if n >= 1 else 0
 
 
-def _state_rows(counts, plan):
-    """The sharded state that lives between steps, per rank."""
-    shard = plan.shard
-    elt = plan.element_bytes()
-    head_nf4 = counts.head if plan.nf4_head else 0
-    return {
-        "NF4 weights (shard)": _nf4_bytes(counts.linear + head_nf4) / shard,
-        "frozen dense weights (shard)": (counts.dense + counts.head - head_nf4) * elt / shard,
-        "adapters fp32 + wire copy (shard)": counts.lora * (4 + elt) / shard,
-        "adapter gradients fp32 (shard)": 4 * counts.lora / shard,
-        # m and v. AdamW's sqrt(v) lives only during its step, when backward's buffers are gone.
-        "AdamW state fp32 (shard)": 8 * counts.lora / shard,
-    }
-
-
 def _block_unit_bytes(config, counts, elt):
     """The bytes of one block's unit, gathered: NF4 projections, two norms, adapters."""
     layers = config.num_hidden_layers
@@ -3178,7 +3163,17 @@ def estimate_memory(config, plan=Plan(), capability=None):
     rank's micro-batch (under context_parallel, its pieces of the rows), op by op."""
     elt = plan.element_bytes()
     counts = count_family_params(config, plan.lora_rank, dora=plan.dora)
-    state = _state_rows(counts, plan)
+    shard = plan.shard
+    head_nf4 = counts.head if plan.nf4_head else 0
+    # The sharded state that lives between steps.
+    state = {
+        "NF4 weights (shard)": _nf4_bytes(counts.linear + head_nf4) / shard,
+        "frozen dense weights (shard)": (counts.dense + counts.head - head_nf4) * elt / shard,
+        "adapters fp32 + wire copy (shard)": counts.lora * (4 + elt) / shard,
+        "adapter gradients fp32 (shard)": 4 * counts.lora / shard,
+        # m and v. AdamW's sqrt(v) lives only during its step, when backward's buffers are gone.
+        "AdamW state fp32 (shard)": 8 * counts.lora / shard,
+    }
     # All-gathers: two block units at a time, the one being computed and the next one's
     # receive buffer (prefetched after the copy-out, whose receive buffer is gone by then).
     gathers = 2 * _block_unit_bytes(config, counts, elt)
