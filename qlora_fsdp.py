@@ -2827,8 +2827,8 @@ def check_context_parallel(n, seq_len, world, shard, config):
 # -----------------------------------------------------------------------------
 # 13. Fitting in memory: parked activations, the predicted peak, --fit
 # -----------------------------------------------------------------------------
-# Needs: import argparse, math, os, re, torch, torch.distributed as dist; from dataclasses import
-# dataclass; from typing import NamedTuple, Optional; from above: GiB, section 1, section 5,
+# Needs: import dataclasses, math, os, re, torch, torch.distributed as dist; from dataclasses
+# import dataclass; from typing import NamedTuple; from above: GiB, section 1, section 5,
 # section 7, section 8, section 10, section 11.
 #
 
@@ -3034,21 +3034,6 @@ def _pinned(n):
     return 2 ** math.ceil(math.log2(n)) if n >= 1 else 0
 
 
-def _state_rows(counts, plan):
-    """The sharded state that lives between steps, per rank."""
-    shard = plan.shard
-    elt = plan.element_bytes()
-    head_nf4 = counts.head if plan.nf4_head else 0
-    return {
-        "NF4 weights (shard)": _nf4_bytes(counts.linear + head_nf4) / shard,
-        "frozen dense weights (shard)": (counts.dense + counts.head - head_nf4) * elt / shard,
-        "adapters fp32 + wire copy (shard)": counts.lora * (4 + elt) / shard,
-        "adapter gradients fp32 (shard)": 4 * counts.lora / shard,
-        # m and v. AdamW's sqrt(v) lives only during its step, when backward's buffers are gone.
-        "AdamW state fp32 (shard)": 8 * counts.lora / shard,
-    }
-
-
 def _block_unit_bytes(config, counts, elt):
     """The bytes of one block's unit, gathered: NF4 projections, two norms, adapters."""
     layers = config.num_hidden_layers
@@ -3150,7 +3135,7 @@ def _activation_rows(config, counts, plan):
             block += additive
         else:
             mask += layers * additive
-        row = mask + additive if plan.checkpointing else mask
+        row = mask + (additive if plan.checkpointing else 0)
         rows["document mask, positions, RoPE per token (--pack)"] = row
         kept += mask
     # The loss's buffers are gone before the blocks' backward, where the incoming gradient
@@ -3188,7 +3173,17 @@ def estimate_memory(config, plan=Plan(), capability=None):
     rank's micro-batch (under context_parallel, its pieces of the rows), op by op."""
     elt = plan.element_bytes()
     counts = count_family_params(config, plan.lora_rank, dora=plan.dora)
-    state = _state_rows(counts, plan)
+    shard = plan.shard
+    head_nf4 = counts.head if plan.nf4_head else 0
+    # The sharded state that lives between steps.
+    state = {
+        "NF4 weights (shard)": _nf4_bytes(counts.linear + head_nf4) / shard,
+        "frozen dense weights (shard)": (counts.dense + counts.head - head_nf4) * elt / shard,
+        "adapters fp32 + wire copy (shard)": counts.lora * (4 + elt) / shard,
+        "adapter gradients fp32 (shard)": 4 * counts.lora / shard,
+        # m and v. AdamW's sqrt(v) lives only during its step, when backward's buffers are gone.
+        "AdamW state fp32 (shard)": 8 * counts.lora / shard,
+    }
     # All-gathers: two block units at a time, the one being computed and the next one's
     # receive buffer (prefetched after the copy-out, whose receive buffer is gone by then).
     gathers = 2 * _block_unit_bytes(config, counts, elt)
@@ -3242,53 +3237,6 @@ def shard_size(size, world, local):
     return size
 
 
-class Traffic(NamedTuple):
-    """Bytes one rank sends a step."""
-
-    within: float  # in its shard group: all-gathers, the reduce-scatter, the all-to-alls
-    across: float  # to the other groups: the all-reduce of its gradient pieces
-    per_layer: float  # of `within`, in each layer's all-to-alls under --context_parallel
-
-
-def traffic(config, plan, world):
-    """Within its group of S: the all-gathers ((S - 1) / S of the embeddings, norm + head, each
-    block twice) and the fp32 gradient reduce-scatter; under --context_parallel N, (N - 1) / N
-    of its piece's q, k, v and output per layer, forward, backward and the recompute; to the R
-    groups, the all-reduce of its gradient pieces (2 (R - 1) / R of them)."""
-    shard = plan.shard
-    replicas = world // shard
-    elt = plan.element_bytes()
-    counts = count_family_params(config, plan.lora_rank, dora=plan.dora)
-    layers = config.num_hidden_layers
-    head = _nf4_bytes(counts.head) if plan.nf4_head else counts.head * elt
-    once = (counts.dense - layers * 2 * config.hidden_size) * elt + head
-    gathered = once + 2 * layers * _block_unit_bytes(config, counts, elt)
-    grads = 4 * counts.lora
-    n = plan.context_parallel
-    kv = math.lcm(config.num_key_value_heads, n)  # kv heads repeated to a multiple of N
-    heads = 2 * config.num_attention_heads + 2 * kv  # q and the output, k and v
-    piece = plan.tokens() * config.head_dim * heads * elt
-    passes = 3 if plan.checkpointing else 2
-    per_layer = plan.grad_accum * passes * (n - 1) / n * piece
-    within = plan.grad_accum * (shard - 1) / shard * (gathered + grads) + layers * per_layer
-    across = plan.grad_accum * 2 * (replicas - 1) / replicas * grads / shard
-    return Traffic(within, across, per_layer)
-
-
-def format_traffic(t, plan, world, local):
-    spans = "within a machine" if local % plan.shard == 0 else "spanning machines"
-    line = (
-        f"collectives per step, per rank: {t.within / 1e9:.2f} GB in shard groups of "
-        f"{plan.shard} ranks ({spans}), {t.across / 1e9:.4f} GB between the "
-        f"{world // plan.shard} groups"
-    )
-    n = plan.context_parallel
-    if n > 1:
-        layer = t.per_layer / 1e6
-        line += f"; of the first, {layer:.1f} MB per layer in the all-to-alls of {n} ranks"
-    return line
-
-
 # --fit: the fastest setting that the estimate says fits. What it tries, fastest first on a GPU
 # (the README says what each costs), each with every micro-batch that divides this rank's
 # batch, the largest first. --grad_accum makes up a smaller micro-batch: the same batch, the
@@ -3310,13 +3258,12 @@ def fit_plans(plan, rows=None):
     """Every plan --fit tries, in order: `plan` with FIT_FLAGS set, each keeping `rows` of this
     rank per step (batch_size x grad_accum)."""
     rows = rows or plan.batch_size * plan.grad_accum
-    plans = []
-    for tier in FIT_TIERS:
-        for micro in range(rows, 0, -1):
-            if rows % micro == 0:
-                split = dict(batch_size=micro, grad_accum=rows // micro)
-                plans.append(dataclasses.replace(plan, **split, **tier))
-    return plans
+    micro_batches = [micro for micro in range(rows, 0, -1) if rows % micro == 0]
+    return [
+        dataclasses.replace(plan, batch_size=micro, grad_accum=rows // micro, **tier)
+        for tier in FIT_TIERS
+        for micro in micro_batches
+    ]
 
 
 def plan_name(plan):
@@ -3336,12 +3283,10 @@ def host_available():
     """Bytes of memory this machine can still give (Linux's MemAvailable); None where unknown."""
     try:
         with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # kB
-    except (OSError, ValueError):
+            fields = dict(line.split(":", 1) for line in f)
+        return int(fields["MemAvailable"].split()[0]) * 1024  # kB
+    except (OSError, KeyError, ValueError):
         return None
-    return None
 
 
 class Budget(NamedTuple):
@@ -3418,9 +3363,9 @@ def fit(config, plan, budget):
 # -----------------------------------------------------------------------------
 # 14. Hugging Face files: safetensors in and out, PEFT adapters, resumable checkpoints
 # -----------------------------------------------------------------------------
-# Needs: import io, json, math, os, re, shutil, functools, time, numpy as np, torch,
-# torch.distributed as dist, torch.nn as nn; from dataclasses import fields; from typing import
-# NamedTuple; from above: sections 1-13.
+# Needs: import dataclasses, functools, json, math, os, re, shutil, time, numpy as np, torch,
+# torch.distributed as dist, torch.nn as nn; from typing import NamedTuple; from above:
+# sections 1-13.
 #
 # safetensors: an 8-byte little-endian header length N, N bytes of JSON
 #   {"name": {"dtype": "BF16", "shape": [out, in], "data_offsets": [begin, end]},
@@ -3951,9 +3896,8 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, peft, flags):
     temporary name, renamed, then points out_dir/latest at it: a crash leaves the previous one
     whole. No RNG state: each step seeds its dropout. The adapters also go in out_dir, for PEFT."""
     adapters = fsdp.full_adapters()
-    kept = ""
-    if os.path.isfile(os.path.join(out_dir, "latest")):
-        kept = "; its last checkpoint is intact"
+    latest = os.path.join(out_dir, "latest")
+    kept = "; its last checkpoint is intact" if os.path.isfile(latest) else ""
     finite = all(t.isfinite().all() for t in adapters.values())
     require(
         finite, f"--out {out_dir}: the adapters hold inf or NaN after step {step}, not saved{kept}"
@@ -3977,7 +3921,7 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, peft, flags):
         save_safetensors(os.path.join(tmp, TRAINING_STATE), specs, moments.__getitem__, metadata)
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
-        atomic_write(os.path.join(out_dir, "latest"), lambda f: f.write(name), "w")
+        atomic_write(latest, lambda f: f.write(name), "w")
         for old in os.listdir(out_dir):  # keep only the newest checkpoint
             if old.startswith("checkpoint-") and old != name:
                 shutil.rmtree(os.path.join(out_dir, old), ignore_errors=True)
@@ -5867,10 +5811,7 @@ def estimate(args):
     counts = count_family_params(config, args.lora_rank, args.nf4_head, args.dora)
     print0(format_budget(name, memory_budget(counts)))
     print0(format_estimate(name, est))
-    t = traffic(config, plan, world)
-    print0(format_traffic(t, plan, world, local))
     summary = dict(model=name, world_size=world, shard_size=plan.shard)
-    summary.update(bytes_within_groups=round(t.within), bytes_across_groups=round(t.across))
     for key in ("seq_len", "dtype", "lora_rank", *FIT_FLAGS, "compile"):
         summary[key] = getattr(plan, key)
     summary["predicted_peak_gib"] = round(est.gpu_peak / GiB, 3)
