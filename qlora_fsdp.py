@@ -3336,15 +3336,16 @@ def shortfall(est, budget, whole_step=True):
     return None
 
 
-def fit(config, plan, budget):
-    """The first of fit_plans(plan) that fits the budget, every plan tried printed; none: one
-    error naming the smallest peak (the last plan's)."""
+def fit(config, plan, budget, capability=None):
+    """The first of fit_plans(plan) that fits the budget on a GPU of this compute capability
+    (estimate_memory's), every plan tried printed; none: one error naming the smallest peak (the
+    last plan's)."""
     said = f"--fit: {budget.gpu / GiB:.2f} GiB per GPU"
     if budget.host < math.inf:
         said += f", {budget.host / GiB:.1f} GiB of host memory"
     print0(said)
     for trial in fit_plans(plan):
-        est = estimate_memory(config, trial)
+        est = estimate_memory(config, trial, capability)
         why = shortfall(est, budget)
         peak = est.gpu_peak / GiB
         verdict = "fits" if why is None else "too big"
@@ -4843,7 +4844,9 @@ def plan_of(args, config, world, local, device):
     plan = Plan.of(args, shard_size(args.shard_size, world, local))
     check_context_parallel(plan.context_parallel, plan.seq_len, world, plan.shard, config)
     if args.fit is not None:
-        plan = fit(config, plan, budget_of(device, args.fit, local))
+        cuda = device.type == "cuda"
+        capability = torch.cuda.get_device_capability(device) if cuda else None
+        plan = fit(config, plan, budget_of(device, args.fit, local), capability)
     return plan
 
 
