@@ -1037,15 +1037,7 @@ class FullyShard:
         optimizer.step()
     """
 
-    def __init__(
-        self,
-        model,
-        units,
-        device,
-        compute_dtype=None,
-        offload=False,
-        group=None,
-    ):
+    def __init__(self, model, units, device, compute_dtype=None, offload=False, group=None):
         self.device = torch.device(device)
         self.compute_dtype = compute_dtype
         self.offload = offload
@@ -1779,11 +1771,7 @@ import tempfile
 import threading
 
 from torch.distributed.device_mesh import init_device_mesh
-from torch.nn.attention.flex_attention import (
-    BlockMask,
-    create_block_mask,
-    flex_attention,
-)
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 # What every section of the product shares: bad input raises a UserError, which the command
 # line (section 17) says in one line.
@@ -2567,6 +2555,17 @@ def hf_shapes(config, layer=None):
     return shapes
 
 
+def adapter_shapes(config, lora_rank=8, dora=False):
+    """{name: shape} of the trained tensors of a CausalLM of this config, in every block: what a
+    run's adapters, --resume's and --adapter's must be."""
+    shapes = {}
+    for i in range(config.num_hidden_layers):
+        for name, (shape, kind) in model_tensors(config, lora_rank, dora=dora).items():
+            if kind == "adapter":
+                shapes[name.replace("model.layers.0.", f"model.layers.{i}.")] = shape
+    return shapes
+
+
 class KVCache:
     """The keys and values of a model's attentions, up to `length` positions: model(ids,
     positions=..., mask=cache) runs ids (B, T), the tokens after the `filled` cached ones, at
@@ -3329,10 +3328,8 @@ def shortfall(est, budget, whole_step=True):
         return f"{gpu / GiB:.2f} GiB per GPU, {budget.gpu / GiB:.2f} GiB is available"
     host = (est.host_state + (gpu if budget.cpu else 0)) * budget.local_ranks
     if host > budget.host:
-        ranks = f"for {budget.local_ranks} rank(s)"
-        return (
-            f"{host / GiB:.2f} GiB of host memory {ranks}, {budget.host / GiB:.2f} GiB is available"
-        )
+        need = f"{host / GiB:.2f} GiB of host memory for {budget.local_ranks} rank(s)"
+        return f"{need}, {budget.host / GiB:.2f} GiB is available"
     return None
 
 
@@ -3877,6 +3874,46 @@ def load_adapters(path):
     return {key[len(PEFT_PREFIX) :].removesuffix(".weight"): sf.get(key) for key in sf.entries}
 
 
+def peft_settings(path):
+    """The Plan's lora_rank, lora_alpha and dora of the PEFT adapters in directory `path`,
+    refused in one line where they are not LoRA (or DoRA) as this file has it."""
+    where = os.path.join(path, "adapter_config.json")
+    peft = read_json(where)
+    kind = peft.get("peft_type")
+    require(kind == "LORA", f"{where}: peft_type {kind!r}: this file loads LORA adapters")
+    targets = peft.get("target_modules")
+    ok = isinstance(targets, list) and targets and set(targets) <= set(TARGET_MODULES)
+    require(
+        ok, f"{where}: target_modules {targets!r}: this file adapts {', '.join(TARGET_MODULES)}"
+    )
+    for key in ("rank_pattern", "alpha_pattern", "modules_to_save", "layers_to_transform"):
+        require(not peft.get(key), f"{where}: {key} is not followed by this file")
+    require(not peft.get("use_rslora"), f"{where}: use_rslora is not followed by this file")
+    require(peft.get("bias", "none") == "none", f"{where}: bias: this file trains no biases")
+    rank = peft.get("r")
+    alpha = peft.get("lora_alpha")
+    require(_is_count(rank) and _is_positive(alpha), f"{where}: r or lora_alpha is no number")
+    return dict(lora_rank=rank, lora_alpha=float(alpha), dora=peft.get("use_dora") is True)
+
+
+def read_adapter(path, shapes):
+    """--adapter's tensors {name: tensor}, checked before anything is built: those of its
+    target modules, every one of `shapes` (a model's adapters) there, none else. A projection
+    it does not target keeps B = 0 (DoRA's magnitude ||W||): the base's output."""
+    targets = read_json(os.path.join(path, "adapter_config.json"))["target_modules"]
+    want = {n: s for n, s in shapes.items() if n.rsplit(".", 2)[-2] in targets}
+    adapters = load_adapters(path)
+    for name, t in adapters.items():
+        require(
+            want.get(name) == tuple(t.shape),
+            f"--adapter {path}: {name} {list(t.shape)} is not this model's "
+            f"({list(want[name]) if name in want else 'no such tensor'})",
+        )
+    missing = [name for name in want if name not in adapters]
+    require(not missing, f"--adapter {path}: {len(missing)} tensors missing, e.g. {missing[:1]}")
+    return adapters
+
+
 # The flags a checkpoint is saved with that --resume must be given again.
 RESUME_MUST_MATCH = (
     "model checkpoint lora_rank lora_alpha lora_dropout seed nf4_head pack dora".split()
@@ -3931,9 +3968,11 @@ def save_checkpoint(out_dir, step, fsdp, optimizer, peft, flags):
         dist.barrier()
 
 
-def _read_training_state(out_dir, flags):
-    """(the checkpoint directory out_dir/latest names, its training state, its moments'
-    SafetensorsFile), every header and flag checked."""
+def read_training_state(out_dir, flags, shapes):
+    """The checkpoint that out_dir/latest names, read and checked before anything is built: its
+    flags against `flags` (this run's values of RESUME_MUST_MATCH), its adapters and AdamW
+    moments against `shapes` (the model's adapters). -> (its directory, its training state,
+    its adapters, its moments' SafetensorsFile)."""
     latest = os.path.join(out_dir, "latest")
     require(os.path.isfile(latest), f"--resume: no checkpoint to resume from in --out {out_dir}")
     with open(latest) as f:
@@ -3955,26 +3994,24 @@ def _read_training_state(out_dir, flags):
             f"--resume {checkpoint_dir}: saved with --{key} {saved.get(key)}, this run has "
             f"--{key} {mine}",
         )
-    return checkpoint_dir, state, sf
-
-
-def resume(out_dir, fsdp, optimizer, flags):
-    """Load the checkpoint that out_dir/latest names into the shards and AdamW; returns its
-    step. flags: this run's values of RESUME_MUST_MATCH."""
-    checkpoint_dir, state, sf = _read_training_state(out_dir, flags)
     adapters = load_adapters(checkpoint_dir)
     steps = state.get("adam_steps")
-    step = state.get("step")
-    shapes = fsdp.adapter_shapes()
     moments = {f"{key}/{name}": shape for key in MOMENTS for name, shape in shapes.items()}
     ok = {n: tuple(t.shape) for n, t in adapters.items()} == shapes
     ok = ok and {n: tuple(e.shape) for n, e in sf.entries.items()} == moments
-    ok = ok and isinstance(steps, dict) and steps.keys() == shapes.keys() and _is_count(step)
+    ok = ok and isinstance(steps, dict) and steps.keys() == shapes.keys()
     require(
-        ok,
+        ok and _is_count(state.get("step")),
         f"--resume {checkpoint_dir}: its adapters or AdamW moments are not this "
         f"model's (an older format?)",
     )
+    return checkpoint_dir, state, adapters, sf
+
+
+def resume(saved, fsdp, optimizer):
+    """Load a checkpoint that read_training_state read into the shards and AdamW; -> its step."""
+    checkpoint_dir, state, adapters, sf = saved
+    steps = state["adam_steps"]
     for name, t in adapters.items():
         fsdp.load_full(name, t)
     for name, p in fsdp.named_parameters():
@@ -3986,8 +4023,8 @@ def resume(out_dir, fsdp, optimizer, flags):
             moment = functools.partial(_moment, optimizer, key)
             fsdp.load_full(name, sf.get(f"{key}/{name}"), of=moment)
     world = state.get("world_size")
-    print0(f"resumed from {out_dir} at step {step} (saved by world size {world})")
-    return step
+    print0(f"resumed from {checkpoint_dir} at step {state['step']} (saved by world size {world})")
+    return state["step"]
 
 
 def shard_files(specs, max_bytes):
@@ -4019,11 +4056,19 @@ def _merged_config(model, source):
     return config
 
 
+# A merged export stands alone: the source checkpoint's tokenizer and chat template beside it.
+BESIDE_THE_WEIGHTS = (
+    "generation_config.json tokenizer.json tokenizer_config.json special_tokens_map.json "
+    "chat_template.jinja tokenizer.model vocab.json merges.txt added_tokens.json"
+).split()
+MERGED = "merged by qlora_fsdp"  # in a merged export's metadata: NF4 again would lose the tuning
+
+
 def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
     """Collective. Rank 0 writes the base with the adapters merged, W + (alpha/rank) B A (with
     DoRA, dora_merge's), unit by unit, as Hugging Face does (sharded files and an index above
-    max_shard_bytes), and config.json (the `source`'s other keys kept) and its
-    generation_config.json."""
+    max_shard_bytes), config.json (the `source`'s other keys kept), and the source's tokenizer,
+    chat template and generation_config.json."""
     adapters = fsdp.full_adapters()
     base = fsdp.full_base()  # (name, full tensor), unit by unit, in param_of's order
 
@@ -4047,7 +4092,7 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
         specs = [(name, model.dtype, shape) for name, shape in frozen]
         files = shard_files(specs, max_shard_bytes)
         for name, file_specs in files.items():
-            save_safetensors(os.path.join(out_dir, name), file_specs, get)
+            save_safetensors(os.path.join(out_dir, name), file_specs, get, {MERGED: "yes"})
         if len(files) > 1:
             # After the shards: a reader that finds the index finds every file it names.
             total = sum(math.prod(shape) * dtype.itemsize for _, dtype, shape in specs)
@@ -4055,11 +4100,11 @@ def save_merged(out_dir, fsdp, model, source=None, max_shard_bytes=5e9):
             index = {"metadata": {"total_size": total}, "weight_map": weight_map}
             write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
         write_json(os.path.join(out_dir, "config.json"), _merged_config(model, source))
-        generation = os.path.join(source, "generation_config.json") if source else None
-        if generation and os.path.isfile(generation):
-            with open(generation, "rb") as src:
-                copy = os.path.join(out_dir, "generation_config.json")
-                atomic_write(copy, lambda f: shutil.copyfileobj(src, f))
+        for name in BESIDE_THE_WEIGHTS if source else ():
+            if os.path.isfile(os.path.join(source, name)):
+                with open(os.path.join(source, name), "rb") as src:
+                    copy = os.path.join(out_dir, name)
+                    atomic_write(copy, lambda f: shutil.copyfileobj(src, f))
     # The other ranks join the same all-gathers; every rank frees the last unit.
     for _ in base:
         pass
@@ -4816,8 +4861,8 @@ def stop_ids(checkpoint, eos_id=None):
 # -----------------------------------------------------------------------------
 # 16. A run: set up from the flags, the loop over steps, the end
 # -----------------------------------------------------------------------------
-# Needs: import contextlib, functools, json, os, resource, shlex, signal, sys, tempfile,
-# threading, time, numpy as np, torch, torch.distributed as dist; from
+# Needs: import contextlib, dataclasses, functools, json, math, os, resource, shlex, signal,
+# sys, tempfile, threading, time, numpy as np, torch, torch.distributed as dist; from
 # torch.distributed.device_mesh import init_device_mesh; from above: GiB, sections 1-15.
 #
 # A Run is one fine-tune, in the order it happens. Its set-up reads the flags (there, and
@@ -4842,6 +4887,12 @@ def plan_of(args, config, world, local, device):
     over --shard_size's groups (or all ranks), its --context_parallel checked; then --fit's
     choice where asked, in the Budget of `device`: what a run follows and --estimate shows."""
     plan = Plan.of(args, shard_size(args.shard_size, world, local))
+    if args.adapter:  # the adapters' shape is the run's; a flag that says otherwise is refused
+        settings = peft_settings(args.adapter)
+        for key, value in settings.items():
+            given = f"--{key}" in args.argv and getattr(args, key) != value
+            require(not given, f"--{key} {getattr(args, key)}: --adapter's is {value}")
+        plan = dataclasses.replace(plan, **settings)
     check_context_parallel(plan.context_parallel, plan.seq_len, world, plan.shard, config)
     if args.fit is not None:
         cuda = device.type == "cuda"
@@ -4995,9 +5046,8 @@ def check_writable(outputs, rank, resume=False):
     problem = None
     out = outputs.get("--out")
     if rank == 0 and out and os.path.isfile(os.path.join(out, "latest")) and not resume:
-        problem = (
-            f"--out {out}: holds a run's checkpoint; --resume continues it, or choose another --out"
-        )
+        problem = f"--out {out}: holds a run's checkpoint; --resume continues it, or choose "
+        problem += "another --out"
     merge_to = outputs.get("--merge_to")
     model_files = ("config.json", "model.safetensors", "model.safetensors.index.json")
     if rank == 0 and merge_to:
@@ -5083,9 +5133,9 @@ def refuse_unfused_attention(plan, device):
 
 
 def printable(text):
-    """text with each character that would not print (but newlines and tabs) as repr escapes."""
-    shown = "".join(ch if ch.isprintable() or ch in "\n\t" else repr(ch)[1:-1] for ch in text)
-    return shown.replace("\ufffd", "\\ufffd")  # invalid UTF-8, decoded: shown as an escape too
+    """text with each character that would not print (but newlines and tabs) as repr escapes
+    (a terminal's control codes are never sent to it); invalid UTF-8 shows as U+FFFD."""
+    return "".join(ch if ch.isprintable() or ch in "\n\t\ufffd" else repr(ch)[1:-1] for ch in text)
 
 
 class Interrupted(Exception):
@@ -5207,14 +5257,21 @@ class Run:
         if args.data != "dummy":  # without --data, this file's bytes
             self.data = self._read("--data", args.data or __file__)
         self.val = self._read("--val_data", args.val_data) if args.val_data else None
-        self.prompts = self._prompts() if args.sample else None
+        # --chat without a prompt: a conversation on the terminal, after training or instead.
+        self.conversing = args.chat and args.prompt is None and not args.prompt_file
+        self.prompts = self._prompts() if args.sample and not self.conversing else None
         check_window(self.config, self.plan.seq_len, f"--seq_len {self.plan.seq_len}")
-        sources = load_checkpoint(args.checkpoint, self.config) if args.checkpoint else None
+        sources = self._sources()
         self.predicted = self._check_memory()  # the step's peak, GiB per GPU: an OOM quotes it
         refuse_unfused_attention(self.plan, self.device)
+        # The adapters to start from, --resume's checkpoint or --adapter's, checked now.
+        self.flags = {k: getattr(self.plan, k, getattr(args, k)) for k in RESUME_MUST_MATCH}
+        shapes = adapter_shapes(self.config, self.plan.lora_rank, self.plan.dora)
+        saved = read_training_state(args.out, self.flags, shapes) if args.resume else None
+        adapter = read_adapter(args.adapter, shapes) if args.adapter and not saved else None
         outputs = {"--out": args.out, "--merge_to": args.merge_to, "--profile": args.profile}
         check_writable(outputs, self.rank, args.resume)
-        self._build(sources)
+        self._build(sources, saved, adapter)
         self.step = self.start  # the last step done
         self.records = []  # each step's StepRecord
         self.val_losses = []
@@ -5269,6 +5326,11 @@ class Run:
                 f"{where}: text needs --checkpoint's tokenizer, and {checkpoint} has no "
                 f"tokenizer.json; pass token ids as .npy",
             )
+            require(
+                not path.lower().endswith(".jsonl"),
+                f"{where}: JSON lines need --checkpoint's tokenizer and chat template (a byte "
+                f"model would learn their JSON)",
+            )
             data = load_tokens(path, vocab_size, flag)
         examples = data.starts is not None and len(data.starts) > 1
         shuffle = flag == "--data"  # --val_data in the file's order
@@ -5313,6 +5375,19 @@ class Run:
         check_window(self.config, longest, f"--sample {args.sample}: {where} and its sample")
         return prompts
 
+    def _sources(self):
+        """--checkpoint's tensors (load_checkpoint's), and a line where it is a merged export."""
+        path = self.args.checkpoint
+        if not path:
+            return None
+        sources = load_checkpoint(path, self.config)
+        if any(sf.metadata.get(MERGED) for sf, _ in sources.values()):
+            print0(
+                f"warning: --checkpoint {path} is a merged export, whose NF4 rounds most of the "
+                f"fine-tune away: give its base as --checkpoint and its adapters as --adapter"
+            )
+        return sources
+
     def _check_memory(self):
         """Refuse, before anything is allocated, a model whose sharded state would not fit on
         the GPU or in this machine's available memory (offloaded, or on a CPU; its ranks share
@@ -5329,10 +5404,12 @@ class Run:
         )
         return est.gpu_peak / GiB
 
-    def _build(self, sources):
-        """The model, its AdamW, the checkpoint --resume continues, and the steps to run."""
+    def _build(self, sources, saved, adapter):
+        """The model, its AdamW, the adapters it starts from (saved: --resume's checkpoint,
+        read_training_state's; adapter: --adapter's tensors), and the steps to run."""
         args = self.args
-        counts = count_family_params(self.config, args.lora_rank, args.nf4_head, args.dora)
+        plan = self.plan
+        counts = count_family_params(self.config, plan.lora_rank, plan.nf4_head, plan.dora)
         print0(format_budget(self.name, memory_budget(counts)))
         path = args.checkpoint
         self.model, self.fsdp = build(self.config, self.plan, self.device, sources, path)
@@ -5343,17 +5420,17 @@ class Run:
         reset_peak_memory(self.device)
         hyper = dict(lr=args.lr, eps=args.adam_eps, weight_decay=args.weight_decay)
         self.optimizer = AdamW(self.fsdp.parameters(), **hyper)
-        self.flags = {key: getattr(args, key) for key in RESUME_MUST_MATCH}
-        lora = (args.lora_rank, args.lora_alpha, args.lora_dropout, args.dora)
+        lora = (plan.lora_rank, plan.lora_alpha, plan.lora_dropout, plan.dora)
         self.peft = peft_config(*lora, base=args.checkpoint or "")
-        self.start = 0
-        if args.resume:
-            self.start = resume(args.out, self.fsdp, self.optimizer, self.flags)
+        self.start = resume(saved, self.fsdp, self.optimizer) if saved else 0
+        for name, t in (adapter or {}).items():
+            self.fsdp.load_full(name, t)
         self.end = min(args.steps, args.stop_at or args.steps)
         require(
-            self.start < self.end,
+            self.start < self.end or not args.resume,
             f"nothing to do: --resume is at step {self.start}, the run ends at step {self.end} "
-            f"(--steps {args.steps}, --stop_at {args.stop_at})",
+            f"(--steps {args.steps}, --stop_at {args.stop_at}); to use what it trained: "
+            f"--adapter {args.out} --steps 0",
         )
         require(
             not args.profile or self.end - self.start >= 3,
@@ -5531,25 +5608,28 @@ class Run:
             self.profiler.stop()  # exports steps 3 to the last, if the run ended before step 5
         # The steady state's peaks (for one step: step 1's), before --merge_to and --sample
         # allocate their own.
-        steady = self.peaks() if len(self.records) > 1 else self.first_peaks
+        steady = self.first_peaks if len(self.records) == 1 else self.peaks()
         if args.merge_to:
             max_shard_bytes = args.max_shard_size * 1e9
             save_merged(args.merge_to, self.fsdp, self.model, args.checkpoint, max_shard_bytes)
             print0(f"merged model written to {args.merge_to}")
         samples = {}
-        if args.sample:  # after the saves: what was trained is on disk whatever happens here
+        if self.conversing:  # after the saves: what was trained is on disk whatever happens here
+            samples = self._converse()
+        elif args.sample:
             samples = self._sample()
         # The whole run's losses: after --resume, the earlier steps' read back first.
         losses = [r["loss"] for r in self.history if "loss" in r]
         losses += [r.loss for r in self.records]
         val_losses = [r["val_loss"] for r in self.history if "val_loss" in r]
         val_losses += self.val_losses
-        line = f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"
+        curves = [f"loss {losses[0]:.3f} -> {losses[-1]:.3f}"] if losses else []
         if val_losses:
-            line += f" | val_loss {val_losses[0]:.3f} -> {val_losses[-1]:.3f}"
+            curves.append(f"val_loss {val_losses[0]:.3f} -> {val_losses[-1]:.3f}")
         if self.history:
-            line += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
-        print0(line)
+            curves[-1] += f" (steps 1-{self.step}; 1-{self.start} read back from metrics.jsonl)"
+        if curves:  # none with --steps 0 and no --val_data
+            print0(" | ".join(curves))
         return self._summary(steady, samples, losses, val_losses)
 
     def _text(self, ids):
@@ -5593,31 +5673,83 @@ class Run:
             return dict(sample=records[0]["reply"], sample_stopped=records[0]["stopped"])
         return dict(samples=len(records), samples_stopped=sum(r["stopped"] for r in records))
 
+    def _converse(self):
+        """--chat without a prompt: a conversation on the terminal, a user turn a line of
+        rank 0's standard input (every rank is told it), each reply streamed as it comes, the
+        history kept under the chat template, until the input ends. -> the summary's fields."""
+        messages = []
+        while True:
+            if self.rank == 0 and sys.stdin.isatty():
+                print("> ", end="", flush=True)
+            line = [sys.stdin.readline() if self.rank == 0 else None]
+            if dist.is_initialized():
+                dist.broadcast_object_list(line, src=0)
+            if not line[0]:  # the input ended
+                break
+            messages.append({"role": "user", "content": line[0].rstrip("\n")})
+            reply = self._reply(messages)
+            if reply is None:
+                break
+            messages.append({"role": "assistant", "content": reply})
+        self.fsdp.reshard()  # the last forward left its last unit gathered
+        return dict(turns=len(messages) // 2)
+
+    def _reply(self, messages):
+        """The model's reply to a conversation, printed as each token comes; None where the
+        conversation has reached the model's context (said in a line)."""
+        args = self.args
+        stop = stop_ids(args.checkpoint, args.eos_id)
+        context = min(self.config.max_position_embeddings, self.config.sliding_window or math.inf)
+        ids = self.tokenizer.encode_chat(messages, "--chat")
+        room = min(args.sample, context - len(ids))
+        if room < 1:
+            print0(f"(the conversation has reached the model's context, {context} tokens)")
+            return None
+        shown = [0]  # characters of the reply printed so far
+
+        def stream(new):
+            text = self._text([i for i in new if i not in stop])
+            text = text[: len(text.rstrip("\ufffd"))]  # a character's bytes not all here yet
+            print0(printable(text[shown[0] :]), end="")
+            shown[0] = len(text)
+
+        kw = dict(stop=stop, seed=args.seed + len(messages), device=self.device, each=stream)
+        new = generate(self.model, ids, room, args.temperature, **kw)
+        stopped = bool(new) and new[-1] in stop
+        reply = self._text(new[:-1] if stopped else new)
+        print0(printable(reply[shown[0] :]))
+        if not stopped and room < args.sample:
+            print0(f"(the reply reached the model's context, {context} tokens)")
+        return reply
+
     def _summary(self, steady, samples, losses, val_losses):
+        """The JSON line; with --steps 0 (no step) its step fields are null."""
         # The median over the steps after the first (which compiles), in ms.
         seconds = [r.seconds for r in self.records]
-        step_ms = float(np.median(seconds[1:] or seconds)) * 1000
-        tokens = self.records[-1].tokens
+        step_ms = float(np.median(seconds[1:] or seconds)) * 1000 if seconds else None
+        first = self.first_peaks or (None, None)
         summary = dict(
             model=self.name,
             world_size=world_and_rank()[0],
             steps=self.step,
-            final_loss=losses[-1],
-            first_loss=losses[0],
-            step_ms=round(step_ms, 2),
-            tokens_per_s=round(tokens / (step_ms / 1000), 1),
+            final_loss=losses[-1] if losses else None,
+            first_loss=losses[0] if losses else None,
+            step_ms=None if step_ms is None else round(step_ms, 2),
+            tokens_per_s=None,
             peak_mem_gib=round(steady[0], 4),
-            step1_peak_mem_gib=round(self.first_peaks[0], 4),
+            step1_peak_mem_gib=first[0] and round(first[0], 4),
             predicted_peak_gib=round(self.predicted, 4),
             seq_len=self.plan.seq_len,
             **{key: getattr(self.plan, key) for key in FIT_FLAGS},
             dtype=self.plan.dtype,
             device=self.device.type,
         )
+        if seconds:
+            summary["tokens_per_s"] = round(self.records[-1].tokens / (step_ms / 1000), 1)
         summary["compiles"], summary["recompiles"] = compile_counts()
         if self.device.type == "cuda":
             summary["peak_reserved_gib"] = round(steady[1], 4)
-            summary["step1_peak_reserved_gib"] = round(self.first_peaks[1], 4)
+            summary["step1_peak_reserved_gib"] = first[1] and round(first[1], 4)
         else:  # the process's resident set, not a device's memory; the prediction is a GPU's
             summary["peak_rss_gib"] = summary["peak_mem_gib"]
             summary["predicted_gpu_peak_gib"] = summary["predicted_peak_gib"]
@@ -5658,19 +5790,64 @@ def _fit_value(v):
 
 
 def _add_flags(parser):
-    """The flags, in the groups that --help shows: p is the group they join."""
-    p = parser.add_argument_group("the model")
+    """The flags, in the groups that --help shows (each with its default)."""
+    _model_flags(parser.add_argument_group("the model"))
+    _data_flags(parser.add_argument_group("the data"))
+    p = parser.add_argument_group("the optimization")
+    p.add_argument("--steps", type=int, default=200, help="optimizer steps (0: train nothing)")
+    p.add_argument("--grad_accum", type=int, default=1, help="micro-batches a step")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW's peak learning rate")
+    p.add_argument("--warmup_steps", type=int, default=10, help="linear warmup, then cosine")
+    p.add_argument("--weight_decay", type=float, default=0.0, help="AdamW's, decoupled")
+    p.add_argument("--adam_eps", type=float, default=1e-8, help="AdamW's epsilon")
+    p.add_argument("--seed", type=int, default=1337, help="the batches, adapters and dropout")
+    p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
+    p = parser.add_argument_group("checkpoints and exports")
+    p.add_argument("--out", metavar="DIR", help="write PEFT adapters and resumable state here")
+    p.add_argument("--save_every", type=int, default=0, help="save every N steps (0: at the end)")
+    p.add_argument("--resume", action="store_true", help="continue --out's latest checkpoint")
+    p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
+    merge = "write the merged model in bf16 or fp32 (Hugging Face's, with the tokenizer)"
+    p.add_argument("--merge_to", metavar="DIR", help=merge)
+    size = "the merged model's files at most this size"
+    p.add_argument("--max_shard_size", type=float, default=5.0, metavar="GB", help=size)
+    _speed_flags(parser.add_argument_group("memory and speed"))
+    p = parser.add_argument_group(
+        "a sample or a conversation after training (or instead: --steps 0)"
+    )
+    most = "at most N new tokens after the prompt (given a prompt or --chat: 256 unless set)"
+    p.add_argument("--sample", type=int, default=0, metavar="N", help=most)
+    text = "text (the checkpoint's tokens, else bytes), or token ids: 1,791"
+    p.add_argument("--prompt", help=text)
+    chat = (
+        "--prompt is a user's turn in --checkpoint's chat template; without --prompt or "
+        "--prompt_file, a conversation: a turn a line of standard input"
+    )
+    p.add_argument("--chat", action="store_true", help=chat)
+    chats = 'a reply to each {"messages": [...]} line, also in --out\'s samples.jsonl'
+    p.add_argument("--prompt_file", metavar="FILE.jsonl", help=chats)
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+
+
+def _model_flags(p):
     p.add_argument("--model", default="tiny", help=f"one of {', '.join(CONFIGS)}")
-    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
-    p.add_argument("--lora_rank", type=int, default=8)
-    p.add_argument("--lora_alpha", type=float, default=16.0)
-    p.add_argument("--lora_dropout", type=float, default=0.0)
-    dora = "DoRA instead of LoRA: a trained magnitude per output row too (PEFT's use_dora)"
-    p.add_argument("--dora", action="store_true", help=dora)
     families = "a Hugging Face Llama, Mistral, Qwen2 or Qwen3 directory"
     p.add_argument("--checkpoint", metavar="DIR", help=f"{families}; overrides --model")
-    p.add_argument("--nf4_head", action="store_true", help="the lm_head in NF4 (default: dense)")
-    p = parser.add_argument_group("the data")
+    adapter = (
+        "LoRA or DoRA adapters in PEFT's layout (a run's --out, one of its checkpoints) loaded "
+        "onto --checkpoint's base; their r, lora_alpha and use_dora are the run's"
+    )
+    p.add_argument("--adapter", metavar="DIR", help=adapter)
+    p.add_argument("--dtype", default="bf16", choices=["bf16", "fp32"], help="compute dtype")
+    p.add_argument("--lora_rank", type=int, default=8, help="LoRA's r, on all 7 projections")
+    p.add_argument("--lora_alpha", type=float, default=16.0, help="scaling = alpha / r")
+    p.add_argument("--lora_dropout", type=float, default=0.0, help="on the adapters' input")
+    dora = "DoRA instead of LoRA: a trained magnitude per output row too (PEFT's use_dora)"
+    p.add_argument("--dora", action="store_true", help=dora)
+    p.add_argument("--nf4_head", action="store_true", help="the lm_head in NF4 (else dense)")
+
+
+def _data_flags(p):
     formats = (
         ".npy, .npz (+ loss_mask), .bin, dummy; with --checkpoint text or .jsonl (text, "
         "prompt + completion, messages), else other files as bytes; default: this file"
@@ -5679,39 +5856,23 @@ def _add_flags(parser):
     tokenize = "tokenize --data with --checkpoint's tokenizer into FILE.npz, and stop"
     p.add_argument("--tokenize_to", metavar="FILE.npz", help=tokenize)
     p.add_argument("--batch_size", type=int, default=8, help="sequences per rank per micro-step")
-    p.add_argument("--seq_len", type=int, default=128)
+    p.add_argument("--seq_len", type=int, default=128, help="tokens a sequence")
     p.add_argument("--val_data", metavar="PATH", help="held-out tokens, as --data: val_loss")
     p.add_argument("--eval_every", type=int, default=0, help="evaluate every N steps (0: at end)")
     p.add_argument("--eval_seqs", type=int, default=64, help="evaluate the first K sequences")
     p.add_argument("--pack", action="store_true", help="rows of whole documents, as if alone")
-    ends = "the token that ends a document (--pack) and a sample"
+    ends = "the token that ends a document (--pack) and a sample (else config.json's)"
     p.add_argument("--eos_id", type=int, help=ends)
-    p = parser.add_argument_group("the optimization")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--grad_accum", type=int, default=1)
-    p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--warmup_steps", type=int, default=10)
-    p.add_argument("--weight_decay", type=float, default=0.0)
-    p.add_argument("--adam_eps", type=float, default=1e-8)
-    p.add_argument("--seed", type=int, default=1337)
-    p.add_argument("--grad_clip", type=float, default=1.0, help="max global gradient norm (0: off)")
-    p = parser.add_argument_group("checkpoints and exports")
-    p.add_argument("--out", metavar="DIR", help="write PEFT adapters and resumable state here")
-    p.add_argument("--save_every", type=int, default=0, help="save every N steps (0: at the end)")
-    p.add_argument("--resume", action="store_true", help="continue --out's latest checkpoint")
-    p.add_argument("--stop_at", type=int, default=0, help="stop after step N, as if interrupted")
-    p.add_argument("--merge_to", metavar="DIR", help="write the merged model (Hugging Face's)")
-    p.add_argument(
-        "--max_shard_size", type=float, default=5.0, metavar="GB", help="its files' size"
-    )
-    p = parser.add_argument_group("memory and speed")
+
+
+def _speed_flags(p):
     on_off = argparse.BooleanOptionalAction
     p.add_argument("--compile", action=on_off, default=True, help="NF4 kernels and blocks")
     p.add_argument("--checkpointing", action=on_off, default=True, help="per block")
     devices = ["auto", "cpu", "cuda"]
     p.add_argument("--device", default="auto", choices=devices, help="auto: cuda if available")
     p.add_argument("--cpu_offload", action="store_true", help="shards and AdamW on the host")
-    hsdp = "shard in groups of N ranks that replicate (HSDP; default: a node's ranks when a run"
+    hsdp = "shard in groups of N ranks that replicate (HSDP; 0: a node's ranks when a run"
     p.add_argument("--shard_size", type=int, default=0, metavar="N", help=hsdp + " spans nodes)")
     p.add_argument("--offload_activations", action="store_true", help="block inputs on the host")
     split = "each group of N ranks holds consecutive pieces of the same rows (Ulysses)"
@@ -5725,23 +5886,13 @@ def _add_flags(parser):
     )
     p.add_argument("--fit", nargs="?", const="auto", type=_fit_value, metavar="GIB", help=fit)
     p.add_argument("--profile", metavar="DIR", help="trace steps 3-5 (and CUDA's memory) to DIR")
-    p.add_argument("--log_every", type=int, default=1)
-    p = parser.add_argument_group("a sample after training")
-    most = "at most N new tokens after the prompt (given a prompt: 256 unless set)"
-    p.add_argument("--sample", type=int, default=0, metavar="N", help=most)
-    text = "text (the checkpoint's tokens, else bytes), or token ids: 1,791"
-    p.add_argument("--prompt", help=text)
-    chat = "--prompt is a user's turn, rendered by --checkpoint's chat template"
-    p.add_argument("--chat", action="store_true", help=chat)
-    chats = 'a reply to each {"messages": [...]} line, also in --out\'s samples.jsonl'
-    p.add_argument("--prompt_file", metavar="FILE.jsonl", help=chats)
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (the default)")
+    p.add_argument("--log_every", type=int, default=1, help="a step line every N steps")
 
 
 # Integer flags that must be at least 1, and those that must be at least 0.
-POSITIVE = "batch_size seq_len steps grad_accum lora_rank log_every eval_seqs".split()
-POSITIVE += ["context_parallel"]
-NON_NEGATIVE = "warmup_steps save_every stop_at sample temperature eval_every shard_size".split()
+POSITIVE = "batch_size seq_len grad_accum lora_rank log_every eval_seqs context_parallel".split()
+NON_NEGATIVE = "steps warmup_steps save_every stop_at sample temperature eval_every".split()
+NON_NEGATIVE += ["shard_size"]
 FINITE = "lr weight_decay adam_eps grad_clip lora_alpha lora_dropout temperature".split()
 
 
@@ -5770,16 +5921,25 @@ def _check_args(p, args):
         p.error("--save_every and --resume need --out DIR")
     if args.prompt_file and args.prompt is not None:
         p.error("--prompt and --prompt_file: give one of them")
-    if args.chat and args.prompt is None and not args.prompt_file:
-        p.error("--chat needs --prompt TEXT, a user's turn")
     if (args.chat or args.prompt_file) and not args.checkpoint:
         p.error("--chat and --prompt_file need --checkpoint (a tokenizer with a chat template)")
-    if not args.sample and (args.prompt is not None or args.prompt_file):
+    if args.adapter and not args.checkpoint:
+        p.error("--adapter needs --checkpoint, the base its adapters were trained on")
+    if not args.sample and (args.prompt is not None or args.prompt_file or args.chat):
         args.sample = 256  # a prompt asks for a sample: at most this many tokens
     if args.offload_activations and not args.checkpointing:
         p.error(
             "--offload_activations offloads the checkpointed block inputs: it needs --checkpointing"
         )
+
+
+class _Help(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default, where it has one."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -5791,7 +5951,8 @@ class _Parser(argparse.ArgumentParser):
 
 def parse_args(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    about = __doc__.split("\n\n")[0].strip() + " Recipes: README.md, beside this file."
+    p = _Parser(description=about, formatter_class=_Help)
     _add_flags(p)
     args = p.parse_args(argv)
     args.argv = argv  # what continue_command repeats

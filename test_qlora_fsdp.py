@@ -5,8 +5,10 @@ unsharded single-process run. Run: python -m pytest -q test_qlora_fsdp.py"""
 import collections
 import contextlib
 import dataclasses
+import filecmp
 import functools
 import gc
+import io
 import json
 import math
 import os
@@ -2121,8 +2123,9 @@ def test_compiled_block_is_one_graph_holding_no_dense_weight():
 
 
 def test_tiny_model_overfits_a_batch():
-    """QLoRA on the tiny model drives the loss on one fixed batch far down (5.5 -> < 1.5)."""
-    model = make_model(dtype=torch.float32, lora_rank=16)
+    """QLoRA on the tiny model drives the loss on one fixed batch far down (5.5 -> < 1.5), with
+    eager kernels (the compiled ones give the same bits: tested on their own)."""
+    model = make_model(dtype=torch.float32, lora_rank=16, compile=False)
     opt = qf.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
     x = torch.randint(256, (2, 32))
     y = torch.roll(x, -1, 1)
@@ -5129,6 +5132,23 @@ def _bad(tmp_path, hf_dir, case):
     if case == "negative token id":
         np.save(tmp_path / "tokens.npy", np.full(500, -1, np.int32))
         return ["--data", str(tmp_path / "tokens.npy")], "negative token id -1"
+    if case == "jsonl to a byte model":
+        (tmp_path / "chats.jsonl").write_text('{"text": "hi"}\n' * 40)
+        return ["--data", str(tmp_path / "chats.jsonl")], "JSON lines need --checkpoint's tokenizer"
+    if case.startswith("adapter"):
+        out = str(tmp_path / "out")
+        train_run(BASE + ["--steps", "1", "--batch_size", "2", "--checkpoint", path, "--out", out])
+        config = json.load(open(os.path.join(out, "adapter_config.json")))
+        argv = ["--checkpoint", path, "--adapter", out, "--steps", "0"]
+        if case == "adapter rank given otherwise":
+            return argv + ["--lora_rank", "4"], "--lora_rank 4: --adapter's is 8"
+        patch = {
+            "adapter not LoRA": ({"peft_type": "IA3"}, "peft_type 'IA3': this file loads LORA"),
+            "adapter of the head": ({"target_modules": ["lm_head"]}, "target_modules ['lm_head']"),
+            "adapter of another rank": ({"r": 16}, "is not this model's ([16, "),
+        }[case]
+        json.dump({**config, **patch[0]}, open(os.path.join(out, "adapter_config.json"), "w"))
+        return argv, patch[1]
     if case == "float tokens":
         np.save(tmp_path / "tokens.npy", np.zeros(500))
         return ["--data", str(tmp_path / "tokens.npy")], "must be a 1-D integer array"
@@ -6336,6 +6356,115 @@ def test_a_prompt_file_gets_a_reply_to_each_chat(tmp_path, capsys):
     assert records[0]["reference"] == "7" and "reference" not in records[1]
 
 
+@pytest.mark.parametrize("dora", [[], ["--dora"]], ids=["lora", "dora"])
+def test_a_fine_tune_talks_again_from_its_adapters(tmp_path, dora, capsys):
+    """--adapter OUT --steps 0 loads what a run trained (LoRA or DoRA: its adapter_config.json
+    says which, and with what rank and alpha) onto the same base and trains nothing: its reply to
+    the run's prompt is, token for token, the one the run gave when its training ended, and its
+    held-out loss the run's last."""
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    out = str(tmp_path / "out")
+    val = ["--val_data", chat_file(tmp_path / "val.jsonl", n=6), "--eval_seqs", "4"]
+    asked = ["--checkpoint", ckpt, "--sample", "12", "--chat", "--prompt", "Name a prime."] + val
+    argv = CHAT_RUN + ["--lr", "0.5", "--lora_rank", "4", "--lora_alpha", "8"]
+    trained = qf.main(argv + dora + asked + ["--out", out])
+    again = qf.main(CHAT_RUN + ["--steps", "0", "--adapter", out] + asked)
+    printed = capsys.readouterr().out
+    assert "eval step 0 | val_loss" in printed and again["steps"] == 0
+    assert again["final_loss"] is None and again["step_ms"] is None
+    assert again["sample"] == trained["sample"] and len(trained["sample"]) > 0
+    assert again["val_loss"] == pytest.approx(trained["val_loss"], rel=1e-6)
+    base = qf.main(CHAT_RUN + ["--steps", "0"] + asked)
+    assert base["val_loss"] != pytest.approx(trained["val_loss"], rel=1e-3)
+
+
+def test_a_conversation_on_standard_input(tmp_path, monkeypatch, capsys):
+    """--chat with --steps 0 and no --prompt talks: each line of standard input is a user turn,
+    each reply printed as it is made (the tokens' text as they come, then the line ends), the
+    history kept under the chat template (the second reply is the model's to both turns), until
+    the input ends; a turn that the model's context cannot hold ends it, said in one line."""
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    tokenizer = qf.Tokenizer.load(ckpt)
+    base = qf.Llama.from_pretrained(ckpt, dtype=torch.float32)
+    stop = qf.stop_ids(ckpt)
+    history, want = [], []
+    for turn in ("Name a prime.", "And another?"):
+        history.append({"role": "user", "content": turn})
+        ids = base.generate(tokenizer.encode_chat(history), 6, stop=stop)
+        ids = ids[:-1] if ids and ids[-1] in stop else ids
+        want.append(tokenizer.decode(ids))
+        history.append({"role": "assistant", "content": want[-1]})
+    streamed = []
+    real = qf.generate
+    monkeypatch.setattr(
+        qf, "generate", lambda *a, **k: (streamed.append(k["each"]), real(*a, **k))[1]
+    )
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Name a prime.\nAnd another?\n"))
+    argv = CHAT_RUN + ["--checkpoint", ckpt, "--steps", "0", "--chat", "--sample", "6"]
+    said = qf.main(argv)
+    printed = capsys.readouterr().out.splitlines()
+    assert said["turns"] == 2 and len(streamed) == 2
+    assert printed[-4:-2] == [qf.printable(w) for w in want]
+    monkeypatch.setattr(sys, "stdin", io.StringIO("x " * 200 + "\n"))
+    monkeypatch.setitem(qf.CONFIGS, "micro", MICRO)
+    cfg = json.load(open(os.path.join(ckpt, "config.json")))
+    json.dump({**cfg, "max_position_embeddings": 64}, open(os.path.join(ckpt, "config.json"), "w"))
+    assert qf.main(argv)["turns"] == 0
+    assert (
+        "(the conversation has reached the model's context, 64 tokens)" in capsys.readouterr().out
+    )
+
+
+def test_a_merged_export_stands_alone_and_is_named_as_one(tmp_path, capsys):
+    """--merge_to writes the checkpoint's tokenizer and chat template beside the merged weights,
+    so that the directory alone is a model with its tokenizer (this file's --checkpoint takes it,
+    a chat included); given as --checkpoint, a line says that NF4 would round the fine-tune away
+    and to give the base and --adapter instead."""
+    ckpt = chat_checkpoint(tmp_path / "ckpt")
+    merged = str(tmp_path / "merged")
+    qf.main(CHAT_RUN + ["--checkpoint", ckpt, "--merge_to", merged])
+    for name in qf.BESIDE_THE_WEIGHTS:
+        if os.path.isfile(os.path.join(ckpt, name)):
+            assert filecmp.cmp(os.path.join(ckpt, name), os.path.join(merged, name)), name
+    assert os.path.isfile(os.path.join(merged, "tokenizer.json"))
+    capsys.readouterr()
+    said = qf.main(CHAT_RUN + ["--checkpoint", merged, "--steps", "0", "--chat", "--prompt", "hi"])
+    assert isinstance(said["sample"], str)
+    warned = [line for line in capsys.readouterr().out.splitlines() if "merged export" in line]
+    assert len(warned) == 1 and "--adapter" in warned[0]
+
+
+def test_help_says_what_each_flag_does_and_its_default(capsys):
+    """--help names where the recipes are (the README), and every flag has a description; each
+    that has a default shows it."""
+    with pytest.raises(SystemExit):
+        qf.parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "Recipes: README.md" in text
+    parser = qf._Parser()
+    qf._add_flags(parser)
+    for action in parser._actions[1:]:  # after -h
+        assert action.help, action.dest
+        if action.default is not None and action.default is not False:
+            assert f"(default: {action.default})" in text, action.dest
+
+
+def test_adapters_that_do_not_fit_are_refused_before_the_base_loads(tmp_path, hf_dir, monkeypatch):
+    """--resume's checkpoint and --adapter's tensors are checked against the model's shapes before
+    anything is built: a mismatch is one error, and the base is never loaded."""
+    out = str(tmp_path / "out")
+    argv = BASE + ["--steps", "2", "--batch_size", "2", "--checkpoint", hf_dir[0], "--out", out]
+    train_run(argv + ["--stop_at", "1"])
+    rewrite_state(out, lambda n, t: (n, torch.zeros(3) if n.startswith("exp_avg/") else t))
+    config = json.load(open(os.path.join(out, "adapter_config.json")))
+    json.dump({**config, "r": 16}, open(os.path.join(out, "adapter_config.json"), "w"))
+    monkeypatch.setattr(qf, "load_model", lambda *a, **k: pytest.fail("the base was loaded"))
+    with pytest.raises(qf.UserError, match="AdamW moments are not this model's"):
+        qf.fine_tune(qf.parse_args(argv + ["--resume"]))
+    with pytest.raises(qf.UserError, match="lora_A .8, 128. is not this model's .\\[16, 128\\]"):
+        qf.fine_tune(qf.parse_args(argv[:-2] + ["--adapter", out]))
+
+
 def test_chat_prompts_refused_in_one_line(tmp_path, hf_dir, capsys):
     """--chat with a checkpoint that has no chat template, and a --prompt_file line that is not a
     chat, are each one error line naming what is wrong."""
@@ -6821,9 +6950,10 @@ def test_step_one_compiling_says_it_is_still_going(monkeypatch, capsys):
 
 
 def test_samples_print_escaped():
-    """A sample is printed with repr's escapes for what would not print (control bytes, invalid
-    UTF-8's U+FFFD), newlines and tabs kept; the JSON keeps the text itself."""
-    assert qf.printable("ab\x00\r\x0bc\n\td\ufffd") == "ab\\x00\\r\\x0bc\n\td\\ufffd"
+    """A sample is printed with repr's escapes for what would not print (control bytes: none
+    reaches the terminal), newlines and tabs kept, invalid UTF-8 as its U+FFFD (readable, not an
+    escape); the JSON keeps the text itself."""
+    assert qf.printable("ab\x00\r\x0bc\n\td\ufffd") == "ab\\x00\\r\\x0bc\n\td\ufffd"
 
 
 def test_cpu_memory_is_named_rss(capsys):
@@ -7203,6 +7333,11 @@ def last_json(out):
 
 
 BAD_CLI_CASES = [
+    "jsonl to a byte model",
+    "adapter rank given otherwise",
+    "adapter not LoRA",
+    "adapter of the head",
+    "adapter of another rank",
     "short data",
     "token id",
     "negative token id",
