@@ -13,12 +13,13 @@ trained, ending with the training loop. Each section needs only torch and the se
 Part II extends Part I's names for the product (subclasses, wrappers, registrations); Part I
 never names it. Skip it on a first read.
    9. faster NF4             10. any model            11. the Llama family, packing
-  12. long context          13. predicting the peak  14. Hugging Face files   15. your data
-  16. a run                 17. the CLI
+  12. long context          13. fitting in memory (tiles, the peak, --fit)
+  14. Hugging Face files    15. your data            16. a run                 17. the CLI
 
 Run it (more in the README and --help):
   torchrun --nproc_per_node 2 qlora_fsdp.py     # the tiny model on this file's bytes, CPU
   torchrun --nproc_per_node 2 qlora_fsdp.py --checkpoint DIR --data train.jsonl --out runs/a
+  python qlora_fsdp.py --checkpoint DIR --adapter runs/a --steps 0 --chat     # talk to it
 """
 
 import contextlib
@@ -840,7 +841,7 @@ class ShardedUnit:
         fully_shard: the optimizer steps the pieces. A frozen one leaves its module."""
         self.places = []
         for p, original in zip(self.params, originals):
-            if original.device.type != "meta":  # on "meta": loaded later (section 16)
+            if original.device.type != "meta":  # on "meta": loaded later (section 14)
                 p.keep(original)
             p.value = p.unflatten([slot.full for slot in p.slots])  # the full parameter
             for module, attr in p.places:
@@ -2824,11 +2825,12 @@ def check_context_parallel(n, seq_len, world, shard, config):
 
 
 # -----------------------------------------------------------------------------
-# 13. Fitting in memory: parked activations, the predicted peak, --fit
+# 13. Fitting in memory: parked activations, tiles, the predicted peak, --fit
 # -----------------------------------------------------------------------------
-# Needs: import dataclasses, math, os, re, torch, torch.distributed as dist; from dataclasses
-# import dataclass; from typing import NamedTuple; from above: GiB, section 1, section 5,
-# section 7, section 8, section 10, section 11.
+# Needs: import dataclasses, functools, math, os, re, torch, torch.distributed as dist; from
+# dataclasses import dataclass; from typing import NamedTuple; from torch.utils.checkpoint
+# import checkpoint; from above: GiB, section 1, section 5, section 7, section 8, section 10,
+# section 11.
 #
 
 
@@ -2945,6 +2947,179 @@ class OffloadedInputs(torch.autograd.graph.saved_tensors_hooks):
         return t
 
 
+# Tiles (--tile_tokens K): a checkpointed block's position-wise work, K tokens at a time. In a
+# block only attention's core mixes positions; the norms, the projections with their adapters,
+# RoPE, SwiGLU and the residual adds act on each token alone. So a block runs in three parts:
+#   pre   x -> q, k, v      (the first norm, the q, k, v projections, RoPE)      over tiles
+#   core  q, k, v -> y      (attention over the whole row or piece)              whole
+#   post  y, x -> out       (o_proj, the residual, the second norm, SwiGLU, ...) over tiles
+# A tiled part keeps only its inputs; its backward runs each tile's forward again, with grad,
+# and that tile's backward at once (Arctic Long Sequence Training's TiledMLP, for the whole
+# block). A block's backward then keeps per token its input, q, k, v, the attention's output and
+# log-sum-exp, and their gradients; the SwiGLU's (tokens, ffn) intermediates and the norms' fp32
+# copies are a tile's. What it costs: the pre part's forward once more (the checkpoint's
+# recompute needs q, k and v; post's output it does not need, and post skips it there). The
+# final norm runs over tiles too, and the loss in chunks of LOSS_CHUNK rows.
+
+
+class _Tiled(torch.autograd.Function):
+    """fn(*inputs) over tiles of `tile` tokens (dim 1) of the first n tensors, without grad;
+    backward runs each tile again with grad. The other tensors are the trained ones fn reads:
+    given, so that autograd reaches this node; their gradients accumulate as each tile's
+    backward runs. like: the input whose shape fn's output has, where a checkpoint's recompute
+    (inside backward) does not need the output (None: it does)."""
+
+    @staticmethod
+    def forward(ctx, fn, tile, like, n, *tensors):
+        inputs = tensors[:n]
+        ctx.fn = fn
+        ctx.tile = tile
+        ctx.save_for_backward(*inputs)
+        # The random state, so that LoRA dropout draws the same masks again in backward.
+        ctx.devices = [inputs[0].device] if inputs[0].is_cuda else []
+        ctx.rng = [torch.get_rng_state()] + [torch.cuda.get_rng_state(d) for d in ctx.devices]
+        if like is not None and torch._C._current_graph_task_id() != -1:
+            # A recompute wants the saved inputs alone: its output is a placeholder, no memory.
+            return like.new_zeros(()).expand(like.shape)
+        T = inputs[0].shape[1]
+        with torch.no_grad():  # (detached: the same compiled graph for the first block too)
+            outs = [fn(*(t.narrow(1, s, tile).detach() for t in inputs)) for s in range(0, T, tile)]
+        if isinstance(outs[0], tuple):
+            return tuple(torch.cat(parts, dim=1) for parts in zip(*outs))
+        if outs[0].dim() == 0:  # a loss: the tiles' sum
+            return torch.stack(outs).sum()
+        return torch.cat(outs, dim=1)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        inputs = ctx.saved_tensors
+        wanted = ctx.needs_input_grad[4 : 4 + len(inputs)]
+        grad_inputs = [torch.zeros_like(t) if w else None for t, w in zip(inputs, wanted)]
+        with torch.random.fork_rng(devices=ctx.devices):
+            torch.set_rng_state(ctx.rng[0])
+            for device, state in zip(ctx.devices, ctx.rng[1:]):
+                torch.cuda.set_rng_state(state, device)
+            for start in range(0, inputs[0].shape[1], ctx.tile):
+                _tile_backward(ctx, start, inputs, grads, grad_inputs)
+        trained = len(ctx.needs_input_grad) - 4 - len(inputs)  # theirs accumulated already
+        return (None, None, None, None, *grad_inputs) + (None,) * trained
+
+
+def _tile_backward(ctx, start, inputs, grads, grad_inputs):
+    """One tile's forward, with grad, and its backward at once: the trained tensors' gradients
+    accumulate; the inputs' go into grad_inputs. Every floating input asks for its gradient, so
+    that the first block's (whose input needs none) runs the compiled graph of the others."""
+    part = [t.narrow(1, start, ctx.tile).detach() for t in inputs]
+    part = [t.requires_grad_(t.is_floating_point()) for t in part]
+    with torch.enable_grad():
+        outs = ctx.fn(*part)
+    outs = outs if isinstance(outs, tuple) else (outs,)
+    grads = [g if g.dim() == 0 else g.narrow(1, start, ctx.tile) for g in grads]  # 0-d: a loss
+    torch.autograd.backward(outs, grads)
+    for g, t in zip(grad_inputs, part):
+        if g is not None:
+            g.narrow(1, start, ctx.tile).copy_(t.grad)
+
+
+def _trained(*modules):
+    """The trained tensors the modules read: under FSDP the full ones, while gathered."""
+    found = []
+    for m in modules:
+        for sub in m.modules():
+            for name, p in sub._parameters.items():
+                if p is not None and p.requires_grad:
+                    found.append(getattr(sub, name))
+    return found
+
+
+def check_tiles(plan):
+    """Refuse, in one line, a --tile_tokens that does not divide a rank's piece of each row
+    (every tile the same: one compiled graph serves them all)."""
+    piece = plan.seq_len // plan.context_parallel
+    k = plan.tile_tokens
+    require(
+        not k or piece % k == 0,
+        f"--tile_tokens {k}: does not divide a rank's {piece} tokens of each row (--seq_len "
+        f"{plan.seq_len} over --context_parallel {plan.context_parallel})",
+    )
+
+
+# A block's three parts, the block given (not closed over): compiled once, one graph serves
+# every block and every tile.
+
+
+def _pre(layer, x, cos, sin):
+    """x (B, t, C), cos and sin (B or 1, t, hd) -> q, k, v (B, t, heads, hd), RoPE'd."""
+    q, k, v = layer.self_attn.project(layer.input_layernorm(x))
+    q = apply_rope(q.transpose(1, 2), cos[:, None], sin[:, None]).transpose(1, 2)
+    k = apply_rope(k.transpose(1, 2), cos[:, None], sin[:, None]).transpose(1, 2)
+    return q, k, v
+
+
+def _core(layer, q, k, v, mask):
+    """(B, T, heads, hd) each -> attention over the whole row or piece, (B, T, nh, hd): a view
+    of attention's output, which it keeps anyway (o_proj's input is made a tile at a time)."""
+    y = layer.self_attn.attend(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask)
+    return y.transpose(1, 2)
+
+
+def _post(layer, y, x):
+    h = x + layer.self_attn.o_proj(y.flatten(2))
+    return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def _loss(norm, head, h, targets):
+    """The final norm and the loss's sum over a tile's tokens."""
+    return LMHead.forward(head, RMSNorm.forward(norm, h), targets, "sum")
+
+
+def tile_the_loss(model, tile):
+    """The final norm and the loss over tiles, in one: the norm's input kept, its fp32 copies,
+    its output and the loss's buffers a tile's. (The logits, for generation, as before.)"""
+    norm = model.model.norm
+    head = model.lm_head
+    loss = functools.partial(_loss, norm, head)
+
+    def forward(h, targets=None, reduction="mean"):
+        if targets is None:
+            return LMHead.forward(head, RMSNorm.forward(norm, h))
+        total = _Tiled.apply(loss, tile, None, 2, h, targets)
+        count = (targets != IGNORE_INDEX).sum().clamp(min=1) if reduction == "mean" else 1
+        return total / count
+
+    norm.forward = lambda h: h  # the head applies it
+    head.forward = forward
+
+
+_COMPILED_PARTS = {}  # _pre, _core, _post -> compiled, made at the first use
+
+
+def tiled(layer, tile, compile=False):
+    """layer's forward(x, cos, sin, checkpointing, mask), its position-wise work over tiles of
+    `tile` tokens (the comment above); compile: each part compiled, one graph for every tile."""
+    parts = (_pre, _core, _post)
+    if compile:
+        parts = [_COMPILED_PARTS.get(fn) or torch.compile(fn) for fn in parts]
+        _COMPILED_PARTS.update(zip((_pre, _core, _post), parts))
+    pre, core, post = (functools.partial(fn, layer) for fn in parts)
+
+    def block(x, cos, sin, mask=None):
+        # cos and sin as (B or 1, T, hd), whether RoPE's positions were (T,) or (B, T)
+        cos, sin = (t[None] if t.dim() == 2 else t[:, 0] for t in (cos, sin))
+        attention = layer.self_attn
+        q, k, v = _Tiled.apply(pre, tile, None, 3, x, cos, sin, *_trained(attention))
+        y = core(q, k, v, mask)
+        trained = _trained(attention.o_proj, layer.mlp)
+        return _Tiled.apply(post, tile, x, 2, y, x, *trained)
+
+    def forward(x, cos, sin, checkpointing=False, mask=None):
+        if checkpointing and torch.is_grad_enabled():
+            return checkpoint(block, x, cos, sin, mask, use_reentrant=False)
+        return block(x, cos, sin, mask)
+
+    return forward
+
+
 # Section 1 counted the state that lives between steps. A step adds the all-gather buffers of
 # section 5 and the activations autograd keeps for backward. Their peak comes in the loss or
 # in the first block that backward runs: every checkpointed block input is alive then, plus
@@ -2974,6 +3149,7 @@ class Plan:
     offload_activations: bool = False
     cpu_offload: bool = False
     context_parallel: int = 1
+    tile_tokens: int = 0  # a checkpointed block's position-wise work in tiles of this (0: none)
     shard: int = 1
     loss_chunk: int = LOSS_CHUNK
 
@@ -3041,8 +3217,10 @@ def _block_unit_bytes(config, counts, elt):
 
 
 def _block_bytes(config, counts, plan):
-    """(saved, backward, in_flight): bytes per token that one block saves for backward and that
-    its backward adds beside them, and the bytes of its backward not per token. Saved, op by op:
+    """(saved, backward, core, core_backward, in_flight): bytes per token that one block saves
+    for backward and that its backward adds beside them; of those, what attention's core saves
+    and adds (a tiled block's for the whole piece); and the bytes of its backward not per
+    token. Saved, op by op:
     each RMSNorm its fp32 input and its output; attention q, k, v, its output and an fp32
     log-sum-exp per head; o_proj's LoRA its input; SwiGLU the gate, both factors and the
     product; each projection its LoRA intermediate, and with DoRA its output before the
@@ -3068,18 +3246,26 @@ def _block_bytes(config, counts, plan):
     backward = elt * (config.intermediate_size + d) + 4 * q_dim
     if plan.dora and dropout:  # x and d(x) stacked into one NF4 matmul: the widest input's
         backward += 2 * elt * max(inp for _, inp in shapes)
+    # Attention's core: q, k, v, its output and log-sum-exp; in its backward their gradients and
+    # its fp32 accumulators.
+    core = attention - elt * q_dim  # (o_proj's input is another copy of the output)
+    core_backward = elt * (2 * q_dim + 2 * kv_dim) + 4 * q_dim
     if plan.context_parallel > 1:
         # The all-to-alls' contiguous copies of q, k and v; and k and v repeated to lcm(nkv, N)
         # heads where N does not divide nkv, kept so by attention for backward.
         kv = math.lcm(config.num_key_value_heads, plan.context_parallel)
-        saved += 2 * (kv - config.num_key_value_heads) * config.head_dim * elt
-        backward += elt * (q_dim + 2 * kv * config.head_dim)
+        repeated = 2 * (kv - config.num_key_value_heads) * config.head_dim * elt
+        copies = elt * (q_dim + 2 * kv * config.head_dim)
+        saved += repeated
+        backward += copies
+        core += repeated
+        core_backward += copies
     # Not per token: the dense weight inside the NF4 matmul that runs (the largest
     # projection's), the block's adapter gradients, and the unit before's reduce-scatter input
     # and output (fp32), alive until this unit's is issued (section 5).
     largest = max(out * inp for out, inp in shapes)
     in_flight = elt * largest + counts.lora / config.num_hidden_layers * (elt + 4 + 4 / plan.shard)
-    return saved, backward, in_flight
+    return saved, backward, core, core_backward, in_flight
 
 
 def _activation_rows(config, counts, plan):
@@ -3088,7 +3274,8 @@ def _activation_rows(config, counts, plan):
     tokens = plan.tokens()
     d = config.hidden_size
     layers = config.num_hidden_layers
-    saved, backward, in_flight = _block_bytes(config, counts, plan)
+    saved, backward, core, core_backward, in_flight = _block_bytes(config, counts, plan)
+    tile = plan.batch_size * plan.tile_tokens  # tokens of a tile, every row's
     rows = {}
     if plan.checkpointing and plan.offload_activations:
         # On the host; the block's own input and the next one's (prefetched) on the GPU.
@@ -3101,7 +3288,15 @@ def _activation_rows(config, counts, plan):
     else:
         kept = layers * tokens * saved
         rows["saved activations, all blocks"] = kept
-    if plan.checkpointing:
+    if plan.checkpointing and tile:
+        # Attention's core saves for the whole piece; beside it, at the peak, either a tile's
+        # backward of the post part (its inputs' gradients whole: the output's, the block
+        # input's) or the core's own backward.
+        q_dim = config.num_attention_heads * config.head_dim
+        post = tokens * elt * (q_dim + d) + tile * (saved + backward - core)
+        block = tokens * core + max(post, tokens * core_backward) + in_flight
+        rows["recomputed block: attention's whole, the rest a tile's"] = block
+    elif plan.checkpointing:
         block = tokens * (saved + backward) + in_flight
         rows["recomputed block (forward + backward)"] = block
     else:
@@ -3115,8 +3310,10 @@ def _activation_rows(config, counts, plan):
         per_logit = 2 * elt
     else:
         per_logit = elt + 4 * (elt != 4) + 1 + 4
-    chunk_rows = min(plan.loss_chunk, tokens)
+    chunk_rows = min(plan.loss_chunk, tile or tokens)  # tiled: a chunk of a tile
     norm = tokens * (4 * d + elt * d)
+    if tile:  # its input alone: the rest a tile's, with the loss's
+        norm = tokens * elt * d
     vocab = config.vocab_size
     loss = norm + vocab * d * elt + chunk_rows * vocab * per_logit + tokens * d * elt
     rows["loss: norm, lm_head dense, logits chunk, grad_h"] = loss
@@ -3241,7 +3438,10 @@ def shard_size(size, world, local):
 # batch, the largest first. --grad_accum makes up a smaller micro-batch: the same batch, the
 # same rows.
 FIT_MARGIN = 0.1  # --fit with no number, on CUDA: the free memory less this share of the total
-FIT_FLAGS = ("batch_size", "grad_accum", "checkpointing", "offload_activations", "cpu_offload")
+FIT_FLAGS = (
+    "batch_size grad_accum checkpointing offload_activations cpu_offload tile_tokens".split()
+)
+TILE_SIZES = (4096, 2048, 1024, 512)  # tiles --fit tries, largest (fewest passes) first
 
 
 # Without --cpu_offload, then with it; in each, the activations kept, checkpointed, then
@@ -3255,12 +3455,17 @@ FIT_TIERS = [
 
 def fit_plans(plan, rows=None):
     """Every plan --fit tries, in order: `plan` with FIT_FLAGS set, each keeping `rows` of this
-    rank per step (batch_size x grad_accum)."""
+    rank per step (batch_size x grad_accum). Tiles come last, when nothing else fits: the
+    checkpointed tiers again with each of TILE_SIZES that divides a rank's piece of a row."""
     rows = rows or plan.batch_size * plan.grad_accum
     micro_batches = [micro for micro in range(rows, 0, -1) if rows % micro == 0]
+    piece = plan.seq_len // plan.context_parallel
+    tiles = [k for k in TILE_SIZES if k < piece and piece % k == 0]
+    tiers = [dict(tier, tile_tokens=0) for tier in FIT_TIERS]
+    tiers += [dict(t, tile_tokens=k) for k in tiles for t in FIT_TIERS if t["checkpointing"]]
     return [
         dataclasses.replace(plan, batch_size=micro, grad_accum=rows // micro, **tier)
-        for tier in FIT_TIERS
+        for tier in tiers
         for micro in micro_batches
     ]
 
@@ -3275,6 +3480,8 @@ def plan_name(plan):
         name += ", --cpu_offload"
     if plan.context_parallel > 1:
         name += f", --context_parallel {plan.context_parallel}"
+    if plan.tile_tokens:
+        name += f", --tile_tokens {plan.tile_tokens}"
     return name
 
 
@@ -4894,6 +5101,7 @@ def plan_of(args, config, world, local, device):
             require(not given, f"--{key} {getattr(args, key)}: --adapter's is {value}")
         plan = dataclasses.replace(plan, **settings)
     check_context_parallel(plan.context_parallel, plan.seq_len, world, plan.shard, config)
+    check_tiles(plan)
     if args.fit is not None:
         cuda = device.type == "cuda"
         capability = torch.cuda.get_device_capability(device) if cuda else None
@@ -4925,12 +5133,16 @@ def build(config, plan, device, sources=None, path=None):
         model.offload_activations = OffloadedInputs(side)
     for i, layer in enumerate(model.model.layers):
         forward = layer.forward
-        if plan.compile:  # each block's forward, its checkpoint included; hooks stay eager
+        if plan.tile_tokens:  # compiled, each part of the block on its own
+            forward = tiled(layer, plan.tile_tokens, plan.compile)
+        elif plan.compile:  # each block's forward, its checkpoint included; hooks stay eager
             forward = torch.compile(forward)
             forward = _input_needs_grad(forward) if i == 0 else forward
         if model.offload_activations is not None:  # outside the compiled code
             forward = model.offload_activations.around(forward)
         layer.forward = forward
+    if plan.tile_tokens:
+        tile_the_loss(model, plan.tile_tokens)
     return model, fsdp
 
 
@@ -5877,6 +6089,8 @@ def _speed_flags(p):
     p.add_argument("--offload_activations", action="store_true", help="block inputs on the host")
     split = "each group of N ranks holds consecutive pieces of the same rows (Ulysses)"
     p.add_argument("--context_parallel", type=int, default=1, metavar="N", help=split)
+    tiles = "a checkpointed block's norms, projections and MLP over K tokens at a time (0: none)"
+    p.add_argument("--tile_tokens", type=int, default=0, metavar="K", help=tiles)
     p.add_argument("--estimate", action="store_true", help="print the memory per rank and exit")
     margin = FIT_MARGIN * 100
     fit = (
@@ -5892,7 +6106,7 @@ def _speed_flags(p):
 # Integer flags that must be at least 1, and those that must be at least 0.
 POSITIVE = "batch_size seq_len grad_accum lora_rank log_every eval_seqs context_parallel".split()
 NON_NEGATIVE = "steps warmup_steps save_every stop_at sample temperature eval_every".split()
-NON_NEGATIVE += ["shard_size"]
+NON_NEGATIVE += ["shard_size", "tile_tokens"]
 FINITE = "lr weight_decay adam_eps grad_clip lora_alpha lora_dropout temperature".split()
 
 
@@ -5927,10 +6141,9 @@ def _check_args(p, args):
         p.error("--adapter needs --checkpoint, the base its adapters were trained on")
     if not args.sample and (args.prompt is not None or args.prompt_file or args.chat):
         args.sample = 256  # a prompt asks for a sample: at most this many tokens
-    if args.offload_activations and not args.checkpointing:
-        p.error(
-            "--offload_activations offloads the checkpointed block inputs: it needs --checkpointing"
-        )
+    for flag in ("offload_activations", "tile_tokens"):
+        if getattr(args, flag) and not args.checkpointing:
+            p.error(f"--{flag} works in the checkpointed blocks: it needs --checkpointing")
 
 
 class _Help(argparse.ArgumentDefaultsHelpFormatter):

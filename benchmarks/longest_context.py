@@ -19,9 +19,9 @@ import qlora_fsdp as qf  # noqa: E402
 
 
 def longest(plan, world, config, budget):
-    """The longest --seq_len, a multiple of plan.context_parallel, at which `plan` fits (0:
-    none)."""
-    n = plan.context_parallel
+    """The longest --seq_len, a multiple of plan.context_parallel (and of its tile), at which
+    `plan` fits (0: none)."""
+    n = plan.context_parallel * (plan.tile_tokens or 1)  # a tile divides a rank's piece
     lo, hi = 0, (1 << 24) // n
     while lo < hi:
         mid = (lo + hi + 1) // 2
@@ -37,7 +37,8 @@ def best(model, world, gib, host, say=None):
     """(tokens, plan's name, its host GiB per rank) of the longest context over every plan."""
     config = qf.CONFIGS[model]
     budget = qf.Budget(gib * qf.GiB, host)
-    argv = ["--model", model, "--batch_size", "1", "--device", "cuda"]
+    # A long --seq_len: every tile size divides it (longest() then searches the length).
+    argv = ["--model", model, "--batch_size", "1", "--device", "cuda", "--seq_len", str(1 << 20)]
     found = (0, "nothing fits", 0.0)
     heads = config.num_attention_heads
     for n in [n for n in range(1, world + 1) if world % n == 0 and heads % n == 0]:
