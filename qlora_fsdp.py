@@ -3268,6 +3268,27 @@ def _block_bytes(config, counts, plan):
     return saved, backward, core, core_backward, in_flight
 
 
+def _loss_bytes(config, plan):
+    """The loss's peak: the final norm's saved tensors, lm_head dense (an NF4 head dequantized; a
+    dense one is the last unit's gathered weight), one chunk of logits and, compiled, their
+    gradient (eager, at its peak, the fp32 copy of bf16 logits and the one-hot, bool and cast
+    to fp32, instead), and the gradient wrt the hidden states."""
+    elt = plan.element_bytes()
+    tokens = plan.tokens()
+    d = config.hidden_size
+    tile = plan.batch_size * plan.tile_tokens  # tokens of a tile, every row's
+    if plan.compile:
+        per_logit = 2 * elt
+    else:
+        per_logit = elt + 4 * (elt != 4) + 1 + 4
+    chunk_rows = min(plan.loss_chunk, tile or tokens)  # tiled: a chunk of a tile
+    norm = tokens * (4 * d + elt * d)
+    if tile:  # its input alone: the rest a tile's, with the loss's
+        norm = tokens * elt * d
+    vocab = config.vocab_size
+    return norm + vocab * d * elt + chunk_rows * vocab * per_logit + tokens * d * elt
+
+
 def _activation_rows(config, counts, plan):
     """(rows, peak) of the activations of one rank's micro-batch."""
     elt = plan.element_bytes()
@@ -3302,20 +3323,7 @@ def _activation_rows(config, counts, plan):
     else:
         block = tokens * backward + in_flight
         rows["block backward gradients"] = block
-    # The loss: the final norm's saved tensors, lm_head dense (an NF4 head dequantized; a
-    # dense one is the last unit's gathered weight), one chunk of logits and, compiled, their
-    # gradient (eager, at its peak, the fp32 copy of bf16 logits and the
-    # one-hot, bool and cast to fp32, instead), and the gradient wrt the hidden states.
-    if plan.compile:
-        per_logit = 2 * elt
-    else:
-        per_logit = elt + 4 * (elt != 4) + 1 + 4
-    chunk_rows = min(plan.loss_chunk, tile or tokens)  # tiled: a chunk of a tile
-    norm = tokens * (4 * d + elt * d)
-    if tile:  # its input alone: the rest a tile's, with the loss's
-        norm = tokens * elt * d
-    vocab = config.vocab_size
-    loss = norm + vocab * d * elt + chunk_rows * vocab * per_logit + tokens * d * elt
+    loss = _loss_bytes(config, plan)
     rows["loss: norm, lm_head dense, logits chunk, grad_h"] = loss
     if plan.pack:
         # Kept for the whole step: each token's document and position (int64), RoPE's cos and
