@@ -4203,9 +4203,9 @@ def test_fit_plans_fit_keep_the_batch_and_never_get_slower_with_more_memory(
                 str(plan.grad_accum),
                 "--checkpointing" if plan.checkpointing else "--no-checkpointing",
             ]
-            hand += ["--offload_activations"] * plan.offload_activations + [
-                "--cpu_offload"
-            ] * plan.cpu_offload
+            hand += ["--offload_activations"] * plan.offload_activations
+            hand += ["--cpu_offload"] * plan.cpu_offload
+            hand += ["--tile_tokens", str(plan.tile_tokens)] * bool(plan.tile_tokens)
             peaks[world, i] = fit_json(
                 argv[:2] + ["--seq_len", "2048"] + hand, world, capsys, monkeypatch
             )
@@ -4293,6 +4293,13 @@ def test_fit_runs_the_plan_it_prints(capsys, dora):
 TILES = ["--tile_tokens", "8"]
 
 
+def recompiles_of(functions):
+    """How many times torch.compile compiled these functions again (a guard failed)."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    failures = utils.guard_failures if utils else {}
+    return sum(len(failures.get(fn.__code__, ())) for fn in functions)
+
+
 @pytest.mark.parametrize(
     "flags",
     [[], ["--dora"], ["--pack", "--data", "packed"], ["--compile"]],
@@ -4308,11 +4315,12 @@ def test_tiles_equal_the_run_without_them(flags, qwen2_dir, tmp_path):
     if "--pack" in flags:
         flags += ["--eos_id", str(EOS)]
     argv = BASE + ["--batch_size", "2", "--checkpoint", qwen2_dir] + flags
-    before = qf.compile_counts()[1]
+    parts = [qf._pre, qf._core, qf._post]
+    before = recompiles_of(parts)
     tiled = train_run(argv + TILES)
     # Compiled: each part once without grad (the forward) and once with (a tile's backward),
     # not again for each tile or block.
-    assert qf.compile_counts()[1] - before <= 3  # _pre, _post and the loss kernel
+    assert recompiles_of(parts) - before <= len(parts)
     assert_same_run(tiled, run_single([a for a in argv if a != "--compile"]))
 
 
