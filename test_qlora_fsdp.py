@@ -12,6 +12,7 @@ import io
 import json
 import math
 import os
+import pathlib
 import random
 import re
 import shutil
@@ -20,6 +21,7 @@ import socket
 import subprocess
 import sys
 import time
+import traceback
 import types
 from typing import NamedTuple
 
@@ -58,6 +60,85 @@ def build(args, config, device="cpu"):
 
 def unpack_codes(packed):
     return torch.stack([packed >> 4, packed & 0xF], dim=-1).view(-1).long()
+
+
+# The longest single-process runs (compiling, measuring memory, the GPU check's dry runs) are made
+# beside the other tests, which mostly use one core: in one spawned process, started with the
+# module's first test, one job after another in the order their tests come, each result saved as
+# the job ends. A test waits for its job's result and checks it.
+
+BESIDE = {}  # job name -> (job, the tests or fixtures that read its result)
+
+
+def beside(*tests):
+    """Registers job(folder) to run beside the tests, for the tests (or fixtures) named."""
+
+    def register(job):
+        BESIDE[job.__name__] = (job, tests)
+        return job
+
+    return register
+
+
+class JobFailed(NamedTuple):
+    traceback: str
+
+
+def _beside_worker(names, folder):
+    torch.set_num_threads(1)  # the other core is the tests'
+    qf.CONFIGS["micro"] = MICRO  # as micro_config sets it for every test
+    for name in names:
+        try:
+            result = BESIDE[name][0](folder)
+        except BaseException:
+            result = JobFailed(traceback.format_exc())
+        path = os.path.join(folder, name)
+        torch.save(result, path + ".part")
+        os.replace(path + ".part", path)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _beside_process(request, tmp_path_factory):
+    """Starts the jobs the selected tests read, if any; stops them at the module's end."""
+    selected = {item.originalname for item in request.session.items}
+    selected |= {name for item in request.session.items for name in item.fixturenames}
+    names = [name for name, (_, tests) in BESIDE.items() if selected & set(tests)]
+    if not names:
+        yield None, names, None
+        return
+    folder = str(tmp_path_factory.mktemp("beside"))
+    proc = mp.get_context("spawn").Process(target=_beside_worker, args=(names, folder))
+    proc.daemon = True
+    proc.start()
+    # The tests' process takes one thread as well: two OpenMP threads that share a core with the
+    # process beside spin while they wait for each other (the suite's CPU time 40% higher).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield proc, names, folder
+    torch.set_num_threads(threads)
+    if proc.is_alive():
+        proc.terminate()
+    proc.join()
+
+
+@pytest.fixture(scope="module")
+def beside_result(_beside_process):
+    """result(job): the job's result, once the process beside has made it."""
+    proc, names, folder = _beside_process
+
+    def result(job):
+        assert job.__name__ in names, f"{job.__name__} started for none of the selected tests"
+        path = os.path.join(folder, job.__name__)
+        while not os.path.exists(path):
+            ended = f"the process beside the tests ended (exit code {proc.exitcode})"
+            assert proc.is_alive() or os.path.exists(path), f"{ended} before {job.__name__}"
+            time.sleep(0.05)
+        out = torch.load(path, weights_only=False)
+        if isinstance(out, JobFailed):
+            pytest.fail(f"{job.__name__}, beside the tests:\n{out.traceback}", pytrace=False)
+        return out
+
+    return result
 
 
 # ---- 0. the file: each section can be lifted out alone -------------------------------------------
@@ -1108,13 +1189,19 @@ def test_part_one_runs_alone_and_equals_the_whole_file(whole_file_micro, tmp_pat
     torch.testing.assert_close(torch.tensor(lesson[0]), want, rtol=1e-5, atol=1e-5)
 
 
-def test_part_one_compiled_runs_alone_and_equals_the_whole_file(whole_file_micro):
+@beside("test_part_one_compiled_runs_alone_and_equals_the_whole_file")
+def part_one_compiled(folder):
+    argv = [a for a in LESSON if a != "--no-compile"] + ["--compile", "--batch_size", "4"]
+    return train_lesson(argv)
+
+
+def test_part_one_compiled_runs_alone_and_equals_the_whole_file(whole_file_micro, beside_result):
     """Part I alone, compiled (its blocks, and its NF4 and loss kernels as custom ops in a
     namespace of their own), trains in one process with the losses of the whole file's eager run
     on 2 ranks of half the batch (compiled blocks equal eager ones to fp32's rounding)."""
-    argv = [a for a in LESSON if a != "--no-compile"] + ["--compile", "--batch_size", "4"]
     want = torch.tensor(whole_file_micro[0]["losses"])
-    torch.testing.assert_close(torch.tensor(train_lesson(argv)), want, rtol=1e-5, atol=1e-5)
+    got = torch.tensor(beside_result(part_one_compiled))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
 # Adam divides each gradient by its own magnitude, so an element whose gradient is rounding noise
@@ -2123,14 +2210,14 @@ def test_compiled_block_is_one_graph_holding_no_dense_weight():
 
 
 def test_tiny_model_overfits_a_batch():
-    """QLoRA on the tiny model drives the loss on one fixed batch far down (5.5 -> < 1.5), with
-    eager kernels (the compiled ones give the same bits: tested on their own)."""
+    """QLoRA on the tiny model drives the loss on one fixed batch far down in 30 steps (5.5 ->
+    < 1.5), with eager kernels (the compiled ones give the same bits: tested on their own)."""
     model = make_model(dtype=torch.float32, lora_rank=16, compile=False)
     opt = qf.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0)
     x = torch.randint(256, (2, 32))
     y = torch.roll(x, -1, 1)
     first = None
-    for _ in range(80):
+    for _ in range(30):
         loss = model(x, y)
         loss.backward()
         opt.step()
@@ -3640,8 +3727,13 @@ def run_in_one_world(world, argvs, tmp_path):
 
 @pytest.fixture(scope="module")
 def qwen2_dir(tmp_path_factory):
-    """A tiny Qwen2 checkpoint: grouped-query attention (4 heads, 2 kv) and q, k, v biases."""
-    path = str(tmp_path_factory.mktemp("qwen2") / "tiny-qwen2")
+    return tiny_qwen2(tmp_path_factory.mktemp("qwen2"))
+
+
+def tiny_qwen2(folder):
+    """A tiny Qwen2 checkpoint in folder: grouped-query attention (4 heads, 2 kv) and q, k and v
+    biases."""
+    path = os.path.join(folder, "tiny-qwen2")
     config = family_config("qwen2")
     write_hf_checkpoint(path, config, hf_state_dict(config))
     return path
@@ -3653,8 +3745,8 @@ def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
     (N = 2): with --grad_accum, --offload_activations, --dora and --val_data (the held-out
     loss too); without checkpointing, packed
     (documents masked across the pieces); a Qwen2 checkpoint (GQA, biases; its greedy sample,
-    with the KV cache and without, equals the unsplit one); compiled; with --tile_tokens (the
-    plain run's); and a run
+    with the KV cache and without, equals the unsplit one); compiled and with --tile_tokens (both
+    against the plain eager run, as each equals it unsplit); and a run
     stopped with N = 2 and resumed with N = 1 (then 2 ranks of 1 row). At world 4: N = 4 (2 kv
     heads repeated to 4) and N = 2 with two groups."""
     argv = BASE + ["--batch_size", "2", "--steps", "3"]
@@ -3671,9 +3763,12 @@ def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
     split.append(argv + out + ["--stop_at", "2", "--context_parallel", "2"])
     split.append(argv + out + ["--resume", "--batch_size", "1"])
     *got, stopped, resumed = run_in_one_world(2, split, tmp_path)
-    for result, flags in zip(got, cases.values()):
-        reference = [] if "--tile_tokens" in flags else flags  # tiles equal the plain run
-        summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv + reference))
+    plain = run_single(argv)
+    for result, (case, flags) in zip(got, cases.items()):
+        if case in ("compiled", "tiles"):
+            assert_same_run(result, plain)
+            continue
+        summary, losses, fsdp = qf.fine_tune(qf.parse_args(argv + flags))
         assert_same_run(result, dict(losses=losses, adapters=fsdp.full_adapters()))
         if "--val_data" in flags:
             want = pytest.approx(summary["val_loss"], rel=1e-5)
@@ -3682,10 +3777,10 @@ def test_context_parallel_equals_the_run_without_it(tmp_path, qwen2_dir):
             assert result["summary"]["sample"] == summary["sample"]
             assert result[False] == result[True]
     resumed["losses"] = stopped["losses"] + resumed["losses"]
-    assert_same_run(resumed, run_single(argv))
+    assert_same_run(resumed, plain)
     four = [argv + ["--context_parallel", "4"], argv + ["--context_parallel", "2"]]
     got = run_in_one_world(4, four, tmp_path)
-    assert_same_run(got[0], run_single(argv))
+    assert_same_run(got[0], plain)
     assert_same_run(got[1], run_single(argv + ["--batch_size", "4"]))
 
 
@@ -3885,12 +3980,19 @@ def _allocated_peak(fn):
     return out, peak, total
 
 
-def _saved_for_backward(args):
-    """One real step of the MEM model: (plain tensors shaped like a base weight that autograd saved,
-    the shapes of all it saved, whether every master has a gradient). With eager checkpointing, what
-    each block's recompute saves is recorded too (compiled, the recompute is part of the block's
-    backward graph, which test_compiled_block_is_one_graph_holding_no_dense_weight reads)."""
+def _mem_model(args):
+    """(model, fsdp, inputs, targets): the MEM model built by args, and its first batch."""
     model, fsdp = build(args, MEM)
+    x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
+    return model, fsdp, x, y
+
+
+def _saved_for_backward(args, model, fsdp, x, y):
+    """A first real step of the MEM model: (plain tensors shaped like a base weight that autograd
+    saved, the shapes of all it saved, whether every master has a gradient). With eager
+    checkpointing, what each block's recompute saves is recorded too (compiled, the recompute is
+    part of the block's backward graph, which
+    test_compiled_block_is_one_graph_holding_no_dense_weight reads)."""
     # RMSNorm's 1-D weights are dense
     shapes = {p.shape for _, p in fsdp.param_of.values() if not p.trainable and len(p.shape) == 2}
     shapes |= {s[::-1] for s in shapes} | {(math.prod(s),) for s in shapes}  # transposed or flat
@@ -3914,7 +4016,6 @@ def _saved_for_backward(args):
             *a, context_fn=lambda: (contextlib.nullcontext(), recompute_recorder()), **k
         )
     try:
-        x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
         with torch.autograd.graph.saved_tensors_hooks(lambda t: (record(t), t)[1], lambda t: t):
             model(x, y).backward()
     finally:
@@ -3922,11 +4023,12 @@ def _saved_for_backward(args):
     return found, seen, all(p.grad is not None for p in fsdp.parameters())
 
 
-def _step_memory(args):
-    """(bytes the allocator peaks at in a step after a first one, bytes the estimate predicts)."""
-    model, fsdp = build(args, MEM)
-    x, y, _ = qf.get_batch(None, 0, 0, args, 1, 0, MEM.vocab_size)
-    model(x, y).backward()
+def _step_memory(args, built=None):
+    """(bytes the allocator peaks at in a step after a first one, bytes the estimate predicts).
+    built: _mem_model's (model, fsdp, x, y) after a first step, else built and stepped here."""
+    model, _, x, y = built or _mem_model(args)
+    if built is None:
+        model(x, y).backward()  # the first step's allocations, made once
     loss, forward_peak, forward_end = _allocated_peak(lambda: model(x, y))
     _, backward_peak, _ = _allocated_peak(loss.backward)
     est = qf.estimate_memory(MEM, qf.Plan.of(args, 1))
@@ -3938,6 +4040,9 @@ PATHS = [(True, True), (True, False), (False, True), (False, False)]
 
 
 DORA_PATHS = [(True, True), (False, True), (False, False)]
+
+
+DROPOUT_PATHS = [(True, True), (True, False), (False, True)]  # (DoRA, checkpointing), eager
 
 
 def _packed_step_memory(folder, dtype, checkpointing):
@@ -3971,6 +4076,7 @@ def _packed_step_memory(folder, dtype, checkpointing):
     return measured
 
 
+@functools.cache  # one answer for all the checks a process makes
 def mem_dtype():
     """bf16 where this CPU multiplies it at least a quarter as fast as fp32 (AMX, AVX-512 BF16),
     else fp32: emulated, bf16 is 60x slower there, and the memory checks would take half an
@@ -3987,10 +4093,10 @@ def mem_dtype():
     return "bf16" if seconds[torch.bfloat16] < 4 * seconds[torch.float32] else "fp32"
 
 
-def _mem_worker(out_path):
-    """Both MEM checks in a process of its own, as a training run compiles its blocks for one shape
-    only (a block graph dynamo recompiles for a second shape saves other tensors)."""
-    torch.set_num_threads(1)  # memory is measured, not time: leave the other core to the tests
+@beside("mem_runs")
+def memory_checks(folder):
+    """The MEM checks beside the tests, as a training run compiles its blocks for one shape only
+    (a block graph dynamo recompiles for a second shape saves other tensors)."""
     qf.CONFIGS["mem"] = MEM
     out = {"dtype": mem_dtype()}
     for compile, checkpointing in PATHS:
@@ -4001,42 +4107,23 @@ def _mem_worker(out_path):
         qf.COMPILE = compile
         for dora in ([], ["--dora"]) if (compile, checkpointing) in DORA_PATHS else ([],):
             args = qf.parse_args(argv + dora)
-            out[" ".join(["saved"] + dora), compile, checkpointing] = _saved_for_backward(args)
-            out[" ".join(["memory"] + dora), compile, checkpointing] = _step_memory(args)
+            built = _mem_model(args)
+            out[" ".join(["saved"] + dora), compile, checkpointing] = _saved_for_backward(
+                args, *built
+            )
+            out[" ".join(["memory"] + dora), compile, checkpointing] = _step_memory(args, built)
     qf.COMPILE = False
-    tiles = MEM_ARGV + ["--dtype", out["dtype"], "--no-compile", "--tile_tokens", "64"]
-    out["memory tiles"] = _step_memory(qf.parse_args(tiles))
-    for checkpointing in (True, False):
-        folder = os.path.dirname(out_path)
-        out["packed", checkpointing] = _packed_step_memory(folder, out["dtype"], checkpointing)
-    torch.save(out, out_path)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _mem_process(request, tmp_path_factory):
-    """Starts the MEM checks' process with the module's first test, so that its compiling (most of
-    its time) overlaps the tests before them; a run that never reaches them stops it at the end, and
-    one that selects none of them (-k cuda) never starts it."""
-    if not any("mem_runs" in item.fixturenames for item in request.session.items):
-        yield None, None
-        return
-    path = str(tmp_path_factory.mktemp("mem") / "runs")
-    proc = mp.get_context("spawn").Process(target=_mem_worker, args=(path,), daemon=True)
-    proc.start()
-    yield proc, path
-    if proc.is_alive():
-        proc.terminate()
-    proc.join()
+    eager = MEM_ARGV + ["--dtype", out["dtype"], "--no-compile"]
+    for dora, checkpointing in DROPOUT_PATHS:
+        argv = eager + ["--lora_dropout", "0.1"] + ["--dora"] * dora
+        argv.append("--checkpointing" if checkpointing else "--no-checkpointing")
+        out["dropout", dora, checkpointing] = _step_memory(qf.parse_args(argv))
+    return out
 
 
 @pytest.fixture(scope="module")
-def mem_runs(_mem_process):
-    proc, path = _mem_process
-    proc.join()
-    assert proc.exitcode == 0, (
-        f"the MEM checks' process failed (exit code {proc.exitcode}; its traceback is above)"
-    )
-    return torch.load(path)
+def mem_runs(beside_result):
+    return beside_result(memory_checks)
 
 
 @pytest.mark.parametrize("compile,checkpointing", PATHS)
@@ -4073,21 +4160,13 @@ def test_a_dora_step_saves_no_dense_weight_and_stays_inside_its_estimate(
     assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
 
 
-@pytest.mark.parametrize(
-    "dora,checkpointing",
-    [(True, True), (True, False), (False, True)],
-    ids=["dora", "dora-nock", "lora"],
-)
-def test_a_step_with_lora_dropout_stays_inside_its_estimate(dora, checkpointing, monkeypatch):
+@pytest.mark.parametrize("dora,checkpointing", DROPOUT_PATHS, ids=["dora", "dora-nock", "lora"])
+def test_a_step_with_lora_dropout_stays_inside_its_estimate(dora, checkpointing, mem_runs):
     """With --lora_dropout, an eager step (MEM, mem_dtype's, one rank, with and without
     checkpointing) peaks within 10% of the estimate, which counts each projection's dropped input
     and mask, and with DoRA its x and d(x) stacked into one NF4 matmul and the three outputs its
     scale keeps (uncounted, DoRA's peak was 1.9x the estimate)."""
-    monkeypatch.setitem(qf.CONFIGS, "mem", MEM)
-    monkeypatch.setattr(qf, "COMPILE", False)  # as train() sets it for --no-compile
-    argv = MEM_ARGV + ["--dtype", mem_dtype(), "--no-compile", "--lora_dropout", "0.1"]
-    argv.append("--checkpointing" if checkpointing else "--no-checkpointing")
-    measured, predicted = _step_memory(qf.parse_args(argv + (["--dora"] if dora else [])))
+    measured, predicted = mem_runs["dropout", dora, checkpointing]
     assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
 
 
@@ -4300,35 +4379,58 @@ def recompiles_of(functions):
     return sum(len(failures.get(fn.__code__, ())) for fn in functions)
 
 
+def tiles_and_plain(flags, folder, checkpoint):
+    """(how often the parts compiled again, the run with tiles, the run without) of flags."""
+    flags = [packed_file(folder) if f == "packed" else f for f in flags]
+    if "--pack" in flags:
+        flags += ["--eos_id", str(EOS)]
+    argv = BASE + ["--batch_size", "2", "--checkpoint", checkpoint] + flags
+    parts = [qf._pre, qf._core, qf._post]
+    before = recompiles_of(parts)
+    tiled = train_run(argv + TILES)
+    recompiles = recompiles_of(parts) - before
+    return recompiles, tiled, run_single([a for a in argv if a != "--compile"])
+
+
+@beside("test_tiles_equal_the_run_without_them")
+def tiles_compiled(folder):
+    return tiles_and_plain(["--compile"], pathlib.Path(folder), tiny_qwen2(folder))
+
+
 @pytest.mark.parametrize(
     "flags",
     [[], ["--dora"], ["--pack", "--data", "packed"], ["--compile"]],
     ids=["lora", "dora", "packed", "compiled"],
 )
-def test_tiles_equal_the_run_without_them(flags, qwen2_dir, tmp_path):
+def test_tiles_equal_the_run_without_them(flags, qwen2_dir, tmp_path, beside_result):
     """--tile_tokens: a block's norms, projections and MLP in tiles of 8 tokens (attention's core
     over the whole row) give the loss at every step and the adapters after it (eps 1: the
     gradients) of the run without tiles, to fp32 rounding: a Qwen2 checkpoint (grouped-query
     attention, biases), with LoRA and DoRA, packed rows, and compiled parts (against eager
     blocks; one graph a part, whatever the number of tiles and blocks)."""
-    flags = [packed_file(tmp_path) if f == "packed" else f for f in flags]
-    if "--pack" in flags:
-        flags += ["--eos_id", str(EOS)]
-    argv = BASE + ["--batch_size", "2", "--checkpoint", qwen2_dir] + flags
-    parts = [qf._pre, qf._core, qf._post]
-    before = recompiles_of(parts)
-    tiled = train_run(argv + TILES)
+    if "--compile" in flags:
+        recompiles, tiled, plain = beside_result(tiles_compiled)
+    else:
+        recompiles, tiled, plain = tiles_and_plain(flags, tmp_path, qwen2_dir)
     # Compiled: each part once without grad (the forward) and once with (a tile's backward),
     # not again for each tile or block.
-    assert recompiles_of(parts) - before <= len(parts)
-    assert_same_run(tiled, run_single([a for a in argv if a != "--compile"]))
+    assert recompiles <= 3
+    assert_same_run(tiled, plain)
 
 
-def test_estimate_counts_the_tiles(mem_runs):
+@beside("test_estimate_counts_the_tiles")
+def tiles_memory(folder):
+    qf.CONFIGS["mem"] = MEM
+    qf.COMPILE = False
+    argv = MEM_ARGV + ["--dtype", mem_dtype(), "--no-compile", "--tile_tokens", "64"]
+    return _step_memory(qf.parse_args(argv))
+
+
+def test_estimate_counts_the_tiles(mem_runs, beside_result):
     """With --tile_tokens 64 the estimate's activation and all-gather rows are within 10% of the
-    allocator's peak in a step (eager blocks, checkpointing), which is under the untiled
-    step's."""
-    measured, predicted = mem_runs["memory tiles"]
+    allocator's peak in a step (eager blocks, checkpointing, beside the tests), which is under the
+    untiled step's."""
+    measured, predicted = beside_result(tiles_memory)
     assert abs(predicted - measured) <= 0.1 * measured, (predicted / 2**20, measured / 2**20)
     assert measured < 0.8 * mem_runs["memory", False, True][0]
 
@@ -6835,13 +6937,19 @@ def _gpu_check(*flags, timeout=120):
     return p.returncode, p.stdout.splitlines(), time.monotonic() - start
 
 
-def test_gpu_check_dry_run_walks_the_plan_in_order():
-    """`run.sh gpu --dry-run` on a CPU: a first line naming torch, CUDA, Triton, the GPU, the C
-    compiler, Python.h and pytest; the plan's budgets inside --limit 480; then the 7B rows in the
-    plan's order (plain, then --offload_activations), each with the 2 x 3090 prediction, compile
-    counts and its run's JSON line under it (the stub trainer took the real trainer's flags), then
-    the CUDA tests collected; all inside the limit, by this test's clock too."""
-    rc, out, wall = _gpu_check("--dry-run")
+@beside("test_gpu_check_dry_run_walks_the_plan_in_order")
+def gpu_dry_run(folder):
+    return _gpu_check("--dry-run")
+
+
+def test_gpu_check_dry_run_walks_the_plan_in_order(beside_result):
+    """`run.sh gpu --dry-run` on a CPU (run beside the tests): a first line naming torch, CUDA,
+    Triton, the GPU, the C compiler, Python.h and pytest; the plan's budgets inside --limit 480;
+    then the 7B rows in the plan's order (plain, then --offload_activations), each with the 2 x 3090
+    prediction, compile counts and its run's JSON line under it (the stub trainer took the real
+    trainer's flags), then the CUDA tests collected; all inside the limit, by the caller's clock
+    too."""
+    rc, out, wall = beside_result(gpu_dry_run)
     assert rc == 0, "\n".join(out)
     first = out[0]
     for word in ("torch", "CUDA", "Triton", "H100", "C compiler", "Python.h", "pytest"):
@@ -6863,11 +6971,16 @@ def test_gpu_check_dry_run_walks_the_plan_in_order():
     assert seconds <= wall + 1 and wall < 480
 
 
-def test_gpu_check_limit_binds():
+@beside("test_gpu_check_limit_binds")
+def gpu_limit(folder):
+    return _gpu_check("--dry-run", "--stall", "60", "--limit", "24", "--min_part", "12")
+
+
+def test_gpu_check_limit_binds(beside_result):
     """--limit binds: stubbed parts that hang (--dry-run --stall 60) under --limit 24 end by
-    it, by this test's clock: the first 7B row killed at its budget (what was left; --min_part 12:
-    a part needs 12 s), the parts after it skipped in rows that say so."""
-    rc, out, wall = _gpu_check("--dry-run", "--stall", "60", "--limit", "24", "--min_part", "12")
+    it, by the caller's clock (beside the tests): the first 7B row killed at its budget (what was
+    left; --min_part 12: a part needs 12 s), the parts after it skipped in rows that say so."""
+    rc, out, wall = beside_result(gpu_limit)
     assert rc == 0 and wall <= 24, (wall, "\n".join(out))
     rows = {line.split("  ")[0]: line for line in out if line.startswith(("llama2", "CUDA tests"))}
     assert "killed" in rows["llama2-7b"], out
@@ -7215,21 +7328,13 @@ def alone_loss_and_grads(model, fsdp, data, batch_rows):
     return total, grads
 
 
-@pytest.mark.parametrize(
-    "flags",
-    [["--no-compile", "--checkpointing"], ["--no-compile", "--no-checkpointing"], ["--compile"]],
-    ids=["eager, checkpointed", "eager", "compiled, checkpointed"],
-)
-def test_packed_batch_equals_its_documents_run_alone(flags, tmp_path, monkeypatch):
-    """In fp32 the loss and the adapter gradients of a packed batch (two rows of whole documents,
-    one cut into pieces, padding at the end) equal the sum over its documents run alone, from
-    position 0, with no padding (1e-5 relative): no token attends across a border, positions
-    start at 0 in each document, and padding counts nothing. Eager with and without
-    checkpointing, and compiled (the reference eager)."""
-    path = packed_file(tmp_path)
+def packed_and_alone(flags, folder):
+    """(loss, gradients) of a packed batch by flags and (loss, gradients) of its documents alone,
+    the same weights, eager."""
+    path = packed_file(folder)
     argv = [a for a in BASE if a != "--no-compile"] + flags + PACK + ["--data", path]
     args = qf.parse_args(argv + ["--batch_size", "2"])
-    monkeypatch.setattr(qf, "COMPILE", args.compile)
+    qf.COMPILE = args.compile  # as train() sets it; a test's fixture restores it
     model, fsdp = build(args, MICRO)
     with torch.no_grad():  # adapters that move the logits, so that their gradients are general
         for name, p in fsdp.named_parameters():
@@ -7240,7 +7345,7 @@ def test_packed_batch_equals_its_documents_run_alone(flags, tmp_path, monkeypatc
     rows = [data.row(i) for i in range(2)]
     padding = any(sum(data.lengths[i] for i in row) < 32 for row in rows)
     assert sum(len(r) for r in rows) >= 3 and padding
-    loss, grads = packed_loss_and_grads(model, fsdp, batch)
+    packed = packed_loss_and_grads(model, fsdp, batch)
     if args.compile:  # the reference: the same weights, eager blocks
         eager_args = qf.parse_args([a for a in argv if a != "--compile"] + ["--no-compile"])
         model, fsdp = build(eager_args, MICRO)
@@ -7248,7 +7353,30 @@ def test_packed_batch_equals_its_documents_run_alone(flags, tmp_path, monkeypatc
             for name, p in fsdp.named_parameters():
                 if name.endswith("lora_B"):
                     p.normal_(0, 0.1, generator=torch.Generator().manual_seed(len(name)))
-    want_loss, want_grads = alone_loss_and_grads(model, fsdp, data, rows)
+    return packed, alone_loss_and_grads(model, fsdp, data, rows)
+
+
+@beside("test_packed_batch_equals_its_documents_run_alone")
+def packed_compiled(folder):
+    return packed_and_alone(["--compile"], pathlib.Path(folder))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [["--no-compile", "--checkpointing"], ["--no-compile", "--no-checkpointing"], ["--compile"]],
+    ids=["eager, checkpointed", "eager", "compiled, checkpointed"],
+)
+def test_packed_batch_equals_its_documents_run_alone(flags, tmp_path, monkeypatch, beside_result):
+    """In fp32 the loss and the adapter gradients of a packed batch (two rows of whole documents,
+    one cut into pieces, padding at the end) equal the sum over its documents run alone, from
+    position 0, with no padding (1e-5 relative): no token attends across a border, positions
+    start at 0 in each document, and padding counts nothing. Eager with and without
+    checkpointing, and compiled (the reference eager)."""
+    if "--compile" in flags:
+        (loss, grads), (want_loss, want_grads) = beside_result(packed_compiled)
+    else:
+        monkeypatch.setattr(qf, "COMPILE", False)  # restored after the test
+        (loss, grads), (want_loss, want_grads) = packed_and_alone(flags, tmp_path)
     assert loss == pytest.approx(want_loss, rel=1e-5)
     for name, g in want_grads.items():  # 1e-5 of each gradient's scale: sums in another order
         scale = g.abs().max().item()
@@ -7351,13 +7479,23 @@ def test_packed_resume_equals_uninterrupted(tmp_path):
         assert torch.equal(rest["adapters"][k], v), k
 
 
+@beside("test_packed_step_stays_inside_its_estimate")
+def packed_memory(folder):
+    qf.CONFIGS["mem"] = MEM
+    dtype = mem_dtype()
+    return {
+        checkpointing: _packed_step_memory(folder, dtype, checkpointing)
+        for checkpointing in (True, False)
+    }
+
+
 @pytest.mark.parametrize("checkpointing", [True, False])
-def test_packed_step_stays_inside_its_estimate(checkpointing, mem_runs):
-    """A packed step (eager, the MEM model at 4 x 512, in the MEM checks' process, with and without
+def test_packed_step_stays_inside_its_estimate(checkpointing, beside_result):
+    """A packed step (eager, the MEM model at 4 x 512, beside the tests, with and without
     checkpointing) allocates within 10% of what --estimate predicts for it, the document mask,
     positions, per-token RoPE and each block's additive mask included; and packing adds what the
     estimate says it adds (within 25%)."""
-    (peak, predicted), (plain_peak, plain_predicted) = mem_runs["packed", checkpointing]
+    (peak, predicted), (plain_peak, plain_predicted) = beside_result(packed_memory)[checkpointing]
     assert peak == pytest.approx(predicted, rel=0.1)
     got = peak - plain_peak
     assert got == pytest.approx(predicted - plain_predicted, rel=0.25), (peak, plain_peak)
