@@ -129,9 +129,13 @@ def beside_result(_beside_process):
     def result(job):
         assert job.__name__ in names, f"{job.__name__} started for none of the selected tests"
         path = os.path.join(folder, job.__name__)
+        deadline = time.monotonic() + 900  # a job that hangs fails its test, not the suite
         while not os.path.exists(path):
             ended = f"the process beside the tests ended (exit code {proc.exitcode})"
             assert proc.is_alive() or os.path.exists(path), f"{ended} before {job.__name__}"
+            if time.monotonic() > deadline:
+                proc.terminate()  # the jobs after it fail at once too
+                pytest.fail(f"{job.__name__}: no result beside the tests in 900 s", pytrace=False)
             time.sleep(0.05)
         out = torch.load(path, weights_only=False)
         if isinstance(out, JobFailed):
